@@ -1,0 +1,1 @@
+"""MPI benchmark programs for mpicomm."""

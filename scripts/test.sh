@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Run the whole test suite: once as one process, then the multi-rank tests at 2 and 4 ranks.
+# Any failing rank aborts its job (python -m mpi4py + an abort-on-failure hook); every launch
+# carries a timeout. Extra arguments go to every pytest run.
+set -uo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+. scripts/bootstrap.sh
+launch_timeout="${MPICOMM_TEST_TIMEOUT:-900}"
+status=0
+run() {
+    echo
+    echo "=== $* ==="
+    timeout -k 10 "$launch_timeout" "$@"
+    rc=$?
+    if [ $rc -ne 0 ] && [ $rc -ne 5 ]; then
+        echo "!!! failed with exit code $rc: $*"
+        status=1
+    fi
+}
+run python -m pytest --with-mpi "$@"
+for n in 2 4; do
+    run mpiexec -n "$n" python -m mpi4py scripts/mpi_pytest.py --with-mpi -m mpi -p no:cacheprovider "$@"
+done
+echo
+if [ $status -eq 0 ]; then echo "ALL TEST RUNS PASSED"; else echo "SOME TEST RUNS FAILED"; fi
+exit $status

@@ -1,0 +1,66 @@
+"""Shared pytest set-up: report header, abort-on-failure for multi-rank runs, common fixtures."""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mpi4py import MPI
+
+_WORLD = MPI.COMM_WORLD
+
+
+def pytest_report_header(config):
+    import mpi4py
+    import numpy
+    import torch
+
+    vendor, vver = MPI.get_vendor()
+    lib = MPI.Get_library_version().splitlines()[0].strip()
+    return [
+        f"MPI: {vendor} {'.'.join(map(str, vver))} (standard {'.'.join(map(str, MPI.Get_version()))}; {lib})",
+        f"mpi4py {mpi4py.__version__}, torch {torch.__version__}, numpy {numpy.__version__}",
+        f"rank {_WORLD.Get_rank()} of {_WORLD.Get_size()}",
+    ]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """In a multi-rank run, a failure on any rank aborts the whole job instead of hanging it."""
+    outcome = yield
+    report = outcome.get_result()
+    if _WORLD.Get_size() > 1 and report.failed and not os.environ.get("MPICOMM_TEST_NO_ABORT"):
+        rank = _WORLD.Get_rank()
+        sys.stderr.write(
+            f"\n[rank {rank}] FAILED {report.nodeid} ({report.when}); aborting the MPI job\n"
+            f"{report.longreprtext}\n"
+        )
+        sys.stderr.flush()
+        time.sleep(0.5)  # let other ranks that failed together print their reports too
+        _WORLD.Abort(1)
+
+
+@pytest.fixture(scope="session")
+def world():
+    """The raw mpi4py world communicator."""
+    return _WORLD
+
+
+@pytest.fixture(scope="session")
+def comm():
+    """The mpicomm world communicator."""
+    import mpicomm
+
+    return mpicomm.init()
+
+
+@pytest.fixture
+def shared_tmp_path(tmp_path_factory, request) -> Path:
+    """A fresh directory, the same path on every rank of the world communicator."""
+    path = None
+    if _WORLD.Get_rank() == 0:
+        path = str(tmp_path_factory.mktemp(request.node.name[:40].replace("/", "_")))
+    path = _WORLD.bcast(path, root=0)
+    return Path(path)

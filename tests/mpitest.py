@@ -1,0 +1,57 @@
+"""Collective assertions: a failure seen on one rank is raised on every rank, naming each rank's problem."""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+from mpi4py import MPI
+
+
+def assert_all(ok: bool, message: str = "", comm: MPI.Comm = MPI.COMM_WORLD) -> None:
+    """Raise AssertionError on every rank if ``ok`` is false on any rank."""
+    results = comm.allgather((bool(ok), "" if ok else str(message)))
+    bad = [(r, m) for r, (good, m) in enumerate(results) if not good]
+    if bad:
+        lines = "\n".join(f"  rank {r}: {m}" for r, m in bad)
+        raise AssertionError(f"failed on {len(bad)} of {comm.Get_size()} ranks:\n{lines}")
+
+
+def check_all(fn: Callable[[], None], comm: MPI.Comm = MPI.COMM_WORLD) -> None:
+    """Run ``fn`` (which asserts) on every rank; if it fails anywhere, fail everywhere."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - reported collectively below
+        assert_all(False, f"{type(exc).__name__}: {exc}", comm)
+    else:
+        assert_all(True, "", comm)
+
+
+def assert_close_all(actual, expected, *, rtol: float = 0.0, atol: float = 0.0,
+                     comm: MPI.Comm = MPI.COMM_WORLD, what: str = "") -> None:
+    """Collective ``numpy.testing.assert_allclose`` (exact by default)."""
+
+    def _check():
+        a = _as_numpy(actual)
+        e = _as_numpy(expected)
+        assert a.shape == e.shape, f"{what} shape {a.shape} != expected {e.shape}"
+        np.testing.assert_allclose(a.astype(np.float64) if a.dtype.kind in "fc" else a,
+                                   e.astype(np.float64) if e.dtype.kind in "fc" else e,
+                                   rtol=rtol, atol=atol, err_msg=what)
+
+    check_all(_check, comm)
+
+
+def _as_numpy(x) -> np.ndarray:
+    try:
+        import torch
+
+        if isinstance(x, torch.Tensor):
+            x = x.detach().cpu()
+            if x.dtype == torch.bfloat16:
+                x = x.float()
+            return x.numpy()
+    except ImportError:  # pragma: no cover
+        pass
+    if hasattr(x, "get"):  # cupy
+        return x.get()
+    return np.asarray(x)
