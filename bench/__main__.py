@@ -1,19 +1,47 @@
 """Entry point: python -m bench <program> [args]."""
+from __future__ import annotations
+
+import importlib
 import sys
+
+# program name -> (module, one-line description); each module has main(argv) -> int
+PROGRAMS = {
+    "demo": ("bench.demo", "the main job: a short showcase (collectives, compression, network)"),
+    "collectives": ("bench.collectives", "collectives vs raw mpi4py and gloo, OSU/nccl-tests style"),
+    "compressed": ("bench.compressed", "1-bit compressed allreduce vs fp32 allreduce"),
+    "ckpt": ("bench.ckpt", "sharded checkpoint save/load with MPI-IO"),
+    "netsim": ("bench.netsim", "run a benchmark on simulated hosts with a rate-limited network"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: python -m bench PROGRAM [args]   (under mpiexec, except netsim)", "",
+             "programs:"]
+    lines += [f"  {name:<12} {desc}" for name, (_, desc) in PROGRAMS.items()]
+    lines += ["", "python -m bench PROGRAM --help shows a program's arguments"]
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: python -m bench demo|collectives|compressed|ckpt|netsim [args]")
+        print(usage())
         return 0
     name, rest = argv[0], argv[1:]
-    if name == "demo":
-        from .demo import main as run
-    else:
-        print(f"bench: unknown program {name!r}; expected one of: demo", file=sys.stderr)
+    if name not in PROGRAMS:
+        print(f"bench: unknown program {name!r}; expected one of: {', '.join(PROGRAMS)}",
+              file=sys.stderr)
         return 2
-    return run(rest)
+    module_name = PROGRAMS[name][0]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name != module_name:
+            raise
+        print(f"bench: program {name!r} is not available in this build ({module_name} is missing)",
+              file=sys.stderr)
+        return 2
+    return int(module.main(rest) or 0)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,553 @@
+"""Shared pieces of the bench programs: arguments, iteration schedule, headers, tables, timing, JSON, plots.
+
+Every program follows the same shape::
+
+    parser = argparse.ArgumentParser(prog="python -m bench NAME")
+    add_common_args(parser)
+    args = parser.parse_args(argv)
+    rep = Reporter("NAME", mpi_comm, args, columns=DEFAULT_COLUMNS)   # checks --plot early
+    rep.start(dtype="float32")                                        # '#' header lines on rank 0
+    for size in args.sizes:
+        warmup, iters = iteration_schedule(size, args.iters, args.warmup)
+        tmin, tmean, tmax = time_loop(fn, iters, warmup, mpi_comm)
+        rep.emit(make_record(...))                                    # one table row + JSON record
+    return rep.finish()                                               # plot; 1 if any value was wrong
+
+Only rank 0 prints and writes files; everything else here is collective where it says so.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence, TextIO
+
+from mpi4py import MPI
+
+__all__ = [
+    "RECORD_FIELDS", "DEFAULT_COLUMNS", "Column", "Table", "JsonWriter", "Reporter",
+    "parse_size", "parse_sizes", "format_size", "add_common_args", "iteration_schedule",
+    "environment_info", "header_lines", "time_loop", "across_ranks", "busbw_factor",
+    "bandwidths", "make_record", "validate_record", "plot_records", "matplotlib_missing",
+    "free_port", "init_gloo",
+]
+
+# ---------------------------------------------------------------------------------------------
+# sizes
+
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_SIZE_RE = re.compile(r"^\s*(\d+)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """Parse a byte count such as ``8``, ``1K``, ``64M``, ``64MiB`` or ``1G`` (binary units)."""
+    m = _SIZE_RE.match(str(text))
+    if not m:
+        raise ValueError(f"expected a size like 8, 1K, 64M or 1G, got {text!r}")
+    return int(m.group(1)) * _UNITS[m.group(2).upper()]
+
+
+def parse_sizes(spec: str) -> list[int]:
+    """Parse ``--sizes``: ``LO:HI`` doubles from LO to HI, ``64M`` is one size, commas join lists."""
+    sizes: list[int] = []
+    for part in str(spec).split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if ":" in part:
+            lo_text, hi_text = part.split(":", 1)
+            lo, hi = parse_size(lo_text), parse_size(hi_text)
+            if lo <= 0 or hi < lo:
+                raise ValueError(f"expected LO:HI with 0 < LO <= HI, got {part!r}")
+            s = lo
+            while s <= hi:
+                sizes.append(s)
+                s *= 2
+        else:
+            s = parse_size(part)
+            if s <= 0:
+                raise ValueError(f"expected a positive size, got {part!r}")
+            sizes.append(s)
+    if not sizes:
+        raise ValueError(f"expected at least one size, got {spec!r}")
+    return sizes
+
+
+def format_size(n: int) -> str:
+    """Format a byte count compactly: 8, 1K, 64M (exact binary units), else the plain number."""
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return str(n)
+
+
+# ---------------------------------------------------------------------------------------------
+# arguments and iterations
+
+def matplotlib_missing() -> str | None:
+    """Return a message if matplotlib cannot be imported, else None."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return ("--plot needs matplotlib, which is not installed: "
+                "pip install matplotlib (or the 'plot' extra: pip install 'mpicomm[plot]')")
+    return None
+
+
+def _sizes_arg(text: str) -> list[int]:
+    try:
+        return parse_sizes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a count >= 0, got {value}")
+    return value
+
+
+def add_common_args(parser: argparse.ArgumentParser, *, default_sizes: str = "8:64M") -> None:
+    """Add ``--sizes --iters --warmup --json --plot`` to a program's parser."""
+    parser.add_argument("--sizes", type=_sizes_arg, default=parse_sizes(default_sizes),
+                        metavar="SPEC",
+                        help=f"message sizes in bytes: LO:HI doubles, 64M is one size, commas "
+                             f"join lists (default {default_sizes})")
+    parser.add_argument("--iters", type=_positive_int, default=None, metavar="N",
+                        help="timed iterations per size (default: OSU-style, more for small sizes)")
+    parser.add_argument("--warmup", type=_positive_int, default=None, metavar="N",
+                        help="untimed warm-up iterations per size (default: OSU-style)")
+    parser.add_argument("--json", default=None, metavar="FILE",
+                        help="write one JSON record per measurement to FILE")
+    parser.add_argument("--plot", default=None, metavar="FILE.png",
+                        help="draw time or bandwidth against size (needs matplotlib)")
+
+
+# OSU micro-benchmarks run 1000 iterations (200 warm-up) up to 8 KiB and 100 (10) above. The
+# large-message count here falls with size instead, so that a 64 MiB sweep stays short on a
+# laptop: about SMALL_ITERS * LARGE_THRESHOLD bytes per size, never fewer than MIN_ITERS.
+SMALL_ITERS, SMALL_WARMUP = 1000, 100
+LARGE_THRESHOLD = 8 << 10
+MIN_ITERS, MIN_WARMUP = 10, 2
+
+
+def iteration_schedule(size_bytes: int, iters: int | None = None,
+                       warmup: int | None = None) -> tuple[int, int]:
+    """Return ``(warmup, iters)`` for one size: the OSU manner, or the fixed counts given."""
+    if size_bytes <= LARGE_THRESHOLD:
+        auto_iters, auto_warmup = SMALL_ITERS, SMALL_WARMUP
+    else:
+        auto_iters = max(MIN_ITERS, SMALL_ITERS * LARGE_THRESHOLD // size_bytes)
+        auto_warmup = max(MIN_WARMUP, auto_iters // 10)
+    return (auto_warmup if warmup is None else warmup,
+            max(1, auto_iters if iters is None else iters))
+
+
+def schedule_text(iters: int | None, warmup: int | None) -> str:
+    """Describe the iteration schedule for the header."""
+    if iters is None and warmup is None:
+        return (f"OSU-style: {SMALL_ITERS} (+{SMALL_WARMUP} warm-up) up to "
+                f"{format_size(LARGE_THRESHOLD)}, then falling with size to at least "
+                f"{MIN_ITERS} (+{MIN_WARMUP})")
+    w, i = iteration_schedule(1, iters, warmup)
+    return f"{i} timed + {w} warm-up per size" + (
+        "" if iters is not None and warmup is not None else " (the other count OSU-style)")
+
+
+# ---------------------------------------------------------------------------------------------
+# environment and header
+
+def environment_info(mpi_comm: MPI.Comm) -> dict:
+    """Collective: MPI vendor and versions, ranks, hosts; the same dict on every rank."""
+    import mpi4py
+
+    names = mpi_comm.allgather(MPI.Get_processor_name())
+    hosts = sorted(set(names))
+    vendor, vver = MPI.get_vendor()
+    info = {
+        "mpi_vendor": vendor,
+        "mpi_version": ".".join(map(str, vver)),
+        "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
+        "mpi4py_version": mpi4py.__version__,
+        "ranks": mpi_comm.Get_size(),
+        "hosts": len(hosts),
+        "host_names": hosts,
+        "network": os.environ.get("MPICOMM_BENCH_NETWORK", "local"),
+        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    try:
+        import numpy
+        info["numpy_version"] = numpy.__version__
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        import torch
+        info["torch_version"] = torch.__version__
+    except ImportError:  # pragma: no cover
+        info["torch_version"] = None
+    return mpi_comm.bcast(info, root=0)
+
+
+def header_lines(bench: str, info: dict, *, dtype: str, iterations: str,
+                 extra: Iterable[str] = ()) -> list[str]:
+    """The ``#`` lines printed above a table."""
+    hosts = ", ".join(info["host_names"][:8]) + (" ..." if len(info["host_names"]) > 8 else "")
+    lines = [
+        f"# mpicomm benchmark: {bench}",
+        f"# MPI: {info['mpi_vendor']} {info['mpi_version']} ({info['mpi_library']})",
+        f"# mpi4py {info['mpi4py_version']}, torch {info.get('torch_version')}, "
+        f"numpy {info.get('numpy_version')}",
+        f"# ranks: {info['ranks']}, hosts: {info['hosts']} ({hosts}), network: {info['network']}",
+        f"# dtype: {dtype}",
+        f"# iterations: {iterations}",
+    ]
+    lines += [f"# {line}" for line in extra]
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------
+# timing and bandwidth
+
+def across_ranks(mpi_comm: MPI.Comm, value: float) -> tuple[float, float, float]:
+    """Collective: ``(min, mean, max)`` of one float over all ranks."""
+    values = mpi_comm.allgather(float(value))
+    return min(values), sum(values) / len(values), max(values)
+
+
+def time_loop(fn: Callable[[], object], iters: int, warmup: int, mpi_comm: MPI.Comm,
+              sync: Callable[[], None] | None = None) -> tuple[float, float, float]:
+    """Collective: run ``fn`` warmup + iters times; seconds per iteration as (min, mean, max) over ranks.
+
+    Each rank times its own loop after a barrier (as the OSU benchmarks do); ``sync`` (for device
+    work) runs before each clock read.
+    """
+    for _ in range(warmup):
+        fn()
+    if sync is not None:
+        sync()
+    mpi_comm.Barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    if sync is not None:
+        sync()
+    elapsed = (time.perf_counter() - t0) / max(1, iters)
+    return across_ranks(mpi_comm, elapsed)
+
+
+_BUSBW = {
+    "all_reduce": lambda n: 2.0 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+}
+
+
+def busbw_factor(op: str, n: int) -> float:
+    """nccl-tests' bus bandwidth factor: busbw = algbw * factor for ``n`` ranks."""
+    if n < 1:
+        raise ValueError(f"expected n >= 1 ranks, got {n}")
+    base = op.split(":")[0]
+    for key in (base, base.replace("allreduce", "all_reduce")):
+        if key in _BUSBW:
+            return _BUSBW[key](n)
+    raise ValueError(f"no bus bandwidth factor for op {op!r}; expected one of {sorted(_BUSBW)}")
+
+
+def bandwidths(size_bytes: int, seconds: float, op: str, n: int) -> tuple[float, float]:
+    """``(algbw, busbw)`` in GB/s (1e9 bytes/s), nccl-tests' definitions; size is the full buffer."""
+    algbw = size_bytes / seconds / 1e9 if seconds > 0 else 0.0
+    return algbw, algbw * busbw_factor(op, n)
+
+
+# ---------------------------------------------------------------------------------------------
+# records
+
+# Fields every JSON record carries (bench programs may add more, such as "peer", "count",
+# "iters", "warmup", "network").
+RECORD_FIELDS = {
+    "bench": str, "op": str, "dtype": str, "size_bytes": int, "ranks": int, "hosts": int,
+    "time_us_min": float, "time_us_mean": float, "time_us_max": float,
+    "algbw_gbps": float, "busbw_gbps": float, "wire_bytes": int, "wrong": int,
+}
+
+
+def make_record(*, bench: str, op: str, dtype: str, size_bytes: int, info: dict,
+                times_s: Sequence[float], algbw_gbps: float, busbw_gbps: float,
+                wire_bytes: int, wrong: int, **extra) -> dict:
+    """Build one measurement record (times in seconds in, microseconds out)."""
+    tmin, tmean, tmax = times_s
+    rec = {
+        "bench": bench, "op": op, "dtype": dtype, "size_bytes": int(size_bytes),
+        "ranks": int(info["ranks"]), "hosts": int(info["hosts"]),
+        "time_us_min": tmin * 1e6, "time_us_mean": tmean * 1e6, "time_us_max": tmax * 1e6,
+        "algbw_gbps": float(algbw_gbps), "busbw_gbps": float(busbw_gbps),
+        "wire_bytes": int(wire_bytes), "wrong": int(wrong), "network": info.get("network"),
+    }
+    rec.update(extra)
+    return rec
+
+
+def validate_record(rec: dict) -> list[str]:
+    """Return the problems of one record (missing fields, wrong types); empty when it is valid."""
+    problems = []
+    for name, kind in RECORD_FIELDS.items():
+        if name not in rec:
+            problems.append(f"missing field {name!r}")
+            continue
+        value = rec[name]
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float \
+            else isinstance(value, kind) and not isinstance(value, bool)
+        if not ok:
+            problems.append(f"field {name!r}: expected {kind.__name__}, got {type(value).__name__} "
+                            f"{value!r}")
+        elif kind in (int, float) and value < 0:
+            problems.append(f"field {name!r}: expected >= 0, got {value!r}")
+    return problems
+
+
+class JsonWriter:
+    """Rank-0 writer of ``{"meta": {...}, "records": [...]}``, rewritten atomically after each record."""
+
+    def __init__(self, path: str | None, meta: dict, enabled: bool = True) -> None:
+        self.path = path if enabled else None
+        self.meta = meta
+        self.records: list[dict] = []
+        if self.path:
+            self._write()
+
+    def add(self, rec: dict) -> None:
+        self.records.append(rec)
+        if self.path:
+            self._write()
+
+    def _write(self) -> None:
+        tmp = f"{self.path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump({"meta": self.meta, "records": self.records}, f, indent=1)
+            f.write("\n")
+        os.replace(tmp, self.path)
+
+
+# ---------------------------------------------------------------------------------------------
+# table
+
+@dataclass(frozen=True)
+class Column:
+    """One table column: record field, heading, width and format."""
+
+    field: str
+    heading: str
+    width: int
+    fmt: str = ""
+
+
+DEFAULT_COLUMNS = (
+    Column("op", "op", 15),
+    Column("peer", "peer", 8),
+    Column("size_bytes", "size(B)", 10, "d"),
+    Column("count", "count", 9, "d"),
+    Column("dtype", "type", 8),
+    Column("time_us_min", "min(us)", 11, ".1f"),
+    Column("time_us_mean", "avg(us)", 11, ".1f"),
+    Column("time_us_max", "max(us)", 11, ".1f"),
+    Column("algbw_gbps", "algbw(GB/s)", 12, ".3f"),
+    Column("busbw_gbps", "busbw(GB/s)", 12, ".3f"),
+    Column("wrong", "#wrong", 7, "d"),
+)
+
+
+class Table:
+    """Streaming fixed-width table: heading once, then one flushed row per record."""
+
+    def __init__(self, columns: Sequence[Column], out: TextIO | None = None,
+                 enabled: bool = True) -> None:
+        self.columns = tuple(columns)
+        self.out = out
+        self.enabled = enabled
+        self._headed = False
+
+    def _print(self, line: str) -> None:
+        out = self.out if self.out is not None else sys.stdout
+        print(line, file=out, flush=True)
+
+    def heading(self) -> str:
+        cells = [f"{c.heading:>{c.width}}" for c in self.columns]
+        return "#" + " ".join(cells)[1:] if cells else "#"
+
+    def format_row(self, rec: dict) -> str:
+        cells = []
+        for c in self.columns:
+            value = rec.get(c.field, "")
+            if value is None or value == "":
+                text = "-"
+            elif c.fmt and isinstance(value, (int, float)):
+                text = format(value, c.fmt)
+            else:
+                text = str(value)
+            cells.append(f"{text:>{c.width}}")
+        return " ".join(cells)
+
+    def row(self, rec: dict) -> None:
+        if not self.enabled:
+            return
+        if not self._headed:
+            self._print(self.heading())
+            self._headed = True
+        self._print(self.format_row(rec))
+
+    def note(self, line: str) -> None:
+        if self.enabled:
+            self._print(line if line.startswith("#") else f"# {line}")
+
+
+# ---------------------------------------------------------------------------------------------
+# plots
+
+def plot_records(records: Sequence[dict], path: str, *, y: str = "busbw_gbps",
+                 series: Sequence[str] = ("op", "peer"), title: str = "") -> None:
+    """Draw ``y`` against size, one line per distinct value of the ``series`` fields; save as PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lines: dict[str, list[tuple[int, float]]] = {}
+    for rec in records:
+        label = " / ".join(str(rec[k]) for k in series if rec.get(k) not in (None, ""))
+        lines.setdefault(label or "all", []).append((rec["size_bytes"], rec[y]))
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for label, points in lines.items():
+        points.sort()
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3,
+                label=label)
+    ax.set_xscale("log", base=2)
+    if y.startswith("time"):
+        ax.set_yscale("log")
+    ax.set_xlabel("size (bytes)")
+    ax.set_ylabel({"busbw_gbps": "bus bandwidth (GB/s)", "algbw_gbps": "algorithm bandwidth (GB/s)",
+                   "time_us_mean": "mean time (us)"}.get(y, y))
+    if title:
+        ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------
+# the reporter: header, table, JSON and plot together
+
+class Reporter:
+    """Rank-0 output of one bench program: '#' header, streaming table, JSON records, plot."""
+
+    def __init__(self, bench: str, mpi_comm: MPI.Comm, args: argparse.Namespace,
+                 columns: Sequence[Column] = DEFAULT_COLUMNS, *, plot_y: str = "busbw_gbps",
+                 plot_series: Sequence[str] = ("op", "peer"), out: TextIO | None = None) -> None:
+        self.bench = bench
+        self.mpi_comm = mpi_comm
+        self.args = args
+        self.root = mpi_comm.Get_rank() == 0
+        self.table = Table(columns, out=out, enabled=self.root)
+        self.plot_path = getattr(args, "plot", None)
+        self.plot_y = plot_y
+        self.plot_series = tuple(plot_series)
+        self.info: dict = {}
+        self.json: JsonWriter | None = None
+        self.records: list[dict] = []
+        self.wrong = 0
+        if self.plot_path:
+            problem = matplotlib_missing()
+            if problem:
+                raise SystemExit(f"bench {bench}: {problem}")
+
+    def start(self, *, dtype: str, extra: Iterable[str] = ()) -> dict:
+        """Collective: gather the environment, print the header on rank 0, open the JSON file."""
+        self.info = environment_info(self.mpi_comm)
+        iterations = schedule_text(getattr(self.args, "iters", None),
+                                   getattr(self.args, "warmup", None))
+        if self.root:
+            for line in header_lines(self.bench, self.info, dtype=dtype, iterations=iterations,
+                                     extra=extra):
+                self.table._print(line)
+        meta = dict(self.info, bench=self.bench, dtype=dtype, iterations=iterations,
+                    argv=sys.argv[1:])
+        self.json = JsonWriter(getattr(self.args, "json", None), meta, enabled=self.root)
+        return self.info
+
+    def emit(self, rec: dict) -> None:
+        """Record one measurement (call on every rank with the same record)."""
+        self.records.append(rec)
+        self.wrong += int(rec.get("wrong", 0))
+        self.table.row(rec)
+        if self.json is not None:
+            self.json.add(rec)
+
+    def note(self, line: str) -> None:
+        self.table.note(line)
+
+    def finish(self) -> int:
+        """Draw the plot, print the verdict on wrong values; 1 if any value was wrong, else 0."""
+        if self.root and self.plot_path and self.records:
+            plot_records(self.records, self.plot_path, y=self.plot_y, series=self.plot_series,
+                         title=f"mpicomm bench {self.bench}: {self.info.get('ranks')} ranks, "
+                               f"{self.info.get('hosts')} hosts, {self.info.get('network')}")
+            self.note(f"plot written to {self.plot_path}")
+        if self.root and getattr(self.args, "json", None):
+            self.note(f"{len(self.records)} JSON records written to {self.args.json}")
+        if self.wrong:
+            self.note(f"FAILED: {self.wrong} wrong values")
+            return 1
+        self.note("all values correct (#wrong = 0)")
+        return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.distributed gloo peer
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_gloo(mpi_comm: MPI.Comm, timeout_s: float = 60.0):
+    """Collective: join the torch.distributed gloo group of these ranks (once); return the group.
+
+    Rank 0 picks the rendezvous address (its own host's address on several hosts, 127.0.0.1 on
+    one) and broadcasts it with MPI.
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return dist.group.WORLD
+    addr = None
+    if mpi_comm.Get_rank() == 0:
+        hosts = set(mpi_comm.gather(MPI.Get_processor_name(), root=0))
+        host = "127.0.0.1"
+        if len(hosts) > 1:
+            host = socket.gethostbyname(socket.gethostname())
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host if host != "127.0.0.1" else "127.0.0.1", 0))
+            addr = (host, s.getsockname()[1])
+    else:
+        mpi_comm.gather(MPI.Get_processor_name(), root=0)
+    host, port = mpi_comm.bcast(addr, root=0)
+    dist.init_process_group("gloo", rank=mpi_comm.Get_rank(), world_size=mpi_comm.Get_size(),
+                            init_method=f"tcp://{host}:{port}",
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.group.WORLD
