@@ -1,6 +1,18 @@
-"""mpicomm: MPI collectives over torch tensors, numpy and cupy arrays."""
+"""mpicomm: MPI collectives over torch tensors, numpy and cupy arrays, for PyTorch training."""
 from __future__ import annotations
 
-from .communicator import Communicator, init, get_world, is_initialized
+from .communicator import Communicator, get_world, init, is_initialized
+from .errors import CollectiveMismatchError
+from .ops import ReduceOp
+from .work import Work
+from .world import (all_gather, all_gather_into_tensor, all_reduce, all_to_all_single, barrier,
+                    broadcast, gather, get_rank, get_world_size, irecv, isend, recv, reduce,
+                    reduce_scatter_tensor, scatter, send, split)
 
-__all__ = ["Communicator", "init", "get_world", "is_initialized"]
+__all__ = [
+    "Communicator", "ReduceOp", "Work", "CollectiveMismatchError",
+    "init", "get_world", "is_initialized", "get_rank", "get_world_size",
+    "all_reduce", "reduce", "reduce_scatter_tensor", "broadcast", "all_gather_into_tensor",
+    "all_gather", "all_to_all_single", "gather", "scatter", "send", "recv", "isend", "irecv",
+    "barrier", "split",
+]
