@@ -1,1 +1,25 @@
-"""accelerators package (under construction)."""
+"""Device layer for mpicomm: one lazily created accelerator per process, and CUDA-aware MPI detection.
+
+Importing this package never initialises CUDA.
+"""
+from .abstract import Accelerator, LocalRankWarning
+from .cpu import CpuAccelerator
+from .cuda import CudaAccelerator
+from .cuda_aware import CudaAwareVerdict, detect_cuda_aware
+from .local_rank import LocalRank, detect_local_rank
+from .registry import ACCELERATORS, get_accelerator, select_accelerator, set_accelerator
+
+__all__ = [
+    "ACCELERATORS",
+    "Accelerator",
+    "CpuAccelerator",
+    "CudaAccelerator",
+    "CudaAwareVerdict",
+    "LocalRank",
+    "LocalRankWarning",
+    "detect_cuda_aware",
+    "detect_local_rank",
+    "get_accelerator",
+    "select_accelerator",
+    "set_accelerator",
+]
