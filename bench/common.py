@@ -31,7 +31,7 @@ from mpi4py import MPI
 
 __all__ = [
     "RECORD_FIELDS", "DEFAULT_COLUMNS", "Column", "Table", "JsonWriter", "Reporter",
-    "parse_size", "parse_sizes", "format_size", "add_common_args", "iteration_schedule",
+    "parse_size", "parse_sizes", "format_size", "add_common_args", "iteration_schedule", "timed",
     "environment_info", "header_lines", "time_loop", "across_ranks", "busbw_factor",
     "bandwidths", "make_record", "validate_record", "plot_records", "matplotlib_missing",
     "free_port", "init_gloo",
@@ -126,6 +126,10 @@ def add_common_args(parser: argparse.ArgumentParser, *, default_sizes: str = "8:
                         help="timed iterations per size (default: OSU-style, more for small sizes)")
     parser.add_argument("--warmup", type=_positive_int, default=None, metavar="N",
                         help="untimed warm-up iterations per size (default: OSU-style)")
+    parser.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S, metavar="SECONDS",
+                        help="cap the OSU-style iteration count so that one measurement takes "
+                             f"about this long (default {DEFAULT_BUDGET_S:g}; 0: no cap; "
+                             "never below the schedule's minimum, never with --iters)")
     parser.add_argument("--json", default=None, metavar="FILE",
                         help="write one JSON record per measurement to FILE")
     parser.add_argument("--plot", default=None, metavar="FILE.png",
@@ -138,6 +142,7 @@ def add_common_args(parser: argparse.ArgumentParser, *, default_sizes: str = "8:
 SMALL_ITERS, SMALL_WARMUP = 1000, 100
 LARGE_THRESHOLD = 8 << 10
 MIN_ITERS, MIN_WARMUP = 10, 2
+DEFAULT_BUDGET_S = 1.0
 
 
 def iteration_schedule(size_bytes: int, iters: int | None = None,
@@ -152,12 +157,13 @@ def iteration_schedule(size_bytes: int, iters: int | None = None,
             max(1, auto_iters if iters is None else iters))
 
 
-def schedule_text(iters: int | None, warmup: int | None) -> str:
+def schedule_text(iters: int | None, warmup: int | None, budget_s: float | None = None) -> str:
     """Describe the iteration schedule for the header."""
     if iters is None and warmup is None:
+        cap = f"; capped at about {budget_s:g} s per measurement" if budget_s else ""
         return (f"OSU-style: {SMALL_ITERS} (+{SMALL_WARMUP} warm-up) up to "
                 f"{format_size(LARGE_THRESHOLD)}, then falling with size to at least "
-                f"{MIN_ITERS} (+{MIN_WARMUP})")
+                f"{MIN_ITERS} (+{MIN_WARMUP}){cap}")
     w, i = iteration_schedule(1, iters, warmup)
     return f"{i} timed + {w} warm-up per size" + (
         "" if iters is not None and warmup is not None else " (the other count OSU-style)")
@@ -242,6 +248,29 @@ def time_loop(fn: Callable[[], object], iters: int, warmup: int, mpi_comm: MPI.C
         sync()
     elapsed = (time.perf_counter() - t0) / max(1, iters)
     return across_ranks(mpi_comm, elapsed)
+
+
+def timed(fn: Callable[[], object], size_bytes: int, mpi_comm: MPI.Comm, *,
+          iters: int | None = None, warmup: int | None = None,
+          budget_s: float | None = DEFAULT_BUDGET_S,
+          sync: Callable[[], None] | None = None) -> tuple[tuple[float, float, float], int, int]:
+    """Collective: time ``fn`` on the OSU schedule; ``((min, mean, max) seconds, warmup, iters)``.
+
+    Without ``iters``, the count is capped so the timed loop takes about ``budget_s`` (judged from
+    the slowest rank's warm-up), but never below the schedule's minimum.
+    """
+    w, it = iteration_schedule(size_bytes, iters, warmup)
+    t0 = time.perf_counter()
+    for _ in range(w):
+        fn()
+    if sync is not None:
+        sync()
+    per_call = (time.perf_counter() - t0) / max(1, w)
+    if iters is None and budget_s and w > 0:
+        slowest = mpi_comm.allreduce(per_call, op=MPI.MAX)
+        if slowest > 0:
+            it = max(min(it, MIN_ITERS), min(it, int(budget_s / slowest)))
+    return time_loop(fn, it, 0, mpi_comm, sync), w, it
 
 
 _BUSBW = {
@@ -476,7 +505,8 @@ class Reporter:
         """Collective: gather the environment, print the header on rank 0, open the JSON file."""
         self.info = environment_info(self.mpi_comm)
         iterations = schedule_text(getattr(self.args, "iters", None),
-                                   getattr(self.args, "warmup", None))
+                                   getattr(self.args, "warmup", None),
+                                   getattr(self.args, "budget", None))
         if self.root:
             for line in header_lines(self.bench, self.info, dtype=dtype, iterations=iterations,
                                      extra=extra):
