@@ -22,6 +22,14 @@ from .ops import MPI_BOOL_OPS, MPI_OPS, ReduceOp, parse_op
 from .work import Work
 
 _world: "Communicator | None" = None
+_fromaddress = MPI.buffer.fromaddress
+# (dtype, op) -> (MPI datatype, MPI op) for reductions MPI performs natively on host memory.
+_FAST_REDUCE = {
+    (dtype, key): (mpi_type, MPI_OPS[op])
+    for dtype, mpi_type in dtypes.NATIVE.items() if dtype != torch.bool
+    for op in (ReduceOp.SUM, ReduceOp.MAX, ReduceOp.MIN, ReduceOp.PROD)
+    for key in (op, op.value)
+}
 
 
 def _env_flag(name: str) -> bool:
@@ -119,6 +127,14 @@ class Communicator:
 
     def all_reduce(self, tensor, op=ReduceOp.SUM, async_op: bool = False) -> Work | None:
         """Reduce ``tensor`` across ranks, in place."""
+        if not async_op and not self.check and type(tensor) is torch.Tensor:
+            # Fast path for the common case (contiguous host tensor, dtype MPI reduces natively,
+            # no AVG): what the general path below would do, minus its no-op adaptation steps.
+            fast = _FAST_REDUCE.get((tensor.dtype, op))
+            if fast is not None and tensor.is_cpu and tensor.is_contiguous():
+                self.mpi_comm.Allreduce(MPI.IN_PLACE, [_fromaddress(tensor.data_ptr(), tensor.nbytes),
+                                                       fast[0]], fast[1])
+                return None
         call = "all_reduce"
         op = parse_op(op, call)
         t = to_tensor(tensor, call, "tensor", writable=True)
