@@ -74,13 +74,21 @@ def _symbol(lib: Any, name: str) -> Any:
         return None
 
 
+def _declare(fn: Any, argtypes: list, restype: Any) -> None:
+    """Give a ctypes function its C signature (fakes without these attributes are left alone)."""
+    try:
+        fn.argtypes = argtypes
+        fn.restype = restype
+    except AttributeError:
+        pass
+
+
 def query_vendor(lib: Any) -> Tuple[Optional[bool], str, str]:
     """Ask the MPI library through its MPIX query functions; (None, ..) when it has none."""
     fn = _symbol(lib, "MPIX_GPU_query_support")  # MPICH >= 4
     if fn is not None:
         try:
-            fn.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
-            fn.restype = ctypes.c_int
+            _declare(fn, [ctypes.c_int, ctypes.POINTER(ctypes.c_int)], ctypes.c_int)
             out = ctypes.c_int(0)
             rc = fn(_MPIX_GPU_SUPPORT_CUDA, ctypes.byref(out))
         except Exception as exc:  # noqa: BLE001 - reported, next query tried
@@ -96,8 +104,7 @@ def query_vendor(lib: Any) -> Tuple[Optional[bool], str, str]:
     fn = _symbol(lib, "MPIX_Query_cuda_support")  # Open MPI, MPICH
     if fn is not None:
         try:
-            fn.argtypes = []
-            fn.restype = ctypes.c_int
+            _declare(fn, [], ctypes.c_int)
             result = int(fn())
         except Exception as exc:  # noqa: BLE001
             return None, "", f"{note}; MPIX_Query_cuda_support raised {type(exc).__name__}: {exc}"
