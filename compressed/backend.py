@@ -1,0 +1,246 @@
+"""MpiBackend: DeepSpeed-compatible 1-bit compressed allreduce over an mpicomm Communicator.
+
+One call runs two collectives on small byte messages (see ``layout.Layout``):
+
+1. every rank packs the signs of x = input + worker_error and sends chunk j, headed by its
+   float32 worker scale, to rank j (all-to-all);
+2. every rank combines its chunk from all ranks with its server error, packs the signs and
+   all-gathers them headed by its server scale; all ranks decode the same mean estimate.
+"""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from . import kernels as K
+from . import torch_kernels as TK
+from .errors import NonFiniteError
+from .layout import HEADER_BYTES as H
+from .layout import Layout
+
+__all__ = ["MpiBackend"]
+
+_MAX_WORKSPACES = 4
+
+
+def as_communicator(comm: Any):
+    """An mpicomm Communicator from None (the world), an mpicomm Communicator or an mpi4py Comm."""
+    import mpicomm
+
+    if comm is None:
+        return mpicomm.init()
+    if isinstance(comm, mpicomm.Communicator):
+        return comm
+    if isinstance(comm, MPI.Comm):
+        return mpicomm.Communicator(comm)
+    raise TypeError(f"comm: expected None, an mpicomm.Communicator or an mpi4py Comm, "
+                    f"got {type(comm).__name__}")
+
+
+def _describe(x: Any) -> str:
+    kind = "numpy.ndarray" if isinstance(x, np.ndarray) else type(x).__name__
+    dev = f" on {x.device}" if isinstance(x, torch.Tensor) else ""
+    return f"{kind} {tuple(x.shape)} {x.dtype}{dev}"
+
+
+class MpiBackend:
+    """1-bit compressed allreduce with worker and server error feedback (DeepSpeed's MpiBackend).
+
+    ``comm`` is an mpicomm Communicator, an mpi4py communicator, or None for the world.
+    With ``cuda_aware=True`` device buffers go to mpicomm as they are (which passes them to a
+    CUDA-aware MPI, or stages them); with False this class stages its small messages through
+    host memory itself. ``kernels`` may force "host" (numpy/numba) or "torch" kernels; by default
+    host for CPU buffers and torch for device buffers.
+
+    ``wire_bytes`` counts the bytes this rank sent, ``calls`` the calls made.
+    """
+
+    def __init__(self, cuda_aware: bool = False, comm: Any = None, *, kernels: str | None = None) -> None:
+        if kernels not in (None, "host", "torch"):
+            raise ValueError(f"kernels: expected None, 'host' or 'torch', got {kernels!r}")
+        self.comm = as_communicator(comm)
+        self.cuda_aware = bool(cuda_aware)
+        self.rank = self.comm.rank
+        self.size = self.comm.size
+        self.kernels = kernels
+        self.calls = 0
+        self.wire_bytes = 0
+        self._workspaces: OrderedDict[tuple, dict] = OrderedDict()
+
+    # ------------------------------------------------------------------------------------------
+    def compressed_allreduce(self, buffer_m, worker_error, server_error, local_rank: int = 0):
+        """Overwrite ``buffer_m`` with the compressed mean of every rank's ``buffer_m``; return it.
+
+        - ``buffer_m``: torch tensor (CPU or device) or numpy array, any shape, a float dtype;
+          computed in float32. On success it is overwritten, whole, with the mean estimate (same
+          shape and dtype) and returned (the same object).
+        - ``worker_error``: contiguous float32, ``padded_size(buffer_m.numel(), world_size)``
+          elements; updated in place to x - scale * sign(x), x = padded input + old error.
+        - ``server_error``: contiguous float32, that size / world_size elements; updated in place.
+        - ``local_rank`` is accepted for DeepSpeed compatibility and unused.
+
+        If any rank's input is not finite, every rank raises ``NonFiniteError`` after the first
+        exchange and no buffer is modified on any rank. Every rank must call with the same size.
+        """
+        p = self.size
+        n = int(buffer_m.numel()) if isinstance(buffer_m, torch.Tensor) else int(buffer_m.size)
+        lay = Layout(n, p)
+        self._check_buffers(buffer_m, worker_error, server_error, lay)
+        if n == 0:
+            return buffer_m
+        use_torch = self.kernels == "torch" or (
+            self.kernels is None and isinstance(buffer_m, torch.Tensor) and buffer_m.device.type != "cpu")
+        if use_torch:
+            self._torch_allreduce(buffer_m, worker_error, server_error, lay)
+        else:
+            self._host_allreduce(buffer_m, worker_error, server_error, lay)
+        self.calls += 1
+        self.wire_bytes += lay.wire_bytes()
+        return buffer_m
+
+    # ------------------------------------------------------------------------------------------
+    def _check_buffers(self, buf, we, se, lay: Layout) -> None:
+        call = "compressed_allreduce"
+        for name, x in (("buffer_m", buf), ("worker_error", we), ("server_error", se)):
+            if not isinstance(x, (torch.Tensor, np.ndarray)):
+                raise TypeError(f"{call}: {name} must be a torch.Tensor or numpy.ndarray, "
+                                f"got {type(x).__name__}")
+        if isinstance(buf, np.ndarray) and buf.dtype.kind != "f":
+            raise TypeError(f"{call}: buffer_m must have a floating dtype, got {_describe(buf)}")
+        if isinstance(buf, torch.Tensor) and not buf.dtype.is_floating_point:
+            raise TypeError(f"{call}: buffer_m must have a floating dtype, got {_describe(buf)}")
+        for name, x, want, what in (
+                ("worker_error", we, lay.padded, f"padded_size({lay.numel}, {lay.world_size})"),
+                ("server_error", se, lay.chunk, f"padded_size({lay.numel}, {lay.world_size}) // "
+                                                f"{lay.world_size}")):
+            numel = int(x.numel()) if isinstance(x, torch.Tensor) else int(x.size)
+            if numel != want:
+                raise ValueError(f"{call}: {name} must have {what} = {want} elements, "
+                                 f"got {_describe(x)}")
+            contiguous = x.is_contiguous() if isinstance(x, torch.Tensor) else x.flags.c_contiguous
+            if str(x.dtype) not in ("float32", "torch.float32") or not contiguous:
+                raise TypeError(f"{call}: {name} must be a contiguous float32 buffer, got {_describe(x)}")
+            if type(x) is not type(buf) or (isinstance(x, torch.Tensor) and x.device != buf.device):
+                raise TypeError(f"{call}: {name} must be the same kind of buffer on the same device "
+                                f"as buffer_m ({_describe(buf)}), got {_describe(x)}")
+
+    def _workspace(self, lay: Layout, device: torch.device | None) -> dict:
+        key = (lay.padded, lay.world_size, str(device))
+        ws = self._workspaces.get(key)
+        if ws is None:
+            p, row = lay.world_size, lay.row_bytes
+            if device is None:
+                ws = {"send": np.empty((p, row), np.uint8), "recv": np.empty((p, row), np.uint8),
+                      "gsend": np.empty(row, np.uint8), "grecv": np.empty((p, row), np.uint8)}
+            else:
+                ws = {k: torch.empty(s, dtype=torch.uint8, device=device)
+                      for k, s in (("send", (p, row)), ("recv", (p, row)),
+                                   ("gsend", (row,)), ("grecv", (p, row)))}
+            self._workspaces[key] = ws
+            while len(self._workspaces) > _MAX_WORKSPACES:
+                self._workspaces.popitem(last=False)
+        else:
+            self._workspaces.move_to_end(key)
+        return ws
+
+    def _raise_if_not_finite(self, scales: np.ndarray) -> None:
+        bad = [r for r in range(scales.shape[0]) if not math.isfinite(float(scales[r]))]
+        if bad:
+            raise NonFiniteError(
+                f"compressed_allreduce: the input (plus worker error) is not finite (inf or NaN) on "
+                f"rank(s) {bad} of {scales.shape[0]}; expected finite values everywhere. No buffer "
+                f"was modified.")
+
+    # ------------------------------------------------------------------------------------------
+    def _host_allreduce(self, buf, we, se, lay: Layout) -> None:
+        p = lay.world_size
+        if isinstance(buf, torch.Tensor):
+            t = buf.detach()
+            direct = t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu"
+            g = t.reshape(-1).numpy() if direct else t.reshape(-1).to("cpu", torch.float32).numpy()
+            e = we.detach().reshape(-1).cpu().numpy()
+            s = se.detach().reshape(-1).cpu().numpy()
+        else:
+            direct = buf.dtype == np.float32 and buf.flags.c_contiguous
+            g = buf.reshape(-1) if direct else np.ascontiguousarray(buf, np.float32).reshape(-1)
+            e, s = we.reshape(-1), se.reshape(-1)
+        ws = self._workspace(lay, None)
+        send, recv, gsend, grecv = ws["send"], ws["recv"], ws["gsend"], ws["grecv"]
+
+        ssq = K.encode(g, e, send[:, H:])
+        scale = np.float32(math.sqrt(ssq / lay.padded))
+        send[:, :H] = np.frombuffer(scale.tobytes(), np.uint8)
+        self.comm.all_to_all_single(recv, send)
+        wscales = recv[:, :H].copy().view(np.float32).reshape(p)
+        self._raise_if_not_finite(wscales)
+
+        K.worker_residual(g, e, float(scale))
+        coef = (wscales.astype(np.float64) / p).astype(np.float32)
+        sss = K.server_accumulate(recv[:, H:], coef, s, gsend[H:])
+        sscale = np.float32(math.sqrt(sss / lay.chunk))
+        gsend[:H] = np.frombuffer(sscale.tobytes(), np.uint8)
+        K.server_residual(s, float(sscale))
+        self.comm.all_gather_into_tensor(grecv, gsend)
+        sscales = grecv[:, :H].copy().view(np.float32).reshape(p)
+
+        if direct:
+            K.decode(grecv[:, H:], sscales, g)
+        else:
+            out = np.empty(lay.numel, np.float32)
+            K.decode(grecv[:, H:], sscales, out)
+            if isinstance(buf, torch.Tensor):
+                buf.detach().copy_(torch.from_numpy(out).view(buf.shape))
+            else:
+                buf[...] = out.reshape(buf.shape)
+
+    # ------------------------------------------------------------------------------------------
+    def _torch_allreduce(self, buf, we, se, lay: Layout) -> None:
+        p = lay.world_size
+        if isinstance(buf, np.ndarray):
+            raise TypeError("compressed_allreduce: torch kernels need torch tensors, got a numpy array")
+        dev = buf.device
+        g = buf.detach().reshape(-1).to(torch.float32)
+        e = we.detach().view(-1)
+        s = se.detach().view(-1)
+        ws = self._workspace(lay, dev)
+        send, recv, gsend, grecv = ws["send"], ws["recv"], ws["gsend"], ws["grecv"]
+
+        x = TK.padded_sum(g, e)
+        scale = TK.sumsq(x).div_(lay.padded).sqrt_().to(torch.float32).reshape(1)
+        send[:, H:] = TK.pack(x).view(p, lay.chunk_bytes)
+        send[:, :H] = scale.view(torch.uint8)
+        recv_host = self._exchange(self.comm.all_to_all_single, recv, send)
+        wscales_host = recv_host[:, :H].contiguous().view(torch.float32).reshape(p)
+        self._raise_if_not_finite(wscales_host.cpu().numpy())
+
+        TK.residual_(x, scale, e)
+        del x
+        rows = recv_host[:, H:].to(dev, non_blocking=True)
+        coef = wscales_host.to(dev, torch.float64).div_(p).to(torch.float32)
+        TK.server_accumulate(rows, coef, s)
+        sscale = TK.sumsq(s).div_(lay.chunk).sqrt_().to(torch.float32).reshape(1)
+        gsend[H:] = TK.pack(s)
+        gsend[:H] = sscale.view(torch.uint8)
+        TK.residual_(s, sscale, s)
+        grecv_any = self._exchange(self.comm.all_gather_into_tensor, grecv, gsend)
+        grecv_dev = grecv_any.to(dev, non_blocking=True)
+        sscales = grecv_dev[:, :H].contiguous().view(torch.float32).reshape(p)
+        out = torch.empty(lay.numel, dtype=torch.float32, device=dev)
+        TK.decode(grecv_dev[:, H:], sscales, out)
+        buf.detach().copy_(out.view(buf.shape))
+
+    def _exchange(self, collective, out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
+        """Run ``collective(out, inp)``; stage through host memory for device buffers unless
+        cuda_aware. Returns the tensor holding the result (``out`` or its host copy)."""
+        if out.device.type == "cpu" or self.cuda_aware:
+            collective(out, inp)
+            return out
+        inp_h = inp.to("cpu")
+        out_h = torch.empty(out.shape, dtype=out.dtype)
+        collective(out_h, inp_h)
+        return out_h
