@@ -1,0 +1,553 @@
+"""Collective save and load of model and (sharded or plain) optimizer state."""
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from . import checksum, plan
+from .io import DEFAULT_CHUNK_BYTES, fsync_path, read_blocks, read_items, write_items
+from .manifest import (DATA_NAME, DEFAULT_BLOCK_SIZE, LATEST_NAME, MANIFEST_NAME, Manifest,
+                       ManifestError, Packer, ParamInfo, TensorEntry, jsonable, like)
+from .zero import ZeroOptimizer
+
+
+class ChecksumError(RuntimeError):
+    """Bytes read from a checkpoint do not match the checksums in its manifest."""
+
+
+@dataclass
+class LoadResult:
+    """What ``load`` found: the saved step and extras, and how the checkpoint was written."""
+
+    step: int | None
+    extra: Any
+    world_size: int
+    stage: int | None
+    optimizer_loaded: bool
+    manifest: Manifest
+
+
+_DTYPE_NAMES = {torch.float64: "float64", torch.float32: "float32", torch.float16: "float16",
+                torch.bfloat16: "bfloat16", torch.int64: "int64", torch.int32: "int32",
+                torch.int16: "int16", torch.int8: "int8", torch.uint8: "uint8", torch.bool: "bool"}
+_DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The manifest's name for a torch dtype."""
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        raise TypeError(f"expected a dtype in {sorted(_DTYPES)}, got {dtype}") from None
+
+
+def _comm(comm: Any) -> Any:
+    if comm is None:
+        import mpicomm
+
+        return mpicomm.init()
+    return comm
+
+
+def _on_root(mpi_comm: Any, fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` on rank 0 and broadcast its result; an exception is raised on every rank."""
+    result: tuple[bool, Any] = (True, None)
+    if mpi_comm.Get_rank() == 0:
+        try:
+            result = (True, fn())
+        except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
+            result = (False, exc)
+    ok, value = mpi_comm.bcast(result, root=0)
+    if not ok:
+        raise value
+    return value
+
+
+def _class_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _model_state(model: torch.nn.Module) -> tuple[list[str], list[torch.Tensor], dict[str, str], set[str]]:
+    """Names and tensors of the model's state, aliases (tied tensors) and buffer names."""
+    sd = model.state_dict(keep_vars=True)
+    names, tensors, aliases = [], [], {}
+    first: dict[int, str] = {}
+    for name, t in sd.items():
+        key = id(t)
+        if key in first:
+            aliases[name] = first[key]
+            continue
+        first[key] = name
+        names.append(name)
+        tensors.append(t)
+    buffers = {n for n, _ in model.named_buffers()}
+    return names, tensors, aliases, buffers
+
+
+def _opt_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+def _scalar(value: Any, what: str) -> dict[str, Any]:
+    if isinstance(value, torch.Tensor):
+        return {"value": value.item(), "dtype": dtype_name(value.dtype)}
+    if isinstance(value, (bool, int, float)) or value is None:
+        return {"value": value, "dtype": None}
+    raise TypeError(f"{what}: expected a tensor or a number, got {type(value).__name__}")
+
+
+def _unscalar(d: dict[str, Any], device: torch.device) -> Any:
+    if d.get("dtype") is None:
+        return d["value"]
+    return torch.tensor(d["value"], dtype=_DTYPES[d["dtype"]])
+
+
+def _split_state(state: dict[str, Any], shape: torch.Size, what: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Per-element tensors (shaped like ``shape``) and scalars of one parameter's state."""
+    tensors, scalars = {}, {}
+    for key, v in state.items():
+        if isinstance(v, torch.Tensor) and v.shape == shape and not (v.dim() == 0 and key == "step"):
+            tensors[key] = v
+        elif isinstance(v, torch.Tensor) and v.dim() > 0:
+            raise ValueError(f"{what}: state {key!r} has shape {tuple(v.shape)}; expected the parameter's "
+                             f"shape {tuple(shape)} or a scalar")
+        else:
+            scalars[key] = _scalar(v, f"{what}: state {key!r}")
+    return tensors, scalars
+
+
+def _groups_json(optimizer: torch.optim.Optimizer, index: dict[int, int]) -> list[dict[str, Any]]:
+    out = []
+    for gi, g in enumerate(optimizer.param_groups):
+        d = {k: jsonable(v, f"param_groups[{gi}].{k}") for k, v in g.items() if k != "params"}
+        d["params"] = [index[id(p)] for p in g["params"]]
+        out.append(d)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# save
+
+
+def save(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+         step: int | None = None, comm: Any = None, extra: Any = None, sync: bool = True,
+         overwrite: bool = False, update_latest: bool = True, block_size: int = DEFAULT_BLOCK_SIZE,
+         chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Manifest:
+    """Save model weights, optimizer state, step and JSON-able ``extra`` to directory ``path``.
+
+    Collective over ``comm``. Every rank writes its own shard (and an even share of replicated
+    tensors) into one data file with MPI-IO; rank 0 then writes the manifest, and the directory
+    appears under its final name by an atomic rename, after which ``<parent>/latest`` names it.
+    ``sync`` makes the data and manifest durable (fsync) before the rename.
+    """
+    comm = _comm(comm)
+    mpi = comm.mpi_comm
+    rank, size = mpi.Get_rank(), mpi.Get_size()
+    path = os.path.abspath(os.fspath(path))
+    if chunk_bytes % block_size:
+        raise ValueError(f"expected chunk_bytes a multiple of block_size={block_size}, got {chunk_bytes}")
+
+    names, tensors, aliases, buffer_names = _model_state(model)
+    index = {id(t): i for i, t in enumerate(tensors)}
+    params = [ParamInfo(n, tuple(t.shape), dtype_name(t.dtype), n in buffer_names)
+              for n, t in zip(names, tensors)]
+    packer = Packer(DATA_NAME)
+    buffers: list[torch.Tensor] = []
+    replicated: list[plan.IOItem] = []
+    sharded: list[plan.IOItem] = []
+
+    def add_buffer(t: torch.Tensor) -> int:
+        buffers.append(t.detach() if t.is_contiguous() else t.detach().contiguous())
+        return len(buffers) - 1
+
+    zero = optimizer if isinstance(optimizer, ZeroOptimizer) else None
+    if zero is not None and zero.comm.size != size:
+        raise ValueError(f"save: the optimizer shards over {zero.comm.size} ranks but comm has {size}")
+    opt_ids = {id(p) for p in _opt_params(optimizer)} if optimizer is not None else set()
+    for p in _opt_params(optimizer) if optimizer is not None else []:
+        if id(p) not in index:
+            raise ValueError("save: the optimizer holds a parameter that is not in model.state_dict()")
+
+    # model weights (fp32 weights under a ZeroOptimizer are the masters' bytes: added below)
+    param_entries: dict[int, TensorEntry] = {}
+    for i, (n, t) in enumerate(zip(names, tensors)):
+        if zero is not None and id(t) in opt_ids and t.dtype == torch.float32:
+            continue
+        e = packer.add(n, i, "param", t.shape, dtype_name(t.dtype))
+        param_entries[i] = e
+        replicated.append(plan.IOItem(e.offset, e.nbytes, add_buffer(t), 0))
+
+    opt_meta: dict[str, Any] | None = None
+    if zero is not None:
+        opt_meta, items = _plan_zero_save(zero, index, names, tensors, packer, add_buffer)
+        sharded.extend(items)
+    elif optimizer is not None:
+        opt_meta, items = _plan_plain_save(optimizer, index, names, tensors, packer, add_buffer)
+        replicated.extend(items)
+
+    mine = plan.share_items(sorted(replicated, key=lambda it: it.offset), size, rank, block_size) + sharded
+    manifest = Manifest(world_size=size, stage=zero.stage if zero is not None else None,
+                        step=step, params=params, tensors=packer.entries,
+                        files={DATA_NAME: {"nbytes": packer.size, "crc32": []}},
+                        optimizer=opt_meta, extra=jsonable(extra, "extra"), block_size=block_size,
+                        info={"torch": torch.__version__, "aliases": aliases})
+
+    def prepare() -> str:
+        if os.path.exists(path) and not overwrite:
+            raise FileExistsError(f"save: {path} exists (pass overwrite=True to replace it)")
+        parent = os.path.dirname(path)
+        os.makedirs(parent, exist_ok=True)
+        tmp = os.path.join(parent, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:12]}")
+        os.mkdir(tmp)
+        return tmp
+
+    tmp = _on_root(mpi, prepare)
+    pieces = write_items(mpi, os.path.join(tmp, DATA_NAME), mine, buffers, file_size=packer.size,
+                         block_size=block_size, chunk_bytes=chunk_bytes, sync=sync)
+    gathered = mpi.gather([(p.offset, p.length, p.crc) for p in pieces], root=0)
+
+    def commit() -> Manifest:
+        allp = [checksum.Piece(*t) for lst in gathered for t in lst]
+        manifest.files[DATA_NAME]["crc32"] = checksum.combine_blocks(allp, packer.size, block_size)
+        manifest.validate()
+        mpath = os.path.join(tmp, MANIFEST_NAME)
+        with open(mpath, "w") as f:
+            f.write(manifest.to_json())
+            f.flush()
+            if sync:
+                os.fsync(f.fileno())
+        if sync:
+            fsync_path(tmp, directory=True)
+        parent = os.path.dirname(path)
+        old = None
+        if os.path.exists(path):
+            old = os.path.join(parent, f".{os.path.basename(path)}.old-{uuid.uuid4().hex[:12]}")
+            os.rename(path, old)
+        os.rename(tmp, path)
+        if sync:
+            fsync_path(parent, directory=True)
+        if update_latest:
+            _write_latest(parent, os.path.basename(path), sync)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        return manifest
+
+    return _on_root(mpi, commit)
+
+
+def _write_latest(parent: str, name: str, sync: bool) -> None:
+    tmp = os.path.join(parent, f".{LATEST_NAME}.tmp-{uuid.uuid4().hex[:12]}")
+    with open(tmp, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        if sync:
+            os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(parent, LATEST_NAME))
+    if sync:
+        fsync_path(parent, directory=True)
+
+
+def _plan_zero_save(zero: ZeroOptimizer, index: dict[int, int], names: list[str],
+                    tensors: list[torch.Tensor], packer: Packer,
+                    add_buffer: Callable[[torch.Tensor], int]) -> tuple[dict[str, Any], list[plan.IOItem]]:
+    rank = zero.rank
+    items: list[plan.IOItem] = []
+    # the set of state keys (per-element tensors) and scalars of each group's shard
+    group_tensors: list[dict[str, torch.Tensor]] = []
+    scalars: dict[str, dict[str, Any]] = {}
+    for gi, g in enumerate(zero.groups):
+        t_keys, s_keys = _split_state(zero.shard_state(gi), g.master.shape, f"param group {gi}")
+        group_tensors.append(t_keys)
+        for p in g.params:
+            scalars[str(index[id(p)])] = s_keys
+    # masters
+    for gi, g in enumerate(zero.groups):
+        entries = {}
+        for li, p in enumerate(g.params):
+            i = index[id(p)]
+            entries[li] = e = packer.add(names[i], i, "master", p.shape, "float32")
+            if p.dtype == torch.float32:
+                packer.alias(e, "param")
+        items += plan.shard_items(g.layout.segments(rank), entries, add_buffer(g.master))
+    # optimizer state, key by key
+    keys: list[str] = []
+    for t_keys in group_tensors:
+        keys += [k for k in t_keys if k not in keys]
+    for key in keys:
+        for gi, g in enumerate(zero.groups):
+            t = group_tensors[gi].get(key)
+            if t is None:
+                continue
+            entries = {}
+            for li, p in enumerate(g.params):
+                i = index[id(p)]
+                entries[li] = packer.add(names[i], i, "state", p.shape, dtype_name(t.dtype), key)
+            items += plan.shard_items(g.layout.segments(rank), entries, add_buffer(t))
+    meta = {"class": _class_name(zero.optimizer_class), "param_groups": _groups_json(zero, index),
+            "scalars": scalars}
+    return meta, items
+
+
+def _plan_plain_save(optimizer: torch.optim.Optimizer, index: dict[int, int], names: list[str],
+                     tensors: list[torch.Tensor], packer: Packer,
+                     add_buffer: Callable[[torch.Tensor], int]) -> tuple[dict[str, Any], list[plan.IOItem]]:
+    items: list[plan.IOItem] = []
+    per_param: list[tuple[int, dict[str, torch.Tensor]]] = []
+    scalars: dict[str, dict[str, Any]] = {}
+    keys: list[str] = []
+    for p in _opt_params(optimizer):
+        i = index[id(p)]
+        t_keys, s_keys = _split_state(optimizer.state.get(p, {}), p.shape, f"parameter {names[i]!r}")
+        per_param.append((i, t_keys))
+        if s_keys:
+            scalars[str(i)] = s_keys
+        keys += [k for k in t_keys if k not in keys]
+    for key in keys:
+        for i, t_keys in per_param:
+            t = t_keys.get(key)
+            if t is not None:
+                e = packer.add(names[i], i, "state", t.shape, dtype_name(t.dtype), key)
+                items.append(plan.IOItem(e.offset, e.nbytes, add_buffer(t), 0))
+    meta = {"class": _class_name(type(optimizer)), "param_groups": _groups_json(optimizer, index),
+            "scalars": scalars}
+    return meta, items
+
+
+# ---------------------------------------------------------------------------------------------
+# load
+
+
+def resolve(path: str | os.PathLike) -> str:
+    """The checkpoint directory at ``path``, following a ``latest`` pointer in it if needed."""
+    path = os.path.abspath(os.fspath(path))
+    if os.path.isfile(os.path.join(path, MANIFEST_NAME)):
+        return path
+    latest = os.path.join(path, LATEST_NAME)
+    if os.path.isfile(latest):
+        with open(latest) as f:
+            name = f.read().strip()
+        target = os.path.join(path, name)
+        if os.path.isfile(os.path.join(target, MANIFEST_NAME)):
+            return target
+        raise ManifestError(f"{latest} names {name!r}, which has no {MANIFEST_NAME}")
+    raise ManifestError(f"no checkpoint at {path}: expected {MANIFEST_NAME} or a {LATEST_NAME} pointer")
+
+
+def read_manifest(path: str | os.PathLike) -> Manifest:
+    """Read and check the manifest of the checkpoint at ``path`` (no MPI)."""
+    d = resolve(path)
+    with open(os.path.join(d, MANIFEST_NAME)) as f:
+        m = Manifest.from_json(f.read())
+    size = os.path.getsize(os.path.join(d, DATA_NAME))
+    want = int(m.files[DATA_NAME]["nbytes"])
+    if size != want:
+        raise ManifestError(f"{d}/{DATA_NAME}: expected {want} bytes, found {size}")
+    return m
+
+
+class _Reads:
+    """Destinations and file dtypes of one rank's reads."""
+
+    def __init__(self) -> None:
+        self.items: list[plan.IOItem] = []
+        self.dests: list[torch.Tensor] = []
+        self.dtypes: list[torch.dtype] = []
+
+    def add(self, dest: torch.Tensor, dtype: str) -> int:
+        self.dests.append(dest)
+        self.dtypes.append(_DTYPES[dtype])
+        return len(self.dests) - 1
+
+
+def load(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+         comm: Any = None, strict: bool = True, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> LoadResult:
+    """Load a checkpoint saved by ``save`` at any world size and stage into ``model`` and
+    (optionally) ``optimizer``: a ZeroOptimizer of any stage on ``comm``, or a plain torch
+    optimizer (full state on every rank). Collective. Each rank reads only the bytes it keeps
+    and checks them against the block checksums; on an error the model and optimizer are left
+    in an undefined state."""
+    comm = _comm(comm)
+    mpi = comm.mpi_comm
+    rank = mpi.Get_rank()
+    text_dir = _on_root(mpi, lambda: (read_manifest(path).to_json(), resolve(path)))
+    m = Manifest.from_json(text_dir[0])
+    ckdir = text_dir[1]
+    block = m.block_size
+    midx = m.param_index()
+
+    names, tensors, _aliases, _bufs = _model_state(model)
+    if strict:
+        missing = [n for n in names if n not in midx]
+        unexpected = [p.name for p in m.params if p.name not in set(names)]
+        if missing or unexpected:
+            raise KeyError(f"load: model state does not match the checkpoint: missing {missing}, "
+                           f"unexpected {unexpected}")
+    for n, t in zip(names, tensors):
+        if n in midx and tuple(m.params[midx[n]].shape) != tuple(t.shape):
+            raise ValueError(f"load: {n!r} expected shape {tuple(t.shape)}, checkpoint has "
+                             f"{tuple(m.params[midx[n]].shape)}")
+    by_id = {id(t): midx[n] for n, t in zip(names, tensors) if n in midx}
+
+    zero = optimizer if isinstance(optimizer, ZeroOptimizer) else None
+    if zero is not None and zero.comm.size != mpi.Get_size():
+        raise ValueError(f"load: the optimizer shards over {zero.comm.size} ranks but comm has {mpi.Get_size()}")
+    has_opt = optimizer is not None and m.optimizer is not None
+    if has_opt:
+        want, got = m.optimizer["class"], _class_name(zero.optimizer_class if zero else type(optimizer))
+        if want != got:
+            raise TypeError(f"load: checkpoint holds {want} state, the optimizer is {got}")
+    reads = _Reads()
+    post: list[Callable[[], None]] = []
+
+    # model weights: read whole, except those a ZeroOptimizer gathers from its masters
+    from_masters = {id(p) for p in _opt_params(zero)} if zero is not None else set()
+    for n, t in zip(names, tensors):
+        if n not in midx or id(t) in from_masters:
+            continue
+        e = m.find("param", midx[n])
+        if e is None:
+            raise ManifestError(f"load: checkpoint has no weights for {n!r}")
+        dest = t.detach()
+        if not dest.is_contiguous():
+            tmp = torch.empty(dest.shape, dtype=dest.dtype, device=dest.device)
+            post.append(lambda d=dest, s=tmp: d.copy_(s))
+            dest = tmp
+        reads.items.append(plan.IOItem(e.offset, e.nbytes, reads.add(dest.view(-1), e.dtype), 0))
+
+    if zero is not None:
+        post.append(_plan_zero_load(zero, m, by_id, reads, has_opt))
+    elif has_opt:
+        post.append(_plan_plain_load(optimizer, m, by_id, reads))
+
+    pieces = read_items(mpi, os.path.join(ckdir, DATA_NAME), reads.items, reads.dests, reads.dtypes,
+                        block_size=block, chunk_bytes=chunk_bytes)
+    gathered = mpi.gather([(p.offset, p.length, p.crc) for p in pieces], root=0)
+
+    def verify() -> None:
+        f = m.files[DATA_NAME]
+        expected, fsize = f["crc32"], int(f["nbytes"])
+        allp = [checksum.Piece(*t) for lst in gathered for t in lst]
+        bad, partial = checksum.verify_blocks(allp, expected, fsize, block)
+        if partial:
+            crcs = read_blocks(os.path.join(ckdir, DATA_NAME), partial, block, fsize)
+            bad += [b for b, c in zip(partial, crcs) if c != expected[b]]
+        if bad:
+            raise ChecksumError(f"load: {ckdir}/{DATA_NAME}: checksum mismatch in {len(bad)} "
+                                f"block(s) of {block} bytes: {sorted(bad)[:10]}")
+
+    _on_root(mpi, verify)
+    for fn in post:
+        fn()
+    return LoadResult(step=m.step, extra=m.extra, world_size=m.world_size, stage=m.stage,
+                      optimizer_loaded=has_opt, manifest=m)
+
+
+def _check_groups(optimizer: torch.optim.Optimizer, m: Manifest, by_id: dict[int, int]) -> None:
+    saved = m.optimizer["param_groups"]
+    if len(saved) != len(optimizer.param_groups):
+        raise ValueError(f"load: expected {len(optimizer.param_groups)} param groups, "
+                         f"checkpoint has {len(saved)}")
+    for gi, (g, s) in enumerate(zip(optimizer.param_groups, saved)):
+        mine = [by_id.get(id(p)) for p in g["params"]]
+        if mine != list(s["params"]):
+            raise ValueError(f"load: param group {gi} holds parameters {mine}, "
+                             f"checkpoint group has {s['params']}")
+
+
+def _set_hyperparams(optimizer: torch.optim.Optimizer, m: Manifest) -> None:
+    for g, s in zip(optimizer.param_groups, m.optimizer["param_groups"]):
+        for k, v in s.items():
+            if k != "params":
+                g[k] = like(g.get(k), v)
+
+
+def _plan_zero_load(zero: ZeroOptimizer, m: Manifest, by_id: dict[int, int], reads: _Reads,
+                    has_opt: bool) -> Callable[[], None]:
+    rank = zero.rank
+    if has_opt:
+        _check_groups(zero, m, by_id)
+    states: list[dict[str, Any]] = []
+    keys = m.state_keys() if has_opt else []
+    for gi, g in enumerate(zero.groups):
+        ids = [by_id[id(p)] for p in g.params]
+        segs = g.layout.segments(rank)
+        g.master.zero_()
+        src = {}
+        for li, i in enumerate(ids):
+            e = m.find("master", i) or m.find("param", i)
+            if e is None:
+                raise ManifestError(f"load: checkpoint has no weights for {m.params[i].name!r}")
+            src[li] = e
+        dtypes = {e.dtype for e in src.values()}
+        for dt in dtypes:
+            buf = reads.add(g.master, dt)
+            reads.items += plan.shard_items(segs, {li: e for li, e in src.items() if e.dtype == dt}, buf)
+        state: dict[str, Any] = {}
+        for key in keys:
+            ents = {li: m.find("state", i, key) for li, i in enumerate(ids)}
+            present = {li: e for li, e in ents.items() if e is not None}
+            if not present:
+                continue
+            if len(present) != len(ids):
+                raise ManifestError(f"load: state {key!r} is saved for some parameters of group {gi} only")
+            dt = next(iter(present.values())).dtype
+            t = torch.zeros(g.layout.local_numel, dtype=_DTYPES[dt], device=g.master.device)
+            state[key] = t
+            reads.items += plan.shard_items(segs, present, reads.add(t, dt))
+        if has_opt:
+            sc = [m.optimizer["scalars"].get(str(i), {}) for i in ids]
+            for key in sc[0] if sc else []:
+                vals = {repr(s.get(key)) for s in sc}
+                if len(vals) != 1:
+                    raise ValueError(f"load: group {gi} parameters have different {key!r}: {sorted(vals)}; "
+                                     "a ZeroOptimizer group needs one value")
+                state[key] = _unscalar(sc[0][key], g.master.device)
+        states.append(state)
+
+    def finish() -> None:
+        if has_opt:
+            _set_hyperparams(zero, m)
+        for gi, st in enumerate(states):
+            zero.set_shard_state(gi, st)
+        zero.gather_params()
+
+    return finish
+
+
+def _plan_plain_load(optimizer: torch.optim.Optimizer, m: Manifest, by_id: dict[int, int],
+                     reads: _Reads) -> Callable[[], None]:
+    _check_groups(optimizer, m, by_id)
+    keys = m.state_keys()
+    params = _opt_params(optimizer)
+    state: dict[int, dict[str, Any]] = {}
+    for pos, p in enumerate(params):
+        i = by_id[id(p)]
+        st: dict[str, Any] = {}
+        for key in keys:
+            e = m.find("state", i, key)
+            if e is None:
+                continue
+            t = torch.empty(e.shape, dtype=_DTYPES[e.dtype])
+            st[key] = t
+            reads.items.append(plan.IOItem(e.offset, e.nbytes, reads.add(t.view(-1), e.dtype), 0))
+        for key, d in m.optimizer["scalars"].get(str(i), {}).items():
+            st[key] = _unscalar(d, p.device)
+        if st:
+            state[pos] = st
+
+    position = {id(p): pos for pos, p in enumerate(params)}
+
+    def finish() -> None:
+        groups = []
+        for g, s in zip(optimizer.param_groups, m.optimizer["param_groups"]):
+            d = {k: like(g.get(k), v) for k, v in s.items() if k != "params"}
+            d["params"] = [position[id(p)] for p in g["params"]]
+            groups.append(d)
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+    return finish

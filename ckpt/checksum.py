@@ -1,0 +1,158 @@
+"""CRC-32 per fixed-size file block, assembled from pieces written or read by any rank (pure)."""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+ALGORITHM = "crc32"
+_POLY = 0xEDB88320  # reflected CRC-32 polynomial (the one zlib uses)
+
+
+def _mult_mod_p(a: int, b: int) -> int:
+    """Multiply two polynomials modulo the CRC polynomial (reflected bit order)."""
+    m = 1 << 31
+    p = 0
+    while True:
+        if a & m:
+            p ^= b
+            if (a & (m - 1)) == 0:
+                break
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+    return p
+
+
+def _x2n_table() -> list[int]:
+    table = []
+    p = 1 << 30  # x^1
+    for _ in range(32):
+        table.append(p)
+        p = _mult_mod_p(p, p)
+    return table
+
+
+_X2N = _x2n_table()
+
+
+def _x8n_mod_p(nbytes: int) -> int:
+    """Return x^(8 * nbytes) modulo the CRC polynomial."""
+    p = 1 << 31  # x^0
+    k = 3
+    n = nbytes
+    while n:
+        if n & 1:
+            p = _mult_mod_p(_X2N[k & 31], p)
+        n >>= 1
+        k += 1
+    return p
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC-32 of A+B from crc32(A), crc32(B) and len(B)."""
+    if len2 == 0:
+        return crc1
+    return _mult_mod_p(_x8n_mod_p(len2), crc1) ^ crc2
+
+
+def crc32(data) -> int:
+    """CRC-32 of a bytes-like object."""
+    return zlib.crc32(data) & 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class Piece:
+    """CRC of file bytes [offset, offset + length), lying inside one block."""
+
+    offset: int
+    length: int
+    crc: int
+
+
+def block_ranges(offset: int, length: int, block_size: int) -> list[tuple[int, int]]:
+    """Split [offset, offset+length) at multiples of ``block_size``; returns (offset, length)."""
+    out = []
+    pos, end = offset, offset + length
+    while pos < end:
+        stop = min(end, (pos // block_size + 1) * block_size)
+        out.append((pos, stop - pos))
+        pos = stop
+    return out
+
+
+def num_blocks(file_size: int, block_size: int) -> int:
+    return -(-file_size // block_size)
+
+
+def _chain(pieces: Sequence[Piece], start: int, stop: int) -> list[Piece] | None:
+    """Pick pieces that tile [start, stop) exactly, or None if none do."""
+    by_start: dict[int, list[Piece]] = {}
+    for p in pieces:
+        by_start.setdefault(p.offset, []).append(p)
+    for lst in by_start.values():
+        lst.sort(key=lambda q: -q.length)
+    # depth-first search over positions, longest piece first; positions visited once
+    seen: set[int] = set()
+    stack: list[tuple[int, list[Piece]]] = [(start, [])]
+    while stack:
+        pos, path = stack.pop()
+        if pos == stop:
+            return path
+        if pos in seen or pos > stop:
+            continue
+        seen.add(pos)
+        for p in reversed(by_start.get(pos, [])):
+            if p.offset + p.length <= stop:
+                stack.append((p.offset + p.length, path + [p]))
+    return None
+
+
+def _group(pieces: Iterable[Piece], block_size: int) -> dict[int, list[Piece]]:
+    groups: dict[int, list[Piece]] = {}
+    for p in pieces:
+        b = p.offset // block_size
+        if (p.offset + p.length - 1) // block_size != b:
+            raise ValueError(f"piece [{p.offset}, {p.offset + p.length}) crosses a "
+                             f"{block_size}-byte block boundary")
+        groups.setdefault(b, []).append(p)
+    return groups
+
+
+def _combine(chain: Sequence[Piece]) -> int:
+    crc = chain[0].crc
+    for p in chain[1:]:
+        crc = crc32_combine(crc, p.crc, p.length)
+    return crc
+
+
+def combine_blocks(pieces: Iterable[Piece], file_size: int, block_size: int) -> list[int]:
+    """Per-block CRCs of a file whose bytes the pieces cover exactly (e.g. all ranks' writes)."""
+    groups = _group(pieces, block_size)
+    out = []
+    for b in range(num_blocks(file_size, block_size)):
+        start, stop = b * block_size, min(file_size, (b + 1) * block_size)
+        chain = _chain(groups.get(b, []), start, stop)
+        if chain is None:
+            raise ValueError(f"the written pieces do not cover block {b} "
+                             f"(bytes [{start}, {stop})) exactly")
+        out.append(_combine(chain))
+    return out
+
+
+def verify_blocks(pieces: Iterable[Piece], expected: Sequence[int], file_size: int,
+                  block_size: int) -> tuple[list[int], list[int]]:
+    """Check the blocks that pieces touch. Returns (bad blocks, blocks touched but not
+    covered whole by the pieces, which the caller must check another way)."""
+    groups = _group(pieces, block_size)
+    bad, partial = [], []
+    for b in sorted(groups):
+        if b >= len(expected):
+            bad.append(b)
+            continue
+        start, stop = b * block_size, min(file_size, (b + 1) * block_size)
+        chain = _chain(groups[b], start, stop)
+        if chain is None:
+            partial.append(b)
+        elif _combine(chain) != expected[b]:
+            bad.append(b)
+    return bad, partial

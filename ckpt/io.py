@@ -1,0 +1,127 @@
+"""Move planned byte ranges between local tensors and one file with collective MPI-IO."""
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from .checksum import Piece, block_ranges, crc32
+from .plan import IOItem, chunk, coalesce
+
+DEFAULT_CHUNK_BYTES = 32 << 20
+
+
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a contiguous tensor as a flat uint8 tensor (no copy)."""
+    t = t.detach()
+    if not t.is_contiguous():
+        raise ValueError(f"expected a contiguous tensor, got strides {t.stride()} for shape {tuple(t.shape)}")
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _host(t: torch.Tensor) -> np.ndarray:
+    return (t if t.device.type == "cpu" else t.cpu()).numpy()
+
+
+def _rounds(mpi_comm: MPI.Comm, n: int) -> int:
+    return mpi_comm.allreduce(n, op=MPI.MAX)
+
+
+def _crc_pieces(offset: int, mem: np.ndarray, block_size: int) -> list[Piece]:
+    out = []
+    for off, ln in block_ranges(offset, len(mem), block_size):
+        a = off - offset
+        out.append(Piece(off, ln, crc32(mem[a:a + ln])))
+    return out
+
+
+def write_items(mpi_comm: MPI.Comm, filename: str, items: Sequence[IOItem],
+                buffers: Sequence[torch.Tensor], *, file_size: int, block_size: int,
+                chunk_bytes: int = DEFAULT_CHUNK_BYTES, sync: bool = True) -> list[Piece]:
+    """Collectively create ``filename`` of ``file_size`` bytes and write this rank's items from
+    ``buffers`` (their raw bytes); return the CRC of every written piece within each block."""
+    chunks = chunk(coalesce(items), chunk_bytes, block_size)
+    views = [byte_view(b) for b in buffers]
+    nrounds = _rounds(mpi_comm, len(chunks))
+    empty = np.empty(0, np.uint8)
+    pieces: list[Piece] = []
+    fh = MPI.File.Open(mpi_comm, filename, MPI.MODE_WRONLY | MPI.MODE_CREATE)
+    try:
+        fh.Set_size(file_size)
+        for i in range(nrounds):
+            if i < len(chunks):
+                c = chunks[i]
+                mem = _host(views[c.buf][c.buf_offset:c.buf_offset + c.nbytes])
+                pieces.extend(_crc_pieces(c.offset, mem, block_size))
+                fh.Write_at_all(c.offset, mem)
+            else:
+                fh.Write_at_all(0, empty)
+        if sync:
+            fh.Sync()
+    finally:
+        fh.Close()
+    return pieces
+
+
+def read_items(mpi_comm: MPI.Comm, filename: str, items: Sequence[IOItem],
+               dests: Sequence[torch.Tensor], file_dtypes: Sequence[torch.dtype], *,
+               block_size: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> list[Piece]:
+    """Collectively read this rank's items into ``dests`` (flat views, converting from
+    ``file_dtypes`` where they differ) in chunks of at most ``chunk_bytes``; return the CRC of
+    every piece read within each block."""
+    direct = [d.dtype == fd and d.device.type == "cpu" and d.is_contiguous()
+              for d, fd in zip(dests, file_dtypes)]
+    itemsize = {i: torch.empty(0, dtype=fd).element_size() for i, fd in enumerate(file_dtypes)}
+    chunks = chunk(coalesce(items), chunk_bytes, block_size, itemsize)
+    nrounds = _rounds(mpi_comm, len(chunks))
+    views = [byte_view(d) if ok else None for d, ok in zip(dests, direct)]
+    staging: torch.Tensor | None = None
+    empty = np.empty(0, np.uint8)
+    pieces: list[Piece] = []
+    fh = MPI.File.Open(mpi_comm, filename, MPI.MODE_RDONLY)
+    try:
+        for i in range(nrounds):
+            if i >= len(chunks):
+                fh.Read_at_all(0, empty)
+                continue
+            c = chunks[i]
+            view = views[c.buf]
+            if view is not None:
+                mem = view[c.buf_offset:c.buf_offset + c.nbytes].numpy()
+                fh.Read_at_all(c.offset, mem)
+            else:
+                if staging is None or staging.numel() < c.nbytes:
+                    staging = torch.empty(max(c.nbytes, min(chunk_bytes, 1 << 20)), dtype=torch.uint8)
+                raw = staging[:c.nbytes]
+                mem = raw.numpy()
+                fh.Read_at_all(c.offset, mem)
+                fd = file_dtypes[c.buf]
+                e0, n = c.buf_offset // itemsize[c.buf], c.nbytes // itemsize[c.buf]
+                dests[c.buf].view(-1)[e0:e0 + n].copy_(raw.view(fd))
+            pieces.extend(_crc_pieces(c.offset, mem, block_size))
+    finally:
+        fh.Close()
+    return pieces
+
+
+def read_blocks(filename: str, blocks: Sequence[int], block_size: int, file_size: int) -> list[int]:
+    """CRC of whole blocks read with plain (non-MPI) I/O, one block at a time."""
+    out = []
+    with open(filename, "rb", buffering=0) as f:
+        for b in blocks:
+            f.seek(b * block_size)
+            data = f.read(min(block_size, file_size - b * block_size))
+            out.append(crc32(data))
+    return out
+
+
+def fsync_path(path: str, directory: bool = False) -> None:
+    """fsync a file or a directory entry."""
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

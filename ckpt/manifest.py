@@ -1,0 +1,219 @@
+"""The checkpoint manifest: a versioned JSON description of every tensor's bytes (pure, no MPI)."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable, Sequence
+
+FORMAT_NAME = "mpicomm-ckpt"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+DATA_NAME = "data.bin"
+LATEST_NAME = "latest"
+DEFAULT_BLOCK_SIZE = 4 << 20
+
+KINDS = ("param", "master", "state")
+
+ITEMSIZE = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+}
+
+
+class ManifestError(ValueError):
+    """The manifest is missing, malformed, or of an unsupported version."""
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor's bytes lie: ``kind`` is "param" (model state), "master" (fp32 master
+    weights) or "state" (optimizer state ``key``); ``param`` indexes ``Manifest.params``."""
+
+    name: str
+    param: int
+    kind: str
+    shape: tuple[int, ...]
+    dtype: str
+    file: str
+    offset: int
+    nbytes: int
+    key: str | None = None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return ITEMSIZE[self.dtype]
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """One entry of the model's state (a parameter or a persistent buffer), in order."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    buffer: bool = False
+
+
+@dataclass
+class Manifest:
+    """Everything needed to load a checkpoint at any world size, stage or optimizer layout."""
+
+    world_size: int
+    stage: int | None
+    step: int | None
+    params: list[ParamInfo]
+    tensors: list[TensorEntry]
+    files: dict[str, dict[str, Any]]
+    optimizer: dict[str, Any] | None = None
+    extra: Any = None
+    block_size: int = DEFAULT_BLOCK_SIZE
+    checksum: str = "crc32"
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def find(self, kind: str, param: int, key: str | None = None) -> TensorEntry | None:
+        """The entry of ``kind`` (and optimizer state ``key``) for parameter index ``param``."""
+        return self._index().get((kind, param, key))
+
+    def state_keys(self) -> list[str]:
+        """Optimizer state keys stored as tensors, in first-seen order."""
+        seen: dict[str, None] = {}
+        for t in self.tensors:
+            if t.kind == "state" and t.key is not None:
+                seen.setdefault(t.key, None)
+        return list(seen)
+
+    def param_index(self) -> dict[str, int]:
+        return {p.name: i for i, p in enumerate(self.params)}
+
+    def _index(self) -> dict[tuple[str, int, str | None], TensorEntry]:
+        idx = getattr(self, "_idx", None)
+        if idx is None:
+            idx = {(t.kind, t.param, t.key): t for t in self.tensors}
+            object.__setattr__(self, "_idx", idx)
+        return idx
+
+    def to_json(self) -> str:
+        d = {
+            "format": FORMAT_NAME,
+            "version": FORMAT_VERSION,
+            "world_size": self.world_size,
+            "stage": self.stage,
+            "step": self.step,
+            "block_size": self.block_size,
+            "checksum": self.checksum,
+            "params": [asdict(p) for p in self.params],
+            "optimizer": self.optimizer,
+            "tensors": [asdict(t) for t in self.tensors],
+            "files": self.files,
+            "extra": self.extra,
+            "info": self.info,
+        }
+        return json.dumps(d, indent=1, allow_nan=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Manifest":
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ManifestError(f"manifest is not valid JSON: {exc}") from None
+        if not isinstance(d, dict) or d.get("format") != FORMAT_NAME:
+            got = d.get("format") if isinstance(d, dict) else type(d).__name__
+            raise ManifestError(f"expected format {FORMAT_NAME!r}, got {got!r}")
+        if d.get("version") != FORMAT_VERSION:
+            raise ManifestError(f"expected format version {FORMAT_VERSION}, got {d.get('version')!r}")
+        try:
+            params = [ParamInfo(p["name"], tuple(p["shape"]), p["dtype"], bool(p.get("buffer", False)))
+                      for p in d["params"]]
+            tensors = [TensorEntry(t["name"], int(t["param"]), t["kind"], tuple(t["shape"]), t["dtype"],
+                                   t["file"], int(t["offset"]), int(t["nbytes"]), t.get("key"))
+                       for t in d["tensors"]]
+            m = cls(world_size=int(d["world_size"]), stage=d["stage"], step=d["step"], params=params,
+                    tensors=tensors, files=d["files"], optimizer=d.get("optimizer"),
+                    extra=d.get("extra"), block_size=int(d["block_size"]),
+                    checksum=d.get("checksum", "crc32"), info=d.get("info") or {})
+        except (KeyError, TypeError) as exc:
+            raise ManifestError(f"manifest lacks or mistypes field {exc}") from None
+        m.validate()
+        return m
+
+    def validate(self) -> None:
+        """Check internal consistency: kinds, dtypes, sizes, and that tensors fit their files."""
+        for t in self.tensors:
+            if t.kind not in KINDS:
+                raise ManifestError(f"tensor {t.name!r}: expected kind in {KINDS}, got {t.kind!r}")
+            if t.dtype not in ITEMSIZE:
+                raise ManifestError(f"tensor {t.name!r}: unsupported dtype {t.dtype!r}")
+            if t.nbytes != t.numel * t.itemsize:
+                raise ManifestError(f"tensor {t.name!r} ({t.kind}): expected {t.numel * t.itemsize} "
+                                    f"bytes for shape {t.shape} {t.dtype}, got {t.nbytes}")
+            if not 0 <= t.param < len(self.params):
+                raise ManifestError(f"tensor {t.name!r}: param index {t.param} out of range")
+            f = self.files.get(t.file)
+            if f is None:
+                raise ManifestError(f"tensor {t.name!r}: unknown file {t.file!r}")
+            if t.offset < 0 or t.offset + t.nbytes > int(f["nbytes"]):
+                raise ManifestError(f"tensor {t.name!r}: bytes [{t.offset}, {t.offset + t.nbytes}) "
+                                    f"outside file {t.file!r} of {f['nbytes']} bytes")
+        for name, f in self.files.items():
+            nblocks = -(-int(f["nbytes"]) // self.block_size)
+            if len(f.get("crc32", [])) != nblocks:
+                raise ManifestError(f"file {name!r}: expected {nblocks} block checksums, "
+                                    f"got {len(f.get('crc32', []))}")
+
+
+class Packer:
+    """Assigns consecutive, unpadded byte offsets in one data file."""
+
+    def __init__(self, file: str = DATA_NAME) -> None:
+        self.file = file
+        self.size = 0
+        self.entries: list[TensorEntry] = []
+
+    def add(self, name: str, param: int, kind: str, shape: Sequence[int], dtype: str,
+            key: str | None = None) -> TensorEntry:
+        numel = math.prod(shape)
+        e = TensorEntry(name, param, kind, tuple(int(s) for s in shape), dtype, self.file,
+                        self.size, numel * ITEMSIZE[dtype], key)
+        self.size += e.nbytes
+        self.entries.append(e)
+        return e
+
+    def alias(self, of: TensorEntry, kind: str, key: str | None = None) -> TensorEntry:
+        """An entry sharing the bytes of ``of`` (e.g. fp32 model weights equal to the masters)."""
+        e = TensorEntry(of.name, of.param, kind, of.shape, of.dtype, of.file, of.offset, of.nbytes, key)
+        self.entries.append(e)
+        return e
+
+
+def jsonable(value: Any, what: str) -> Any:
+    """Return ``value`` as plain JSON data (tuples become lists), or raise naming ``what``."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v, what) for v in value]
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise TypeError(f"{what}: expected string keys, got {type(k).__name__} {k!r}")
+            out[k] = jsonable(v, f"{what}.{k}")
+        return out
+    raise TypeError(f"{what}: expected JSON-able data (None, bool, int, float, str, list, dict), "
+                    f"got {type(value).__name__}")
+
+
+def like(template: Any, value: Any) -> Any:
+    """Give JSON ``value`` back the tuple-ness of ``template`` (e.g. Adam's ``betas``)."""
+    if isinstance(template, tuple) and isinstance(value, list):
+        return tuple(like(t, v) for t, v in zip(template, value)) if len(template) == len(value) \
+            else tuple(value)
+    return value
+
+
+def dumps_params(entries: Iterable[ParamInfo]) -> list[dict]:
+    return [asdict(p) for p in entries]
