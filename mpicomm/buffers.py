@@ -20,10 +20,11 @@ def to_tensor(obj, call: str, arg: str, writable: bool) -> torch.Tensor:
     if isinstance(obj, torch.Tensor):
         return obj.detach()
     if isinstance(obj, np.ndarray):
-        if obj.dtype not in dtypes.NUMPY_TO_TORCH:
-            check_type(call, arg, obj, f"a numpy array of dtype {dtypes.supported_names()}", ok=False)
         if not obj.dtype.isnative:
             fail_value(call, arg, "a numpy array in native byte order", f"byte order {obj.dtype.byteorder!r}")
+        if obj.dtype not in dtypes.NUMPY_TO_TORCH:
+            names = ", ".join(str(d) for d in dtypes.NUMPY_TO_TORCH)
+            check_type(call, arg, obj, f"a numpy array of dtype {names}", ok=False)
         if not obj.flags.writeable:
             if writable:
                 fail_value(call, arg, "a writable numpy array (results are written into it)",

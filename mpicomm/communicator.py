@@ -103,7 +103,8 @@ class Communicator:
         wire = dtypes.UPCAST.get(dtype, dtype)
         mpi_type = dtypes.NATIVE.get(wire)
         if mpi_type is None:
-            fail_value(call, "tensor", f"a dtype in {dtypes.supported_names()}", str(dtype))
+            raise TypeError(f'{call} got unexpected dtype for argument "tensor" (expected: one of '
+                            f"{dtypes.supported_names()}, got: {dtype})")
         if op is ReduceOp.AVG and dtype not in dtypes.FLOATING:
             fail_value(call, "op", "SUM, MAX, MIN or PROD for an integer buffer "
                        "(AVG needs a floating dtype)", f"{op} on {dtype}")
@@ -112,7 +113,8 @@ class Communicator:
     def _move_type(self, call: str, arg: str, t: torch.Tensor):
         mpi_type = dtypes.move_type(t.dtype)
         if mpi_type is None:
-            fail_value(call, arg, f"a dtype in {dtypes.supported_names()}", str(t.dtype))
+            raise TypeError(f'{call} got unexpected dtype for argument "{arg}" (expected: one of '
+                            f"{dtypes.supported_names()}, got: {t.dtype})")
         return mpi_type
 
     def _same_dtype(self, call: str, arg: str, t: torch.Tensor, ref: torch.Tensor) -> None:
