@@ -1,0 +1,61 @@
+"""Accelerator detection under a real MPI launch, checked against MPI's own shared-memory split."""
+from __future__ import annotations
+
+import pytest
+from mpi4py import MPI
+from mpitest import assert_all, check_all
+
+from accelerators import detect_local_rank, get_accelerator
+from accelerators.diagnose import collect
+
+
+def _node_rank_and_size(world):
+    node = world.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return node.Get_rank(), node.Get_size()
+    finally:
+        node.Free()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_local_rank_matches_the_shared_memory_split(world):
+    expected_rank, expected_size = _node_rank_and_size(world)
+    got = detect_local_rank(cross_check=True)
+
+    def check():
+        assert got.rank == expected_rank, f"{got} but the node split says rank {expected_rank}"
+        assert got.size in (None, expected_size), f"{got} but the node has {expected_size} ranks"
+        assert got.warnings == (), got.warnings
+
+    check_all(check, world)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_local_ranks_are_distinct_per_host(world):
+    acc = get_accelerator()
+    pairs = world.allgather((MPI.Get_processor_name(), acc.local_rank().rank))
+    by_host = {}
+    for host, rank in pairs:
+        by_host.setdefault(host, []).append(rank)
+    bad = {h: r for h, r in by_host.items() if sorted(r) != list(range(len(r)))}
+    assert_all(not bad, f"local ranks per host are not 0..n-1: {bad}", world)
+    index = acc.local_device_index()
+    assert_all(0 <= index < max(1, acc.device_count()), f"device index {index}", world)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_diagnosis_is_collective_and_consistent(world):
+    report = collect()
+    reports = world.allgather(report)
+    expected_rank, _ = _node_rank_and_size(world)
+
+    def check():
+        assert report["rank"] == world.Get_rank() and report["size"] == world.Get_size()
+        assert report["local_rank"] == expected_rank, report
+        assert report["cuda_aware"] in ("yes", "no", "unknown")
+        assert len({r["cuda_aware"] for r in reports}) == 1, [r["cuda_aware"] for r in reports]
+        assert len({r["accelerator"] for r in reports}) == 1
+        assert report["mpi"]["vendor"] == "{} {}".format(
+            MPI.get_vendor()[0], ".".join(map(str, MPI.get_vendor()[1])))
+
+    check_all(check, world)
