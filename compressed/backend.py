@@ -215,7 +215,7 @@ class MpiBackend:
         send[:, H:] = TK.pack(x).view(p, lay.chunk_bytes)
         send[:, :H] = scale.view(torch.uint8)
         recv_host = self._exchange(self.comm.all_to_all_single, recv, send)
-        wscales_host = recv_host[:, :H].contiguous().view(torch.float32).reshape(p)
+        wscales_host = recv_host[:, :H].reshape(-1).view(torch.float32)
         self._raise_if_not_finite(wscales_host.cpu().numpy())
 
         TK.residual_(x, scale, e)
@@ -229,7 +229,7 @@ class MpiBackend:
         TK.residual_(s, sscale, s)
         grecv_any = self._exchange(self.comm.all_gather_into_tensor, grecv, gsend)
         grecv_dev = grecv_any.to(dev, non_blocking=True)
-        sscales = grecv_dev[:, :H].contiguous().view(torch.float32).reshape(p)
+        sscales = grecv_dev[:, :H].reshape(-1).view(torch.float32)
         out = torch.empty(lay.numel, dtype=torch.float32, device=dev)
         TK.decode(grecv_dev[:, H:], sscales, out)
         buf.detach().copy_(out.view(buf.shape))
