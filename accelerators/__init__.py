@@ -1,4 +1,4 @@
-"""Device layer for mpicomm: one lazily created accelerator per process, and CUDA-aware MPI detection.
+"""Device layer for mpicomm: one lazily created accelerator per process, CUDA-aware MPI detection.
 
 Importing this package never initialises CUDA.
 """

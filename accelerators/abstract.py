@@ -89,7 +89,8 @@ class Accelerator(abc.ABC):
         self._check_index(i)
         count = self.device_count()
         if i >= count:
-            raise ValueError(f"{self.name} device index {i} out of range: {count} device(s) visible")
+            raise ValueError(f"{self.name} device index {i} out of range: "
+                             f"{count} device(s) visible")
 
     # ---- streams and events --------------------------------------------------------------
     @abc.abstractmethod

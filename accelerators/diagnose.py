@@ -10,7 +10,7 @@ from .registry import get_accelerator
 
 
 def collect(acc: Optional[Accelerator] = None) -> Dict[str, Any]:
-    """This rank's diagnosis as a JSON-ready dict (collective: cross-checks the local rank with MPI)."""
+    """This rank's diagnosis as a JSON-ready dict (collective: checks the local rank with MPI)."""
     from mpi4py import MPI
 
     from . import mpi_lib

@@ -64,7 +64,7 @@ def detect_local_rank(
     cross_check: bool = False,
     launcher_vars: Sequence[Tuple[str, Optional[str]]] = LAUNCHER_VARS,
 ) -> LocalRank:
-    """Find the local rank: ``explicit``, then MPICOMM_LOCAL_RANK, then launcher variables, then MPI.
+    """Find the local rank: ``explicit``, MPICOMM_LOCAL_RANK, launcher variables, then MPI.
 
     ``shared_split`` returns (rank, size) on the node; it is collective, so it is called only when
     no other source answers, or when ``cross_check`` is true (then every rank must call this).

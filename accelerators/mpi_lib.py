@@ -29,7 +29,7 @@ def _loaded_paths() -> list[str]:
 
 
 def mpi_library() -> Optional[Any]:
-    """A ctypes handle on the MPI library that mpi4py loaded (initialises MPI); None if not found."""
+    """A ctypes handle on the MPI library mpi4py loaded (initialises MPI); None if not found."""
     from mpi4py import MPI  # noqa: F401 - loads (and initialises) the MPI library
 
     path = pick_library_path(_loaded_paths())
@@ -59,7 +59,7 @@ def world_info() -> Optional[Dict[str, str]]:
     except Exception:  # noqa: BLE001 - old MPI without Comm_get_info
         return None
     try:
-        return {key: info.Get(key) for key in info.keys()}
+        return {key: info.Get(key) or "" for key in info.keys()}
     finally:
         info.Free()
 

@@ -35,7 +35,8 @@ class FakeMpiLib:
 def test_override_wins_over_everything():
     info = {"mpi_memory_alloc_kinds": "mpi,system,cuda"}
     lib = FakeMpiLib(gpu_query=1)
-    got = detect_cuda_aware(env={"MPICOMM_CUDA_AWARE": "0", "MV2_USE_CUDA": "1"}, info=info, lib=lib)
+    got = detect_cuda_aware(env={"MPICOMM_CUDA_AWARE": "0", "MV2_USE_CUDA": "1"}, info=info,
+                            lib=lib)
     assert got == CudaAwareVerdict(False, "MPICOMM_CUDA_AWARE", "set by MPICOMM_CUDA_AWARE=0")
     assert lib.calls == []
     assert detect_cuda_aware(env={"MPICOMM_CUDA_AWARE": "1"}).value is True
@@ -165,7 +166,8 @@ def test_pick_library_path():
     paths = ["/usr/lib/libmpi_cxx.so.40", "/opt/lib/libmpifort.so.12", "/usr/lib/libc.so.6",
              "/opt/ompi/lib/libmpi.so.40.30.0", "/opt/mpich/lib/libmpi.so.12"]
     assert pick_library_path(paths) == "/opt/ompi/lib/libmpi.so.40.30.0"
-    assert pick_library_path(["/opt/cray/lib/libmpi_cray.so.12"]) == "/opt/cray/lib/libmpi_cray.so.12"
+    cray = "/opt/cray/lib/libmpi_cray.so.12"
+    assert pick_library_path([cray]) == cray
     assert pick_library_path(["/usr/lib/libmpi_usempif08.so", "/x/libmpich.so"]) == "/x/libmpich.so"
     assert pick_library_path(["/usr/lib/libc.so.6"]) is None
 

@@ -10,7 +10,8 @@ from accelerators import CudaAccelerator, registry
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (torch.cuda.is_available())"),
+    pytest.mark.skipif(not torch.cuda.is_available(),
+                       reason="needs CUDA (torch.cuda.is_available())"),
 ]
 
 

@@ -10,9 +10,14 @@ import pytest
 import torch
 
 import accelerators
-from accelerators import (Accelerator, CpuAccelerator, CudaAccelerator, get_accelerator,
-                          set_accelerator)
-from accelerators import registry
+from accelerators import (
+    Accelerator,
+    CpuAccelerator,
+    CudaAccelerator,
+    get_accelerator,
+    registry,
+    set_accelerator,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -84,7 +89,8 @@ def test_override_cuda_without_cuda_is_a_clear_error(fresh):
 @pytest.mark.parametrize("bad", ["xpu", "gpu", "cpu0"])
 def test_unknown_override_lists_valid_names(fresh, bad):
     fresh.setenv("MPICOMM_ACCELERATOR", bad)
-    with pytest.raises(ValueError, match=f"MPICOMM_ACCELERATOR='{bad}' .* expected one of: cpu, cuda"):
+    expected = f"MPICOMM_ACCELERATOR='{bad}' .* expected one of: cpu, cuda"
+    with pytest.raises(ValueError, match=expected):
         get_accelerator()
 
 
