@@ -250,8 +250,15 @@ class SimNet:
                "latency", "50ms"]
         base = ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev]
         if delay and self.delay_s > 0:
-            _run(base + ["root", "handle", "1:", "netem", "delay",
-                         f"{self.delay_s * 1e6:.0f}us", "limit", "100000"])
+            try:
+                _run(base + ["root", "handle", "1:", "netem", "delay",
+                             f"{self.delay_s * 1e6:.0f}us", "limit", "100000"])
+            except NetsimError as exc:
+                if "unknown" in str(exc).lower():
+                    raise NetsimError(
+                        "--delay needs tc's netem qdisc (kernel option CONFIG_NET_SCH_NETEM), "
+                        "which this kernel lacks; run without --delay") from None
+                raise
             _run(base + ["parent", "1:1", "handle", "10:", *tbf])
         else:
             _run(base + ["root", "handle", "1:", *tbf])
