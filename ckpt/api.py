@@ -409,7 +409,8 @@ def load(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.op
     for n, t in zip(names, tensors):
         if n not in midx or id(t) in from_masters:
             continue
-        e = m.find("param", midx[n])
+        # fp32 weights come from the fp32 masters when the checkpoint has them
+        e = (m.find("master", midx[n]) if t.dtype == torch.float32 else None) or m.find("param", midx[n])
         if e is None:
             raise ManifestError(f"load: checkpoint has no weights for {n!r}")
         dest = t.detach()
