@@ -1,6 +1,7 @@
 """mpicomm: MPI collectives over torch tensors, numpy and cupy arrays, for PyTorch training."""
 from __future__ import annotations
 
+from . import distributed  # registers the "mpicomm" torch.distributed backend
 from .communicator import Communicator, get_world, init, is_initialized
 from .errors import CollectiveMismatchError
 from .ops import ReduceOp
