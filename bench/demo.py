@@ -1,17 +1,323 @@
-"""The main job: a short showcase of mpicomm collectives."""
+"""The main job: a short showcase of mpicomm (collectives vs peers, 1-bit vs fp32, a simulated network).
+
+``mpiexec -n 2 python -m mpi4py -m bench demo`` (what ``./scripts/demo.sh`` runs). Three parts, each
+of which says in one line why it is skipped when it cannot run here:
+
+1. collectives: mpicomm vs raw mpi4py (numpy) vs torch.distributed gloo at a few sizes;
+2. compressed: 1-bit compressed allreduce vs fp32 allreduce on the same ranks, with its error;
+3. network: part 2 again on simulated hosts joined by 1 Gbit/s links (``bench netsim``; needs
+   root, ip, tc and unshare), which is where compression pays.
+"""
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+
 import numpy as np
+from mpi4py import MPI
+
+from . import collectives, common
+
+PARTS = ("collectives", "compressed", "network")
+BENCH = "demo"
+
+
+# ---------------------------------------------------------------------------------------------
+# output
+
+class Out:
+    """Rank-0 printing."""
+
+    def __init__(self, mpi_comm: MPI.Comm) -> None:
+        self.root = mpi_comm.Get_rank() == 0
+
+    def __call__(self, text: str = "") -> None:
+        if self.root:
+            print(text, flush=True)
+
+
+def _ms(us: float) -> str:
+    return f"{us / 1e3:.3f} ms" if us >= 1000 else f"{us:.1f} us"
+
+
+# ---------------------------------------------------------------------------------------------
+# part 1: collectives vs peers
+
+def part_collectives(mpi_comm, info, out, sizes, budget_s) -> list[dict]:
+    """Time a few collectives on every peer that works; print one row per op and size."""
+    peers, ctx, notes = collectives.available_peers(list(collectives.PEERS), mpi_comm)
+    out(f"== 1. Collectives: {' vs '.join(peers)} ({info['ranks']} ranks, float32, "
+        f"mean time per call, busbw in GB/s) ==")
+    for note in notes:
+        out(f"   note: {note}")
+    out("   " + f"{'op':<15}{'size':>6}" + "".join(f"{p:>24}" for p in peers) + f"{'#wrong':>8}")
+    records = []
+    for op in ("all_reduce", "all_gather", "broadcast"):
+        for size in sizes:
+            row = []
+            for peer in peers:
+                rec = collectives.measure(peer, op, size, "float32", mpi_comm, info, ctx,
+                                          budget_s=budget_s)
+                rec["bench"] = BENCH
+                records.append(rec)
+                row.append(rec)
+            cells = "".join(f"{_ms(r['time_us_mean']) + ' (%.2f)' % r['busbw_gbps']:>24}"
+                            for r in row)
+            out(f"   {op:<15}{common.format_size(size):>6}{cells}{sum(r['wrong'] for r in row):>8}")
+    largest = [r for r in records if r["size_bytes"] >= max(sizes) // 2]
+    for line in collectives.summary_lines(largest):
+        out(f"   -> {line}")
+    return records
+
+
+# ---------------------------------------------------------------------------------------------
+# part 2: 1-bit compressed vs fp32 allreduce
+
+def make_onebit(mcomm):
+    """Return ``(fn(tensor) -> mean tensor, description)`` or ``(None, why not)``."""
+    try:
+        import compressed
+    except Exception as exc:  # noqa: BLE001 - reported as a note
+        return None, f"the compressed package does not import ({type(exc).__name__}: {exc})"
+    if hasattr(compressed, "OnebitAllreduce"):
+        ar = compressed.OnebitAllreduce(mcomm)
+        return (lambda t: ar(t, key="demo")), "compressed.OnebitAllreduce"
+    if hasattr(compressed, "MpiBackend") and hasattr(compressed, "padded_size"):
+        backend = compressed.MpiBackend(cuda_aware=False, comm=mcomm)
+        state: dict = {}
+
+        def run(t):
+            import torch
+
+            if state.get("numel") != t.numel():
+                padded = compressed.padded_size(t.numel(), mcomm.size)
+                state.update(numel=t.numel(), we=torch.zeros(padded),
+                             se=torch.zeros(padded // mcomm.size))
+            return backend.compressed_allreduce(t, state["we"], state["se"], mcomm.local_rank)
+
+        return run, "compressed.MpiBackend.compressed_allreduce"
+    return None, "compressed offers neither OnebitAllreduce nor MpiBackend yet"
+
+
+def _fp32_allreduce(mpi_comm, mcomm):
+    """``(fn(tensor) in place sum, name)``: mpicomm when its collectives are there, else mpi4py."""
+    if mcomm is not None and hasattr(mcomm, "all_reduce"):
+        return (lambda t: mcomm.all_reduce(t)), "mpicomm"
+
+    def run(t):
+        mpi_comm.Allreduce(MPI.IN_PLACE, t.numpy(), op=MPI.SUM)
+
+    return run, "mpi4py"
+
+
+def onebit_error(fn, mpi_comm, numel: int, calls: int) -> tuple[float, float]:
+    """Relative error vs the exact mean: of one call, and of the average of ``calls`` calls."""
+    import torch
+
+    n, rank = mpi_comm.Get_size(), mpi_comm.Get_rank()
+    gen = torch.Generator().manual_seed(1234 + rank)
+    g = torch.randn(numel, generator=gen)
+    exact = np.empty(numel, dtype=np.float64)
+    mpi_comm.Allreduce(g.double().numpy(), exact, op=MPI.SUM)
+    exact /= n
+    total = np.zeros(numel)
+    first = None
+    for i in range(calls):
+        got = fn(g.clone()).double().numpy()
+        total += got
+        if i == 0:
+            first = got.copy()
+    norm = np.linalg.norm(exact)
+    one = mpi_comm.allreduce(float(np.linalg.norm(first - exact) / norm), op=MPI.MAX)
+    avg = mpi_comm.allreduce(float(np.linalg.norm(total / calls - exact) / norm), op=MPI.MAX)
+    return one, avg
+
+
+def part_compressed(mpi_comm, info, out, size_bytes: int, iters: int, warmup: int,
+                    title: str) -> list[dict]:
+    """Time fp32 allreduce and 1-bit compressed allreduce of one buffer; print the ratio."""
+    import torch
+
+    import mpicomm
+
+    mcomm = mpicomm.init()
+    n = mpi_comm.Get_size()
+    numel = size_bytes // 4
+    out(f"== {title} ==")
+    fp32, fp32_name = _fp32_allreduce(mpi_comm, mcomm)
+    onebit, onebit_name = make_onebit(mcomm)
+    records = []
+    # fp32: timed on zeros (in place, so values stay put), checked exactly on a pattern
+    t = torch.zeros(numel)
+    times, w, it = common.timed(lambda: fp32(t), size_bytes, mpi_comm, iters=iters, warmup=warmup)
+    check = torch.full((numel,), float(mpi_comm.Get_rank() + 1))
+    fp32(check)
+    wrong = mpi_comm.allreduce(int((check != n * (n + 1) / 2).sum()), op=MPI.SUM)
+    algbw, busbw = common.bandwidths(size_bytes, times[1], "all_reduce", n)
+    wire = int(size_bytes * common.busbw_factor("all_reduce", n))
+    records.append(common.make_record(
+        bench=BENCH, op="all_reduce", dtype="float32", size_bytes=size_bytes, info=info,
+        times_s=times, algbw_gbps=algbw, busbw_gbps=busbw, wire_bytes=wire, wrong=wrong,
+        peer=f"fp32-{fp32_name}", iters=it, warmup=w))
+    fp32_rec = records[-1]
+    out(f"   fp32 allreduce ({fp32_name}) of {common.format_size(size_bytes)}: "
+        f"{_ms(fp32_rec['time_us_mean'])} per call (busbw {busbw:.3f} GB/s, #wrong {wrong})")
+    if onebit is None:
+        out(f"   1-bit compressed allreduce: skipped ({onebit_name})")
+        return records
+    try:
+        g = torch.randn(numel, generator=torch.Generator().manual_seed(mpi_comm.Get_rank()))
+        times, w, it = common.timed(lambda: onebit(g), size_bytes, mpi_comm, iters=iters,
+                                    warmup=warmup)
+        one, avg = onebit_error(onebit, mpi_comm, min(numel, 1 << 18), calls=8)
+    except Exception as exc:  # noqa: BLE001 - the demo goes on
+        out(f"   1-bit compressed allreduce: failed ({type(exc).__name__}: {exc})")
+        return records
+    algbw, busbw = common.bandwidths(size_bytes, times[1], "all_reduce", n)
+    # sign bits out and back (all-to-all then allgather), each (n-1)/n of numel/8 bytes
+    wire = int(2 * (n - 1) / n * numel / 8) if n > 1 else 0
+    records.append(common.make_record(
+        bench=BENCH, op="all_reduce", dtype="float32", size_bytes=size_bytes, info=info,
+        times_s=times, algbw_gbps=algbw, busbw_gbps=busbw, wire_bytes=wire, wrong=0,
+        peer="onebit", iters=it, warmup=w, rel_error_1call=one, rel_error_avg8=avg))
+    rec = records[-1]
+    speedup = fp32_rec["time_us_mean"] / rec["time_us_mean"] if rec["time_us_mean"] else 0.0
+    out(f"   1-bit compressed allreduce ({onebit_name}): {_ms(rec['time_us_mean'])} per call, "
+        f"{speedup:.1f}x {'faster' if speedup >= 1 else 'the speed of'} fp32"
+        f"{'' if speedup >= 1 else ' (slower)'}; ~{fp32_rec['wire_bytes'] / max(1, wire):.0f}x "
+        f"fewer bytes on the wire")
+    out(f"   error vs the exact mean: {one:.2f} for one call, {avg:.3f} for the average of 8 "
+        f"calls (error feedback carries what one call drops)")
+    return records
+
+
+# ---------------------------------------------------------------------------------------------
+# part 3: the same on simulated hosts
+
+def _clean_env() -> dict:
+    """This rank's environment without the launcher's variables (a fresh mpiexec follows)."""
+    drop = ("PMI_", "PMIX_", "HYDRA_", "HYDI_", "OMPI_", "MPI_LOCAL")
+    return {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+
+
+def _wait_quietly(mpi_comm) -> None:
+    """Barrier that sleeps instead of spinning, so waiting ranks leave the CPUs to others."""
+    req = mpi_comm.Ibarrier()
+    while not req.Test():
+        time.sleep(0.05)
+
+
+def part_network(mpi_comm, out, rates: list[str], size_bytes: int, timeout_s: float) -> list[dict]:
+    """Rank 0 runs part 2 under ``bench netsim`` (2 hosts) at each rate; the others wait."""
+    from . import netsim
+
+    out(f"== 3. Simulated network: 2 hosts (network namespaces), {', '.join(rates)} links, "
+        f"one rank per host ==")
+    records: list[dict] = []
+    if mpi_comm.Get_rank() == 0:
+        problem = netsim.preflight()
+        if problem is None and MPI.get_vendor()[0] != "MPICH":
+            problem = f"netsim launches with MPICH's Hydra; this MPI is {MPI.get_vendor()[0]}"
+        if problem:
+            out(f"   skipped: {problem}")
+        for rate in rates if not problem else []:
+            with tempfile.TemporaryDirectory(prefix="mpicomm-demo-") as tmp:
+                path = os.path.join(tmp, "net.json")
+                cmd = [sys.executable, "-m", "bench", "netsim", "--hosts", "2", "--rate", rate,
+                       "--timeout", str(timeout_s), "--", "demo", "--parts", "compressed",
+                       "--compressed-size", common.format_size(size_bytes), "--json", path]
+                t0 = time.perf_counter()
+                proc = subprocess.run(cmd, capture_output=True, text=True, env=_clean_env(),
+                                      timeout=timeout_s + 60)
+                took = time.perf_counter() - t0
+                recs = []
+                if os.path.exists(path):
+                    with open(path) as f:
+                        recs = json.load(f)["records"]
+            if proc.returncode != 0 or not recs:
+                tail = (proc.stderr.strip() or proc.stdout.strip()).splitlines()[-3:]
+                out(f"   {rate}: failed (exit {proc.returncode}): {' | '.join(tail)}")
+                continue
+            for line in proc.stdout.splitlines():
+                if line.startswith("   "):
+                    out(f"   [{rate}]{line[2:]}")
+            out(f"   [{rate}] (set-up, run and tear-down took {took:.1f} s)")
+            records += recs
+    _wait_quietly(mpi_comm)
+    return mpi_comm.bcast(records, root=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# the program
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mpiexec -n 2 python -m bench demo",
+        description="A short showcase: collectives vs peers, 1-bit vs fp32, simulated network.")
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help=f"comma list of parts to run (default {','.join(PARTS)})")
+    parser.add_argument("--sizes", type=common.parse_sizes, default=common.parse_sizes("4K,1M,16M"),
+                        help="sizes for part 1 (default 4K,1M,16M)")
+    parser.add_argument("--compressed-size", type=common.parse_size, default=64 << 20,
+                        help="buffer size for parts 2 and 3 (default 64M)")
+    parser.add_argument("--rates", default="1gbit,10gbit",
+                        help="link rates for part 3 (default 1gbit,10gbit)")
+    parser.add_argument("--budget", type=float, default=0.3,
+                        help="seconds per measurement in part 1 (default 0.3)")
+    parser.add_argument("--json", default=None, metavar="FILE",
+                        help="write every measurement as a JSON record to FILE")
+    return parser
 
 
 def main(argv=None) -> int:
-    import mpicomm
+    args = build_parser().parse_args(argv)
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    bad = [p for p in parts if p not in PARTS]
+    if bad:
+        print(f"bench demo: unknown parts {bad}; expected from {PARTS}", file=sys.stderr)
+        return 2
+    mpi_comm = MPI.COMM_WORLD
+    out = Out(mpi_comm)
+    info = common.environment_info(mpi_comm)
+    t0 = time.perf_counter()
+    if parts != ["compressed"] or info["network"] == "local":
+        out(f"mpicomm demo: {info['ranks']} ranks on {info['hosts']} host(s), "
+            f"{info['mpi_vendor']} {info['mpi_version']}, mpi4py {info['mpi4py_version']}, "
+            f"torch {info['torch_version']}; network: {info['network']}")
+        out()
+    records: list[dict] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        if "collectives" in parts:
+            records += part_collectives(mpi_comm, info, out, args.sizes, args.budget)
+            out()
+        if "compressed" in parts:
+            title = ("2. Compressed: 1-bit allreduce vs fp32 allreduce, "
+                     f"{info['ranks']} ranks, {info['network']}")
+            records += part_compressed(mpi_comm, info, out, args.compressed_size, iters=3,
+                                       warmup=1, title=title)
+            out()
+        if "network" in parts:
+            rates = [r.strip() for r in args.rates.split(",") if r.strip()]
+            records += part_network(mpi_comm, out, rates, args.compressed_size, timeout_s=120)
+            out()
+    collectives._close_gloo()
+    wrong = sum(r.get("wrong", 0) for r in records)
+    if mpi_comm.Get_rank() == 0 and args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": dict(info, bench=BENCH, parts=parts), "records": records}, f,
+                      indent=1)
+    if parts != ["compressed"] or info["network"] == "local":
+        out(f"demo done in {time.perf_counter() - t0:.1f} s; "
+            + ("all values correct" if wrong == 0 else f"FAILED: {wrong} wrong values"))
+    return 1 if wrong else 0
 
-    comm = mpicomm.init()
-    if comm.rank == 0:
-        print(f"mpicomm demo on {comm.size} ranks")
-    x = np.full(4, comm.rank + 1.0)
-    comm.mpi_comm.Allreduce(np.copy(x), x)
-    if comm.rank == 0:
-        print("allreduce:", x)
-    return 0
+
+if __name__ == "__main__":
+    sys.exit(main())

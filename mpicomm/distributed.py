@@ -208,6 +208,6 @@ def allreduce_hook(state, bucket: "dist.GradBucket") -> torch.futures.Future:
 
 # DDP inspects the hook's annotations as objects, not the strings that postponed evaluation makes.
 allreduce_hook.__annotations__["bucket"] = dist.GradBucket
-allreduce_hook.__annotations__["return"] = torch.futures.Future
+allreduce_hook.__annotations__["return"] = torch.futures.Future[torch.Tensor]
 
 register()

@@ -190,3 +190,29 @@ def test_against_the_mpi_in_use():
     else:
         assert got.source in ("none", "MV2_USE_CUDA", "MPICH_GPU_SUPPORT_ENABLED",
                               "OMPI_MCA_opal_cuda_support", "MPIR_CVAR_ENABLE_GPU")
+
+
+class OldStyleInfo:
+    """mpi4py 3's Info.Get returned (value, flag)."""
+
+    def __init__(self, items):
+        self.items = items
+
+    def Get(self, key):
+        return (self.items[key], True) if key in self.items else (None, False)
+
+
+def test_info_objects_returning_value_and_flag():
+    assert detect_cuda_aware(env={}, info=OldStyleInfo({"mpi_memory_alloc_kinds": "cuda"})).value
+    got = detect_cuda_aware(env={}, info=OldStyleInfo({}))
+    assert got.value is None and "no mpi_memory_alloc_kinds info key" in got.reason
+
+
+def test_cuda_query_that_raises_is_unknown():
+    class Lib:
+        def MPIX_Query_cuda_support(self):
+            raise OSError("segv avoided")
+
+    got = detect_cuda_aware(env={}, lib=Lib())
+    assert got.value is None
+    assert "MPIX_Query_cuda_support raised OSError: segv avoided" in got.reason

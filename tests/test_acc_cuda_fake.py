@@ -189,6 +189,14 @@ def test_device_buffers(fake):
     assert not acc.is_device_buffer(torch.ones(2)) and not acc.on_accelerator(torch.ones(2))
     assert not acc.is_device_buffer(np.ones(2))
 
+    class Broken:
+        @property
+        def __cuda_array_interface__(self):
+            raise RuntimeError("array on a closed device")
+
+    assert not acc.is_device_buffer(Broken())
+    assert repr(acc) == "CudaAccelerator(name='cuda')"
+
 
 @pytest.mark.parametrize("capability,bf16,fp16", [((8, 0), True, True), ((7, 0), False, True),
                                                   ((5, 2), False, False)])

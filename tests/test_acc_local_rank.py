@@ -158,3 +158,8 @@ def test_device_index_needs_a_device():
 def test_local_rank_is_frozen():
     with pytest.raises(AttributeError):
         LocalRank(0, 1, "test").rank = 1
+
+
+def test_zero_local_size_is_ignored():
+    got = detect_local_rank(env={"MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "0"}, shared_split=None)
+    assert (got.rank, got.size, got.warnings) == (0, None, ())

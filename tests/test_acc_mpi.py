@@ -1,11 +1,14 @@
 """Accelerator detection under a real MPI launch, checked against MPI's own shared-memory split."""
 from __future__ import annotations
 
+import json
+
 import pytest
 from mpi4py import MPI
 from mpitest import assert_all, check_all
 
 from accelerators import detect_local_rank, get_accelerator
+from accelerators.__main__ import main
 from accelerators.diagnose import collect
 
 
@@ -59,3 +62,26 @@ def test_diagnosis_is_collective_and_consistent(world):
             MPI.get_vendor()[0], ".".join(map(str, MPI.get_vendor()[1])))
 
     check_all(check, world)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_main_prints_every_rank_from_rank_0(world, capsys):
+    rc = main(["--json"])
+    out = capsys.readouterr().out
+
+    def check():
+        assert rc == 0
+        if world.Get_rank() == 0:
+            reports = json.loads(out)
+            assert [r["rank"] for r in reports] == list(range(world.Get_size()))
+        else:
+            assert out == ""
+
+    check_all(check, world)
+    rc = main([])
+    text = capsys.readouterr().out
+    if world.Get_rank() == 0:
+        assert_all(all(f"rank {r} of {world.Get_size()}" in text
+                       for r in range(world.Get_size())), text, world)
+    else:
+        assert_all(text == "", text, world)
