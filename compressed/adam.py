@@ -1,0 +1,128 @@
+"""OnebitAdam: Adam whose momentum is averaged with 1-bit compressed allreduce after a warm-up."""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import torch
+
+from .allreduce import OnebitAllreduce
+from .backend import as_communicator
+
+__all__ = ["OnebitAdam"]
+
+
+class OnebitAdam(torch.optim.Optimizer):
+    """1-bit Adam (Tang et al., as in DeepSpeed) over an mpicomm communicator.
+
+    Steps 1..``freeze_step`` are Adam (as ``torch.optim.Adam``, weight decay added to the
+    gradient) on gradients averaged over ranks with one uncompressed allreduce per step. From step
+    ``freeze_step + 1`` on, the variance and its bias correction are frozen; each rank folds its
+    local gradient into the momentum, and the momenta of all parameters, flattened into one
+    buffer per device, are averaged with one compressed allreduce (error feedback kept by this
+    optimizer). Parameters whose ``grad`` is None are skipped: every rank must skip the same ones.
+    ``state_dict()`` holds the step count and this rank's error buffers.
+    """
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, freeze_step: int = 100000,
+                 comm: Any = None, *, cuda_aware: bool = False) -> None:
+        if lr < 0 or eps < 0 or weight_decay < 0:
+            raise ValueError(f"OnebitAdam: expected lr, eps, weight_decay >= 0, got {lr}, {eps}, "
+                             f"{weight_decay}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"OnebitAdam: expected betas in [0, 1), got {betas}")
+        if freeze_step < 0:
+            raise ValueError(f"OnebitAdam: expected freeze_step >= 0, got {freeze_step}")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        self.comm = as_communicator(comm)
+        self.freeze_step = int(freeze_step)
+        self.global_step = 0
+        self.onebit = OnebitAllreduce(self.comm, cuda_aware=cuda_aware)
+
+    @property
+    def frozen(self) -> bool:
+        """Whether the next step uses compressed momentum."""
+        return self.global_step >= self.freeze_step
+
+    def _active(self) -> list[tuple[dict, torch.Tensor]]:
+        return [(g, p) for g in self.param_groups for p in g["params"] if p.grad is not None]
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None):
+        """Take one optimisation step (collective: every rank calls it)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        active = self._active()
+        frozen = self.frozen
+        t = self.global_step + 1
+        grads = [p.grad.detach() for _, p in active]
+        if not frozen:
+            grads = self._average(grads)
+        for (group, p), g in zip(active, grads):
+            if g.is_sparse:
+                raise RuntimeError("OnebitAdam does not support sparse gradients")
+            beta1, beta2 = group["betas"]
+            st = self.state[p]
+            if not st:
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if group["weight_decay"]:
+                g = g.add(p, alpha=group["weight_decay"])
+            st["exp_avg"].lerp_(g, 1 - beta1)
+            if not frozen:
+                st["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        if frozen:
+            self._average_momenta(active)
+        for group, p in active:
+            beta1, beta2 = group["betas"]
+            st = self.state[p]
+            bc1 = 1 - beta1 ** t
+            bc2 = 1 - beta2 ** min(t, self.freeze_step) if self.freeze_step > 0 else 1.0
+            denom = (st["exp_avg_sq"].sqrt() / (bc2 ** 0.5 if bc2 > 0 else 1.0)).add_(group["eps"])
+            p.addcdiv_(st["exp_avg"], denom, value=-group["lr"] / bc1)
+        self.global_step = t
+        return loss
+
+    def _average(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Mean over ranks of ``tensors`` with one allreduce per device and dtype."""
+        if self.comm.size == 1 or not tensors:
+            return tensors
+        out: list[torch.Tensor | None] = [None] * len(tensors)
+        for idx in _by_device_dtype(tensors).values():
+            flat = torch.cat([tensors[i].reshape(-1) for i in idx])
+            self.comm.all_reduce(flat, op="avg")
+            for i, piece in zip(idx, flat.split([tensors[i].numel() for i in idx])):
+                out[i] = piece.view_as(tensors[i])
+        return out  # type: ignore[return-value]
+
+    def _average_momenta(self, active: list[tuple[dict, torch.Tensor]]) -> None:
+        moms = [self.state[p]["exp_avg"] for _, p in active]
+        for key, idx in _by_device_dtype(moms).items():
+            flat = torch.cat([moms[i].reshape(-1).float() for i in idx])
+            mean = self.onebit(flat, key=f"exp_avg:{key[0]}:{key[1]}")
+            for i, piece in zip(idx, mean.split([moms[i].numel() for i in idx])):
+                moms[i].copy_(piece.view_as(moms[i]))
+
+    def state_dict(self) -> dict:
+        sd = super().state_dict()
+        sd["onebit"] = {"global_step": self.global_step, "freeze_step": self.freeze_step,
+                        "allreduce": self.onebit.state_dict()}
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        state_dict = dict(state_dict)
+        extra = state_dict.pop("onebit", None)
+        super().load_state_dict(state_dict)
+        if extra is not None:
+            self.global_step = int(extra["global_step"])
+            self.freeze_step = int(extra["freeze_step"])
+            self.onebit.load_state_dict(extra["allreduce"])
+
+
+def _by_device_dtype(tensors: list[torch.Tensor]) -> dict[tuple[str, str], list[int]]:
+    groups: dict[tuple[str, str], list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((str(t.device), str(t.dtype).replace("torch.", "")), []).append(i)
+    return groups

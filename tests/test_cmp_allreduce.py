@@ -1,0 +1,130 @@
+"""OnebitAllreduce: owned error buffers, identity at one rank, dtypes, empty and non-finite input."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import compressed
+from mpitest import check_all
+from test_cmp_backend import compare, group, simulate
+
+
+@pytest.mark.mpi(min_size=1)
+def test_matches_simulation_with_errors_kept_per_key(world, comm):
+    def run():
+        ar = compressed.OnebitAllreduce(comm)
+        p = comm.size
+        rng = np.random.default_rng(comm.rank)
+        state = {}
+        for step in range(3):
+            for key, shape in (("a", (5, 20)), ("b", (33,))):
+                n = int(np.prod(shape))
+                g = torch.from_numpy(rng.standard_normal(shape).astype(np.float32))
+                N = compressed.padded_size(n, p)
+                we, se = state.get(key, (np.zeros(N), np.zeros(N // p)))
+                ref = simulate(g.numpy(), we, se, world)
+                before = g.clone()
+                out = ar(g, key=key)
+                assert torch.equal(g, before), "input was modified"
+                assert out.shape == shape and out.dtype == torch.float32
+                if p == 1:
+                    assert torch.equal(out, g)
+                    continue
+                wt, st = ar.errors(key)
+                compare(out, wt, st, ref)
+                state[key] = (wt.numpy().astype(np.float64), st.numpy().astype(np.float64))
+        assert sorted(ar.keys()) == ([] if p == 1 else ["a", "b"])
+
+    check_all(run, world)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_world_size_one_is_identity(world):
+    sub, comm1 = group(world, 1)
+
+    def run():
+        if comm1 is None:
+            return
+        ar = compressed.OnebitAllreduce(comm1)
+        x = torch.randn(3, 5, dtype=torch.bfloat16)
+        out = ar(x, key="k")
+        assert torch.equal(out, x) and out.dtype == torch.bfloat16 and out.data_ptr() != x.data_ptr()
+        assert ar.keys() == []
+
+    check_all(run, world)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_dtypes_computed_in_fp32_and_returned_in_theirs(world, comm, dtype):
+    def run():
+        ar = compressed.OnebitAllreduce(comm)
+        p = comm.size
+        torch.manual_seed(10 + comm.rank)
+        g = torch.randn(300).to(dtype)
+        N = compressed.padded_size(300, p)
+        ref = simulate(g.float().numpy(), np.zeros(N), np.zeros(N // p), world)
+        out = ar(g, key="h")
+        assert out.dtype == dtype
+        if p > 1:
+            we, se = ar.errors("h")
+            compare(out, we, se, ref, out_rtol=1e-2 if dtype != torch.float64 else 2e-6)
+
+    check_all(run, world)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_empty_and_size_checks(world, comm):
+    def run():
+        ar = compressed.OnebitAllreduce(comm)
+        out = ar(torch.zeros(0, 4), key="e")
+        assert out.shape == (0, 4)
+        with pytest.raises(TypeError, match="floating"):
+            ar(torch.zeros(4, dtype=torch.int64))
+        if comm.size > 1:
+            ar(torch.ones(10), key="x")
+            with pytest.raises(ValueError, match="key 'x' holds error buffers"):
+                ar(torch.ones(1000), key="x")
+            ar.reset("x")
+            ar(torch.ones(1000), key="x")
+
+    check_all(run, world)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_non_finite_raises_on_every_rank(world, comm):
+    def run():
+        ar = compressed.OnebitAllreduce(comm)
+        x = torch.randn(64)
+        ar(x, key="k")
+        we, se = (t.clone() for t in ar.errors("k"))
+        y = torch.randn(64)
+        if comm.rank == 0:
+            y[3] = float("inf")
+        with pytest.raises(compressed.NonFiniteError, match=r"not finite .* rank\(s\) \[0\]"):
+            ar(y, key="k")
+        assert torch.equal(ar.errors("k")[0], we) and torch.equal(ar.errors("k")[1], se)
+
+    check_all(run, world)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_state_dict_round_trip_continues_identically(world, comm):
+    def run():
+        a = compressed.OnebitAllreduce(comm)
+        rng = np.random.default_rng(comm.rank)
+        xs = [torch.from_numpy(rng.standard_normal(200).astype(np.float32)) for _ in range(4)]
+        a(xs[0], key="w")
+        a(xs[1], key="w")
+        b = compressed.OnebitAllreduce(comm)
+        b.load_state_dict(a.state_dict())
+        for x in xs[2:]:
+            assert torch.equal(a(x, key="w"), b(x, key="w"))
+        if comm.size > 1:
+            assert torch.equal(a.errors("w")[0], b.errors("w")[0])
+        bad = dict(a.state_dict(), world_size=comm.size + 1)
+        with pytest.raises(ValueError, match="world size"):
+            b.load_state_dict(bad)
+
+    check_all(run, world)
