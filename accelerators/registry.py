@@ -23,6 +23,8 @@ _lock = threading.Lock()
 
 
 def _cuda_available() -> Tuple[bool, str]:
+    # torch.cuda.is_available() creates no CUDA context; with PYTORCH_NVML_BASED_CUDA_CHECK=1 it
+    # asks NVML instead of the CUDA runtime, which keeps a later fork() safe.
     try:
         import torch
 
