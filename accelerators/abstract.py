@@ -242,5 +242,3 @@ class Accelerator(abc.ABC):
     def describe(self) -> Tuple[Tuple[str, str], ...]:
         """Extra (label, value) lines for the diagnosis."""
         return ()
-
-

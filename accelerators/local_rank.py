@@ -97,12 +97,9 @@ def detect_local_rank(
             continue
         size = None
         if size_var is not None and env.get(size_var) is not None:
-            size = _parse_nonneg(env[size_var])
-            if size is not None and size == 0:
-                size = None
+            size = _parse_nonneg(env[size_var]) or None  # 0 is no size either
         found.append((rank_var, value, size))
 
-    split: Optional[Tuple[int, int]] = None
     if shared_split is not None and (not found or cross_check):
         try:
             split = shared_split()
