@@ -8,6 +8,7 @@ the full, unsharded model.
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -174,6 +175,13 @@ def assert_masters_close(got, expected, exact: bool, what: str) -> None:
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m: f"{what}: master {i}: {m}")
 
 
+def polite_barrier(world: MPI.Comm) -> None:
+    """Barrier that sleeps instead of spinning, so idle ranks leave the cores to working ones."""
+    req = world.Ibarrier()
+    while not req.Test():
+        time.sleep(0.0005)
+
+
 def sub(world: MPI.Comm, n: int):
     """mpicomm Communicator over world ranks [0, n), or None on the other ranks."""
     c = world.Split(0 if world.rank < n else MPI.UNDEFINED, world.rank)
@@ -189,7 +197,10 @@ def free(*comms) -> None:
 def _move_params():
     out = []
     for n, m in MOVES:
-        out.append(pytest.param((n, m), id=f"{n}to{m}", marks=pytest.mark.mpi(min_size=max(n, m))))
+        marks = [pytest.mark.mpi(min_size=max(n, m))]
+        if (n, m) in ((1, 2), (2, 1)):  # for runs at 2 ranks; larger runs have the bigger moves
+            marks.append(pytest.mark.skipif(MPI.COMM_WORLD.size > 3, reason="covered by larger moves"))
+        out.append(pytest.param((n, m), id=f"{n}to{m}", marks=marks))
     return out
 
 
@@ -213,6 +224,7 @@ def test_reshard(world, shared_tmp_path, dtype_name, stage, opt_name, move):
         train(model, opt, range(STEPS), save_c.rank, dtype)
         ckpt.save(path, model=model, optimizer=opt, step=STEPS, comm=save_c, extra={"move": [n_save, n_load]})
         ref = snapshot(model, opt, save_c)
+    polite_barrier(world)
     ref = world.bcast(ref, root=0)  # test-side transport of the expected values
 
     def check():
@@ -253,5 +265,11 @@ def test_reshard(world, shared_tmp_path, dtype_name, stage, opt_name, move):
         assert_masters_close(gather_full(opt, load_c)["master"], reference.masters, n_load <= 2,
                              "model-only load, 8 more steps")
 
-    check_all(check, world)
+    def check_then_wait():
+        try:
+            check()
+        finally:
+            polite_barrier(world)
+
+    check_all(check_then_wait, world)
     free(save_c, load_c)
