@@ -87,7 +87,7 @@ def make_onebit(mcomm):
         return None, f"the compressed package does not import ({type(exc).__name__}: {exc})"
     if hasattr(compressed, "OnebitAllreduce"):
         ar = compressed.OnebitAllreduce(mcomm)
-        return (lambda t: ar(t, key="demo")), "compressed.OnebitAllreduce"
+        return (lambda t: ar(t, key=f"demo-{t.numel()}")), "compressed.OnebitAllreduce"
     if hasattr(compressed, "MpiBackend") and hasattr(compressed, "padded_size"):
         backend = compressed.MpiBackend(cuda_aware=False, comm=mcomm)
         state: dict = {}
@@ -266,8 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="sizes for part 1 (default 4K,1M,16M)")
     parser.add_argument("--compressed-size", type=common.parse_size, default=64 << 20,
                         help="buffer size for parts 2 and 3 (default 64M)")
-    parser.add_argument("--rates", default="1gbit,10gbit",
-                        help="link rates for part 3 (default 1gbit,10gbit)")
+    parser.add_argument("--rates", default="1gbit",
+                        help="comma list of link rates for part 3 (default 1gbit; e.g. 1gbit,10gbit)")
     parser.add_argument("--budget", type=float, default=0.3,
                         help="seconds per measurement in part 1 (default 0.3)")
     parser.add_argument("--json", default=None, metavar="FILE",
