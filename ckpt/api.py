@@ -393,6 +393,8 @@ def load(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.op
                              f"{tuple(m.params[midx[n]].shape)}")
     by_id = {id(t): midx[n] for n, t in zip(names, tensors) if n in midx}
 
+    if optimizer is not None and any(id(p) not in by_id for p in _opt_params(optimizer)):
+        raise ValueError("load: the optimizer holds parameters that are not in model.state_dict()")
     zero = optimizer if isinstance(optimizer, ZeroOptimizer) else None
     if zero is not None and zero.comm.size != mpi.Get_size():
         raise ValueError(f"load: the optimizer shards over {zero.comm.size} ranks but comm has {mpi.Get_size()}")
