@@ -134,6 +134,8 @@ def add_common_args(parser: argparse.ArgumentParser, *, default_sizes: str = "8:
                         help="write one JSON record per measurement to FILE")
     parser.add_argument("--plot", default=None, metavar="FILE.png",
                         help="draw time or bandwidth against size (needs matplotlib)")
+    parser.add_argument("--plot-y", choices=sorted(PLOT_Y), default="busbw",
+                        help="what --plot draws against size (default busbw)")
 
 
 # OSU micro-benchmarks run 1000 iterations (200 warm-up) up to 8 KiB and 100 (10) above. The
@@ -443,6 +445,8 @@ class Table:
 # ---------------------------------------------------------------------------------------------
 # plots
 
+PLOT_Y = {"busbw": "busbw_gbps", "algbw": "algbw_gbps", "time": "time_us_mean"}
+
 def plot_records(records: Sequence[dict], path: str, *, y: str = "busbw_gbps",
                  series: Sequence[str] = ("op", "peer"), title: str = "") -> None:
     """Draw ``y`` against size, one line per distinct value of the ``series`` fields; save as PNG."""
@@ -490,7 +494,7 @@ class Reporter:
         self.root = mpi_comm.Get_rank() == 0
         self.table = Table(columns, out=out, enabled=self.root)
         self.plot_path = getattr(args, "plot", None)
-        self.plot_y = plot_y
+        self.plot_y = PLOT_Y.get(getattr(args, "plot_y", None) or "", plot_y)
         self.plot_series = tuple(plot_series)
         self.info: dict = {}
         self.json: JsonWriter | None = None
@@ -531,8 +535,8 @@ class Reporter:
         """Draw the plot, print the verdict on wrong values; 1 if any value was wrong, else 0."""
         if self.root and self.plot_path and self.records:
             plot_records(self.records, self.plot_path, y=self.plot_y, series=self.plot_series,
-                         title=f"mpicomm bench {self.bench}: {self.info.get('ranks')} ranks, "
-                               f"{self.info.get('hosts')} hosts, {self.info.get('network')}")
+                         title=f"mpicomm bench {self.bench}: ranks {self.info.get('ranks')}, "
+                               f"hosts {self.info.get('hosts')}, {self.info.get('network')}")
             self.note(f"plot written to {self.plot_path}")
         if self.root and getattr(self.args, "json", None):
             self.note(f"{len(self.records)} JSON records written to {self.args.json}")

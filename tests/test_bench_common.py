@@ -42,7 +42,7 @@ def test_common_args():
     common.add_common_args(p)
     a = p.parse_args(["--sizes", "8:1K", "--iters", "5", "--json", "x.json"])
     assert a.sizes == [8, 16, 32, 64, 128, 256, 512, 1024]
-    assert (a.iters, a.warmup, a.json, a.plot) == (5, None, "x.json", None)
+    assert (a.iters, a.warmup, a.json, a.plot, a.plot_y) == (5, None, "x.json", None, "busbw")
     with pytest.raises(SystemExit):
         p.parse_args(["--sizes", "nonsense"])
 
