@@ -17,8 +17,7 @@ class _Group:
     layout: ShardLayout
     master: torch.Tensor                     # this rank's fp32 shard, local_numel elements
     dtype: torch.dtype                       # the model weights' dtype in this group
-    grad_buf: torch.Tensor | None = None     # padded full gradient, fp32, (world, local)
-    weight_buf: torch.Tensor | None = None   # padded full weights, model dtype, (world, local)
+    buckets: list | None = None              # see ZeroOptimizer._buckets
 
 
 def _default_comm():
@@ -35,11 +34,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
     the updated weights back into the model (cast to the model's dtype). Stage 1 shards each
     parameter group as one flat padded buffer; stage 3 splits every parameter on its own (the
     model keeps full weights on every rank either way). A parameter whose ``grad`` is None
-    counts as a zero gradient. Save and load with ``ckpt.save`` / ``ckpt.load``.
+    counts as a zero gradient. Collectives go through buffers of at most ``bucket_bytes``.
+    Save and load with ``ckpt.save`` / ``ckpt.load``.
     """
 
     def __init__(self, optimizer_class: type[torch.optim.Optimizer], params: Iterable[Any],
-                 stage: int = 1, comm: Any = None, **optimizer_kwargs: Any) -> None:
+                 stage: int = 1, comm: Any = None, bucket_bytes: int = 32 << 20,
+                 **optimizer_kwargs: Any) -> None:
         if stage not in STAGES:
             raise ValueError(f"ZeroOptimizer: expected stage in {STAGES}, got {stage!r}")
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
@@ -49,6 +50,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.optimizer_class = optimizer_class
         self.world_size = int(self.comm.size)
         self.rank = int(self.comm.rank)
+        self.bucket_bytes = int(bucket_bytes)
+        self._scratch_bufs: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
         groups = list(params)
         if not groups:
@@ -88,6 +91,31 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     # -- training -------------------------------------------------------------------------------
 
+    def _buckets(self, g: _Group) -> list[tuple[int, int, list[tuple[int, int, int, int]]]]:
+        """Column ranges [c0, c1) of the (world, local) padded buffer, at most ``bucket_bytes``
+        of fp32 per range, with the pieces (rank, param, param start, column, length) in each."""
+        if g.buckets is None:
+            width = max(1, self.bucket_bytes // (4 * g.layout.world_size))
+            out = []
+            segs = g.layout.all_segments()
+            for c0 in range(0, g.layout.local_numel, width):
+                c1 = min(c0 + width, g.layout.local_numel)
+                pieces = []
+                for r, s in segs:
+                    a, b = max(s.local, c0), min(s.local + s.length, c1)
+                    if a < b:
+                        pieces.append((r, s.param, s.start + a - s.local, a - c0, b - a))
+                out.append((c0, c1, pieces))
+            g.buckets = out
+        return g.buckets
+
+    def _scratch(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        buf = self._scratch_bufs.get((dtype, device))
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=dtype, device=device)
+            self._scratch_bufs[(dtype, device)] = buf
+        return buf[:numel]
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Average gradients (reduce-scatter), update the local shard, all-gather the weights."""
@@ -95,22 +123,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        world = self.world_size
         for g in self._groups:
-            if g.grad_buf is None:
-                g.grad_buf = torch.zeros(g.layout.world_size, g.layout.local_numel,
-                                         dtype=torch.float32, device=g.master.device)
             flat = [None if p.grad is None else p.grad.reshape(-1) for p in g.params]
-            for r, s in g.layout.all_segments():
-                dst = g.grad_buf[r, s.local:s.local + s.length]
-                src = flat[s.param]
-                if src is None:
-                    dst.zero_()
-                else:
-                    dst.copy_(src[s.start:s.start + s.length])
             grad = g.master.grad
             if grad is None:
                 grad = torch.empty_like(g.master)
-            self.comm.reduce_scatter_tensor(grad, g.grad_buf.reshape(-1), op="avg")
+            for c0, c1, pieces in self._buckets(g):
+                buf = self._scratch(world * (c1 - c0), torch.float32, g.master.device).view(world, c1 - c0)
+                covered = sum(n for r, pi, st, col, n in pieces if flat[pi] is not None)
+                if covered < buf.numel():
+                    buf.zero_()
+                for r, pi, st, col, n in pieces:
+                    if flat[pi] is not None:
+                        buf[r, col:col + n].copy_(flat[pi][st:st + n])
+                self.comm.reduce_scatter_tensor(grad[c0:c1], buf.reshape(-1), op="avg")
             g.master.grad = grad
         self._sync_hyperparams()
         self.optimizer.step()
@@ -119,16 +146,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def gather_params(self) -> None:
-        """All-gather the fp32 master shards into the model weights (cast to the model dtype)."""
+        """All-gather the fp32 master shards into the model weights (cast to the model dtype),
+        through buffers of at most ``bucket_bytes``."""
+        world = self.world_size
         for g in self._groups:
-            if g.weight_buf is None:
-                g.weight_buf = torch.zeros(g.layout.world_size, g.layout.local_numel,
-                                           dtype=g.dtype, device=g.master.device)
-            shard = g.master if g.dtype == torch.float32 else g.master.to(g.dtype)
-            self.comm.all_gather_into_tensor(g.weight_buf.reshape(-1), shard)
-            for r, s in g.layout.all_segments():
-                g.params[s.param].view(-1)[s.start:s.start + s.length].copy_(
-                    g.weight_buf[r, s.local:s.local + s.length])
+            for c0, c1, pieces in self._buckets(g):
+                buf = self._scratch(world * (c1 - c0), g.dtype, g.master.device).view(world, c1 - c0)
+                shard = g.master[c0:c1]
+                if g.dtype != torch.float32:
+                    shard = shard.to(g.dtype)
+                self.comm.all_gather_into_tensor(buf.reshape(-1), shard)
+                for r, pi, st, col, n in pieces:
+                    g.params[pi].view(-1)[st:st + n].copy_(buf[r, col:col + n])
 
     def _sync_hyperparams(self) -> None:
         for outer, inner in zip(self.param_groups, self.optimizer.param_groups):
