@@ -576,7 +576,7 @@ def init_gloo(mpi_comm: MPI.Comm, timeout_s: float = 60.0):
         if len(hosts) > 1:
             host = socket.gethostbyname(socket.gethostname())
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((host if host != "127.0.0.1" else "127.0.0.1", 0))
+            s.bind((host, 0))
             addr = (host, s.getsockname()[1])
     else:
         mpi_comm.gather(MPI.Get_processor_name(), root=0)

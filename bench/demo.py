@@ -189,9 +189,9 @@ def part_compressed(mpi_comm, info, out, size_bytes: int, iters: int, warmup: in
     rec = records[-1]
     speedup = fp32_rec["time_us_mean"] / rec["time_us_mean"] if rec["time_us_mean"] else 0.0
     out(f"   1-bit compressed allreduce ({onebit_name}): {_ms(rec['time_us_mean'])} per call, "
-        f"{speedup:.1f}x {'faster' if speedup >= 1 else 'the speed of'} fp32"
-        f"{'' if speedup >= 1 else ' (slower)'}; ~{fp32_rec['wire_bytes'] / max(1, wire):.0f}x "
-        f"fewer bytes on the wire")
+        + (f"{speedup:.1f}x faster than fp32" if speedup >= 1
+           else f"{1 / speedup:.1f}x slower than fp32" if speedup > 0 else "")
+        + f"; ~{fp32_rec['wire_bytes'] / max(1, wire):.0f}x fewer bytes on the wire")
     out(f"   error vs the exact mean: {one:.2f} for one call, {avg:.3f} for the average of 8 "
         f"calls (error feedback carries what one call drops)")
     return records
