@@ -469,6 +469,17 @@ def _set_hyperparams(optimizer: torch.optim.Optimizer, m: Manifest) -> None:
                 g[k] = like(g.get(k), v)
 
 
+def _zero_padding(t: torch.Tensor, segments) -> None:
+    """Zero the elements of a local shard that no segment covers."""
+    pos = 0
+    for s in sorted(segments, key=lambda s: s.local):
+        if s.local > pos:
+            t[pos:s.local].zero_()
+        pos = s.local + s.length
+    if pos < t.numel():
+        t[pos:].zero_()
+
+
 def _plan_zero_load(zero: ZeroOptimizer, m: Manifest, by_id: dict[int, int], reads: _Reads,
                     has_opt: bool) -> Callable[[], None]:
     rank = zero.rank
@@ -479,7 +490,7 @@ def _plan_zero_load(zero: ZeroOptimizer, m: Manifest, by_id: dict[int, int], rea
     for gi, g in enumerate(zero.groups):
         ids = [by_id[id(p)] for p in g.params]
         segs = g.layout.segments(rank)
-        g.master.zero_()
+        _zero_padding(g.master, segs)
         src = {}
         for li, i in enumerate(ids):
             e = m.find("master", i) or m.find("param", i)
@@ -499,7 +510,8 @@ def _plan_zero_load(zero: ZeroOptimizer, m: Manifest, by_id: dict[int, int], rea
             if len(present) != len(ids):
                 raise ManifestError(f"load: state {key!r} is saved for some parameters of group {gi} only")
             dt = next(iter(present.values())).dtype
-            t = torch.zeros(g.layout.local_numel, dtype=_DTYPES[dt], device=g.master.device)
+            t = torch.empty(g.layout.local_numel, dtype=_DTYPES[dt], device=g.master.device)
+            _zero_padding(t, segs)
             state[key] = t
             reads.items += plan.shard_items(segs, present, reads.add(t, dt))
         if has_opt:
