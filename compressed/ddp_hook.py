@@ -1,9 +1,10 @@
 """A DistributedDataParallel comm hook that averages gradient buckets with 1-bit compression."""
-from __future__ import annotations
-
+# No ``from __future__ import annotations``: DDP compares the hook's annotations with the real
+# classes (dist.GradBucket, torch.futures.Future[torch.Tensor]).
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .allreduce import OnebitAllreduce
 from .backend import as_communicator
@@ -41,7 +42,7 @@ class OnebitDDPState:
         self.allreduce.load_state_dict(state["allreduce"])
 
 
-def onebit_ddp_hook(state: OnebitDDPState, bucket: Any) -> torch.futures.Future:
+def onebit_ddp_hook(state: OnebitDDPState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: return a future holding the mean of this gradient bucket over ranks."""
     buf = bucket.buffer()
     if state.step < state.warmup_steps or buf.numel() < state.min_bucket_numel:
@@ -54,6 +55,6 @@ def onebit_ddp_hook(state: OnebitDDPState, bucket: Any) -> torch.futures.Future:
         state.compressed_buckets += 1
     if bucket.is_last():
         state.step += 1
-    fut: torch.futures.Future = torch.futures.Future()
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(result)
     return fut
