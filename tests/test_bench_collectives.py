@@ -130,3 +130,23 @@ def test_program_rejects_bad_arguments():
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "expected a comma list" in proc.stderr
+
+
+@pytest.mark.mpi(min_size=1)
+def test_program_exits_non_zero_on_wrong_values(monkeypatch, capsys):
+    real = collectives.make_case
+
+    def broken(*args, **kwargs):
+        case = real(*args, **kwargs)
+        case.call = lambda: None
+        return case
+
+    monkeypatch.setattr(collectives, "make_case", broken)
+    rc = collectives.main(["--ops", "all_reduce", "--peers", "mpi4py", "--sizes", "64",
+                           "--iters", "1", "--warmup", "0"])
+    out = capsys.readouterr().out
+    assert_all(rc == 1, f"exit code {rc}")
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        assert_all("FAILED: " in out, out)
+    else:
+        assert_all(True)
