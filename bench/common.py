@@ -6,11 +6,11 @@ Every program follows the same shape::
     add_common_args(parser)
     args = parser.parse_args(argv)
     rep = Reporter("NAME", mpi_comm, args, columns=DEFAULT_COLUMNS)   # checks --plot early
-    rep.start(dtype="float32")                                        # '#' header lines on rank 0
+    info = rep.start(dtype="float32")                                 # '#' header lines on rank 0
     for size in args.sizes:
-        warmup, iters = iteration_schedule(size, args.iters, args.warmup)
-        tmin, tmean, tmax = time_loop(fn, iters, warmup, mpi_comm)
-        rep.emit(make_record(...))                                    # one table row + JSON record
+        times, warmup, iters = timed(fn, size, mpi_comm, iters=args.iters, warmup=args.warmup,
+                                     budget_s=args.budget)            # OSU schedule, (min, mean, max) s
+        rep.emit(make_record(..., info=info, times_s=times))          # one table row + JSON record
     return rep.finish()                                               # plot; 1 if any value was wrong
 
 Only rank 0 prints and writes files; everything else here is collective where it says so.
@@ -32,6 +32,7 @@ from mpi4py import MPI
 __all__ = [
     "RECORD_FIELDS", "DEFAULT_COLUMNS", "Column", "Table", "JsonWriter", "Reporter",
     "parse_size", "parse_sizes", "format_size", "add_common_args", "iteration_schedule", "timed",
+    "schedule_text", "PLOT_Y",
     "environment_info", "header_lines", "time_loop", "across_ranks", "busbw_factor",
     "bandwidths", "make_record", "validate_record", "plot_records", "matplotlib_missing",
     "free_port", "init_gloo",
