@@ -65,6 +65,7 @@ class Communicator:
         node.Free()
         self.check: bool = _env_flag("MPICOMM_CHECK") if check is None else bool(check)
         self._policy: DevicePolicy | None = None
+        self._tag_ub: int = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
 
     def __repr__(self) -> str:
         return f"<mpicomm.Communicator rank {self.rank} of {self.size}>"
@@ -400,19 +401,20 @@ class Communicator:
             peer = MPI.ANY_SOURCE
         else:
             peer = check_rank(call, "dst" if sending else "src", peer, self.size)
-        if not isinstance(tag, int) or not 0 <= tag <= MPI.COMM_WORLD.Get_attr(MPI.TAG_UB):
-            fail_value(call, "tag", f"an int in [0, {MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)}]", repr(tag))
+        if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag <= self._tag_ub:
+            fail_value(call, "tag", f"an int in [0, {self._tag_ub}]", repr(tag))
         t = to_tensor(tensor, call, "tensor", writable=not sending)
         mpi_type = self._move_type(call, "tensor", t)
         slot = prepare(t, IN if sending else OUT, mpi_type, t.dtype, self.device_policy, call)
         if sending:
             return self._launch(self.mpi_comm.Send, self.mpi_comm.Isend, (slot.spec, peer, tag),
                                 [slot], async_op, [tensor])
-        status = MPI.Status()
         if async_op:
-            return self._launch(None, self.mpi_comm.Irecv, (slot.spec, peer, tag), [slot], True,
-                                [tensor])
-        self._launch(self.mpi_comm.Recv, None, (slot.spec, peer, tag, status), [slot], False, [])
+            return self._launch(self.mpi_comm.Recv, self.mpi_comm.Irecv, (slot.spec, peer, tag),
+                                [slot], True, [tensor])
+        status = MPI.Status()
+        self._launch(self.mpi_comm.Recv, self.mpi_comm.Irecv, (slot.spec, peer, tag, status),
+                     [slot], False, [tensor])
         return status.Get_source()
 
     # -- synchronisation and groups ---------------------------------------------------------
