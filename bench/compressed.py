@@ -1,0 +1,205 @@
+"""1-bit compressed allreduce benchmark: compressed vs fp32 MPI Allreduce, kernels vs memcpy.
+
+``mpiexec -n P python -m bench compressed [--sizes 1K:64M] [--iters N] [--json F] [--plot F]``
+
+For every size (bytes of float32 input per rank) it measures, side by side in one run:
+
+- ``all_reduce``           the plain fp32 MPI Allreduce (mpi4py, numpy buffers): the baseline;
+- ``all_reduce:1bit``      ``compressed.MpiBackend.compressed_allreduce`` (error feedback kept);
+- ``compress`` (local)     the worker compression kernels: sign + scale + pack + error update;
+- ``decompress`` (local)   unpacking p chunks of signs times their scales into the output;
+- ``memcpy`` (local)       numpy copy of the same buffer, the memory-bandwidth yardstick.
+
+``x_fp32`` is each row's time over the fp32 allreduce's; ``wire(B)`` the bytes one rank sends
+(ring allreduce: 2(p-1)/p * size; compressed: both phases' messages). Correctness is checked
+once per size outside the timed loops: the fp32 sum against its known value, and the compressed
+result against a float64 simulation built on plain allreduce (positions whose compensated server
+value is within float noise of zero are not counted).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+import numpy as np
+from mpi4py import MPI
+
+from . import common
+
+BENCH = "compressed"
+
+COLUMNS = (
+    common.Column("op", "op", 16),
+    common.Column("peer", "peer", 8),
+    common.Column("size_bytes", "size(B)", 10, "d"),
+    common.Column("count", "count", 9, "d"),
+    common.Column("time_us_min", "min(us)", 11, ".1f"),
+    common.Column("time_us_mean", "avg(us)", 11, ".1f"),
+    common.Column("time_us_max", "max(us)", 11, ".1f"),
+    common.Column("algbw_gbps", "algbw(GB/s)", 12, ".3f"),
+    common.Column("busbw_gbps", "busbw(GB/s)", 12, ".3f"),
+    common.Column("x_fp32", "x_fp32", 8, ".3f"),
+    common.Column("wire_bytes", "wire(B)", 11, "d"),
+    common.Column("wrong", "#wrong", 7, "d"),
+)
+
+__all__ = ["main", "simulate_compressed", "check_compressed"]
+
+
+def simulate_compressed(g: np.ndarray, mpi_comm: MPI.Comm) -> tuple[np.ndarray, np.ndarray]:
+    """Float64 simulation of one compressed allreduce with zero errors: (output, compensated s)."""
+    p, r = mpi_comm.Get_size(), mpi_comm.Get_rank()
+    n = g.size
+    N = -(-n // (8 * p)) * 8 * p
+    x = np.zeros(N)
+    x[:n] = g
+    scale = np.linalg.norm(x) / math.sqrt(N)
+    mean = np.empty(N)
+    mpi_comm.Allreduce(np.where(x >= 0, scale, -scale) / p, mean, op=MPI.SUM)
+    chunk = N // p
+    s = mean[r * chunk:(r + 1) * chunk]
+    sscale = np.linalg.norm(s) / math.sqrt(chunk)
+    out = np.empty(N)
+    mpi_comm.Allgather(np.where(s >= 0, sscale, -sscale), out)
+    s_all = np.empty(N)
+    mpi_comm.Allgather(np.ascontiguousarray(s), s_all)
+    return out[:n], s_all[:n]
+
+
+def check_compressed(backend, g: np.ndarray, mpi_comm: MPI.Comm) -> int:
+    """Collective: positions where a fresh compressed allreduce of ``g`` disagrees with the simulation."""
+    import compressed
+
+    p = mpi_comm.Get_size()
+    N = compressed.padded_size(g.size, p)
+    we = np.zeros(N, np.float32)
+    se = np.zeros(N // p, np.float32)
+    out = backend.compressed_allreduce(g.copy(), we, se, 0).astype(np.float64)
+    want, s = simulate_compressed(g.astype(np.float64), mpi_comm)
+    near0 = np.abs(s) <= 1e-5 * (np.abs(s).max() + 1e-30)
+    bad = (np.abs(out - want) > 2e-6 * np.abs(want) + 1e-30) & ~near0
+    return int(mpi_comm.allreduce(int(bad.sum()), op=MPI.SUM))
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m bench compressed",
+                                     description=__doc__.split("\n\n")[0])
+    common.add_common_args(parser, default_sizes="1K:64M")
+    parser.add_argument("--kernels", choices=("auto", "numba", "numpy"), default="auto",
+                        help="CPU kernel implementation (default: numba when installed)")
+    parser.add_argument("--ops", default="all_reduce,all_reduce:1bit,compress,decompress,memcpy",
+                        help="comma-separated rows to measure (default: all)")
+    parser.add_argument("--no-check", action="store_true", help="skip the correctness checks")
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    """Run the benchmark (collective over MPI.COMM_WORLD); 0 when every checked value was right."""
+    args = _parser().parse_args(argv)
+    import compressed
+    from compressed import kernels as K
+    return _run(args, compressed, K)
+
+
+def _run(args, compressed, K) -> int:
+    from compressed.layout import HEADER_BYTES, Layout, fp32_allreduce_wire_bytes
+
+    world = MPI.COMM_WORLD
+    p = world.Get_size()
+    impl = K.use(None if args.kernels == "auto" else args.kernels)
+    ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+    known = {"all_reduce", "all_reduce:1bit", "compress", "decompress", "memcpy"}
+    unknown = sorted(set(ops) - known)
+    if unknown:
+        print(f"bench compressed: unknown --ops {unknown}; expected some of {sorted(known)}",
+              file=sys.stderr)
+        return 2
+    rep = common.Reporter(BENCH, world, args, COLUMNS)
+    rep.start(dtype="float32", extra=[
+        f"kernels: {impl}; 1-bit messages: {HEADER_BYTES}-byte float32 scale + packed signs per chunk",
+        "x_fp32: time / fp32 all_reduce time at the same size; local rows run on every rank at once",
+    ])
+    backend = compressed.MpiBackend(comm=world)
+    summary: list[str] = []
+    for size in args.sizes:
+        n = max(1, size // 4)
+        nbytes = n * 4
+        lay = Layout(n, p)
+        rng = np.random.default_rng(world.Get_rank())
+        g = rng.standard_normal(n).astype(np.float32)
+        base_time = None
+        times: dict[str, float] = {}
+
+        def emit(op, peer, secs, wire, wrong, local=False):
+            nonlocal base_time
+            algbw = nbytes / secs[1] / 1e9 if secs[1] > 0 else 0.0
+            busbw = algbw if local else algbw * common.busbw_factor("all_reduce", p)
+            rec = common.make_record(bench=BENCH, op=op, dtype="float32", size_bytes=nbytes,
+                                     info=rep.info, times_s=secs, algbw_gbps=algbw,
+                                     busbw_gbps=busbw, wire_bytes=wire, wrong=wrong, peer=peer,
+                                     count=n, kernels=impl)
+            rec["x_fp32"] = secs[1] / base_time if base_time else None
+            times[op] = secs[1]
+            rep.emit(rec)
+
+        if "all_reduce" in ops:
+            src = np.full(n, world.Get_rank() + 1, np.float32)
+            dst = np.empty_like(src)
+            secs, _, _ = common.timed(lambda: world.Allreduce(src, dst, op=MPI.SUM), nbytes, world,
+                                      iters=args.iters, warmup=args.warmup, budget_s=args.budget)
+            wrong = 0 if args.no_check else int(world.allreduce(
+                int(np.count_nonzero(dst != p * (p + 1) / 2)), op=MPI.SUM))
+            base_time = secs[1]
+            emit("all_reduce", "mpi4py", secs, fp32_allreduce_wire_bytes(n, p), wrong)
+        if "all_reduce:1bit" in ops:
+            we = np.zeros(lay.padded, np.float32)
+            se = np.zeros(lay.chunk, np.float32)
+            buf = g.copy()
+            secs, _, _ = common.timed(lambda: backend.compressed_allreduce(buf, we, se, 0), nbytes,
+                                      world, iters=args.iters, warmup=args.warmup,
+                                      budget_s=args.budget)
+            wrong = 0 if args.no_check else check_compressed(backend, g, world)
+            emit("all_reduce:1bit", "mpicomm", secs, lay.wire_bytes(), wrong)
+        if "compress" in ops:
+            we = np.zeros(lay.padded, np.float32)
+            msg = np.empty((p, lay.row_bytes), np.uint8)
+
+            def compress():
+                ssq = K.encode(g, we, msg[:, HEADER_BYTES:])
+                K.worker_residual(g, we, math.sqrt(ssq / lay.padded))
+
+            secs, _, _ = common.timed(compress, nbytes, world, iters=args.iters,
+                                      warmup=args.warmup, budget_s=args.budget)
+            emit("compress", "local", secs, 0, 0, local=True)
+        if "decompress" in ops:
+            msg = rng.integers(0, 256, (p, lay.row_bytes), dtype=np.uint8)
+            scales = np.ones(p, np.float32)
+            out = np.empty(n, np.float32)
+            secs, _, _ = common.timed(lambda: K.decode(msg[:, HEADER_BYTES:], scales, out), nbytes,
+                                      world, iters=args.iters, warmup=args.warmup,
+                                      budget_s=args.budget)
+            emit("decompress", "local", secs, 0, 0, local=True)
+        if "memcpy" in ops:
+            dst = np.empty_like(g)
+            secs, _, _ = common.timed(lambda: np.copyto(dst, g), nbytes, world, iters=args.iters,
+                                      warmup=args.warmup, budget_s=args.budget)
+            emit("memcpy", "local", secs, 0, 0, local=True)
+        parts = [f"{common.format_size(nbytes)}:"]
+        if "all_reduce" in times and "all_reduce:1bit" in times:
+            parts.append(f"1-bit/fp32 time {times['all_reduce:1bit'] / times['all_reduce']:.2f}x "
+                         f"(goal <= 1.0x)")
+            parts.append(f"wire fp32/1-bit {fp32_allreduce_wire_bytes(n, p) / max(1, lay.wire_bytes()):.1f}x "
+                         f"(goal >= 30x)")
+        if "compress" in times and "memcpy" in times:
+            parts.append(f"compress kernel bandwidth / memcpy {times['memcpy'] / times['compress']:.2f} "
+                         f"(goal >= 0.5)")
+        if len(parts) > 1:
+            summary.append(" ".join(parts))
+    for line in summary:
+        rep.note(line)
+    return rep.finish()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
