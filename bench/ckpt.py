@@ -3,9 +3,11 @@
 Run with at least max(N, M) ranks, e.g. ``mpiexec -n 3 python -m bench ckpt``. In one run it
 measures, on the same directory: the disk (one file of the checkpoint's size written from Python
 and fdatasync'ed), ``ckpt.save`` at ``--save-ranks`` (fsync'ed), ``ckpt.load`` at
-``--load-ranks`` with each rank's peak RSS growth, and checks the loaded state. DeepSpeed's
-save + ds_to_universal + universal load is not run here; its figure is the reference measured on
-this machine (``--reference-s``), and the table says so.
+``--load-ranks`` with each rank's peak RSS growth, and checks the loaded state. When DeepSpeed is
+importable it then runs the same model through DeepSpeed (gloo, CPU): ``save_checkpoint`` at
+``--save-ranks``, ``ds_to_universal``, and a universal ``load_checkpoint`` at ``--load-ranks``,
+each in worker processes started here. Without DeepSpeed the comparison uses the reference figure
+measured on this machine (``--reference-s``), and the table says so.
 """
 from __future__ import annotations
 
@@ -15,9 +17,8 @@ import os
 import shutil
 import sys
 import tempfile
+import subprocess
 import time
-
-from mpi4py import MPI
 
 # DeepSpeed 0.19 on this machine (2 cores): save 3.4 s + ds_to_universal 14.1 s + load 4.4 s
 REFERENCE_DEEPSPEED_S = (3.4, 14.1, 4.4)
@@ -34,6 +35,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-sync", action="store_true", help="also time a save without fsync")
     p.add_argument("--reference-s", type=float, default=sum(REFERENCE_DEEPSPEED_S),
                    help="DeepSpeed save+convert+load seconds to compare with (default 21.9, measured here)")
+    p.add_argument("--deepspeed", choices=("auto", "yes", "no"), default="auto",
+                   help="run DeepSpeed side by side: auto = when importable (default)")
     p.add_argument("--json", default=None, help="write the records as JSON to this file")
     return p
 
@@ -55,14 +58,15 @@ def _reset_peak_rss() -> bool:
         return False
 
 
-def _polite_barrier(comm: MPI.Comm) -> None:
+def _polite_barrier(comm) -> None:
     req = comm.Ibarrier()
     while not req.Test():
         time.sleep(0.001)
 
 
-def _sub(world: MPI.Comm, n: int):
+def _sub(world, n: int):
     import mpicomm
+    from mpi4py import MPI
 
     c = world.Split(0 if world.rank < n else MPI.UNDEFINED, world.rank)
     return None if c == MPI.COMM_NULL else mpicomm.Communicator(c)
@@ -79,7 +83,9 @@ def _model(layers: int, hidden: int, seed: int | None):
     return m.to_empty(device="cpu")
 
 
-def _timed_collective(comm: MPI.Comm, fn):
+def _timed_collective(comm, fn):
+    from mpi4py import MPI
+
     _polite_barrier(comm)
     t0 = time.perf_counter()
     out = fn()
@@ -106,9 +112,105 @@ def disk_bandwidth(path: str, nbytes: int, block: int = 64 << 20) -> float:
     return dt
 
 
+# -- DeepSpeed, side by side ---------------------------------------------------------------------
+
+_DS_TAG = "t"
+
+
+def _ds_worker(argv: list[str]) -> int:
+    """One DeepSpeed rank (started by _ds_run, not by mpiexec): save or load, print the time."""
+    mode, path, layers, hidden, stage = argv[0], argv[1], int(argv[2]), int(argv[3]), int(argv[4])
+    import torch
+    import deepspeed
+    import deepspeed.comm as dist
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.set_num_threads(1)
+    model = _model(layers, hidden, seed=0)
+    cfg = {"train_batch_size": dist.get_world_size(), "zero_optimization": {"stage": stage}}
+    if mode == "load":
+        cfg["checkpoint"] = {"load_universal": True}
+    engine, _, _, _ = deepspeed.initialize(model=model, config=cfg,
+                                           optimizer=torch.optim.Adam(model.parameters(), lr=1e-4))
+    if mode == "save":
+        from deepspeed.checkpoint import UNIVERSAL_CHECKPOINT_INFO
+
+        engine.backward(engine(torch.randn(1, hidden)).sum())
+        engine.step()
+        dist.barrier()
+        t0 = time.perf_counter()
+        engine.save_checkpoint(path, tag=_DS_TAG, client_state={UNIVERSAL_CHECKPOINT_INFO: {}, "iteration": 1})
+        dist.barrier()
+    else:
+        dist.barrier()
+        t0 = time.perf_counter()
+        engine.load_checkpoint(path, tag=_DS_TAG + "_universal")
+        dist.barrier()
+    if dist.get_rank() == 0:
+        print(f"DSTIME {time.perf_counter() - t0:.6f}", flush=True)
+    return 0
+
+
+def _clean_env() -> dict:
+    drop = ("PMI_", "PMIX_", "MPI_", "MPIR_", "HYDRA_", "HYDI_", "OMPI_", "I_MPI_")
+    return {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+
+
+def _ds_run(mode: str, ranks: int, path: str, args, log: str) -> float:
+    """Start ``ranks`` DeepSpeed workers on this host; return rank 0's timed seconds."""
+    from bench.common import free_port
+
+    env = _clean_env()
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(ranks),
+               LOCAL_WORLD_SIZE=str(ranks))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    procs = []
+    for r in range(ranks):
+        env_r = dict(env, RANK=str(r), LOCAL_RANK=str(r))
+        cmd = [sys.executable, "-m", "bench.ckpt", "--ds-worker", mode, path, str(args.layers),
+               str(args.hidden), str(args.stage)]
+        out = open(f"{log}.{mode}.{r}", "w")
+        procs.append((subprocess.Popen(cmd, env=env_r, stdout=out, stderr=subprocess.STDOUT), out))
+    seconds = None
+    for r, (proc, out) in enumerate(procs):
+        rc = proc.wait(timeout=1800)
+        out.close()
+        if rc != 0:
+            raise RuntimeError(f"DeepSpeed {mode} rank {r} exited with {rc}; see {log}.{mode}.{r}")
+    with open(f"{log}.{mode}.0") as f:
+        for line in f:
+            if line.startswith("DSTIME "):
+                seconds = float(line.split()[1])
+    if seconds is None:
+        raise RuntimeError(f"DeepSpeed {mode}: no timing line in {log}.{mode}.0")
+    return seconds
+
+
+def _ds_convert(path: str, log: str) -> float:
+    src = os.path.join(path, _DS_TAG)
+    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", src,
+           "--output_folder", src + "_universal"]
+    t0 = time.perf_counter()
+    with open(f"{log}.convert", "w") as out:
+        rc = subprocess.run(cmd, env=_clean_env(), stdout=out, stderr=subprocess.STDOUT, timeout=1800).returncode
+    if rc != 0:
+        raise RuntimeError(f"ds_to_universal exited with {rc}; see {log}.convert")
+    return time.perf_counter() - t0
+
+
+def _deepspeed_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("deepspeed") is not None
+
+
 def main(argv: list[str]) -> int:
+    if argv and argv[0] == "--ds-worker":
+        return _ds_worker(argv[1:])
     args = _parser().parse_args(argv)
     import torch
+    from mpi4py import MPI
 
     import ckpt
     from bench.common import Column, JsonWriter, Table, environment_info, header_lines
@@ -139,7 +241,7 @@ def main(argv: list[str]) -> int:
     if rank == 0:
         for line in header_lines("ckpt", info, dtype="float32 weights, fp32 Adam (ZeRO-%d)" % args.stage,
                                  iterations="1 (each operation once, in this order)",
-                                 extra=[f"# model: {args.layers} x Linear({args.hidden}, {args.hidden}) = "
+                                 extra=[f"model: {args.layers} x Linear({args.hidden}, {args.hidden}) = "
                                         f"{n_params / 1e6:.1f}M parameters; dir: {base}"]):
             print(line)
 
@@ -180,7 +282,7 @@ def main(argv: list[str]) -> int:
         _polite_barrier(world)
         save_s = world.bcast(save_s, root=0)
         checksum_ref = world.bcast(checksum_ref, root=0)
-        emit("ckpt.save (fsync)", args.save_ranks, nbytes, save_s, f"{save_s and nbytes / save_s / (nbytes / disk_s):.2f} x disk")
+        emit("ckpt.save (fsync)", args.save_ranks, nbytes, save_s, f"{disk_s / save_s:.2f} x the disk's speed")
 
         # 3. load at --load-ranks; peak RSS growth against the rank's own partition
         load_c = _sub(world, args.load_ranks)
@@ -188,6 +290,8 @@ def main(argv: list[str]) -> int:
         rss = None
         if load_c is not None:
             model = _model(args.layers, args.hidden, seed=None)
+            for p in model.parameters():  # a built model: its weights are resident before loading
+                p.detach().zero_()
             opt = ckpt.ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=args.stage,
                                      comm=load_c, lr=1.0)
             part = sum(g.master.numel() for g in opt.groups) * 4 * 3
@@ -209,10 +313,41 @@ def main(argv: list[str]) -> int:
         wrong += sum(1 for _, _, ok in rss if not ok)
         emit("ckpt.load", args.load_ranks, nbytes, load_s, "state checked" if not wrong else "WRONG STATE")
         total = save_s + load_s
-        emit("ckpt save + load", args.save_ranks, nbytes, total,
-             f"{args.reference_s / total:.1f}x faster than DeepSpeed")
-        emit("DeepSpeed save+convert+load", 2, nbytes, args.reference_s,
-             "reference figure measured on this machine (DeepSpeed not run here)")
+        emit("ckpt save + load", args.save_ranks, nbytes, total, "")
+
+        # 4. DeepSpeed on the same model, when it is installed
+        run_ds = args.deepspeed == "yes" or (args.deepspeed == "auto" and _deepspeed_available())
+        ds = None
+        if run_ds:
+            ds_err = None
+            if rank == 0:
+                try:
+                    dpath = os.path.join(base, "ds")
+                    log = os.path.join(base, "ds-log")
+                    if args.json:
+                        log = os.path.splitext(args.json)[0] + "-deepspeed"
+                    ds = (_ds_run("save", args.save_ranks, dpath, args, log), _ds_convert(dpath, log),
+                          _ds_run("load", args.load_ranks, dpath, args, log))
+                except Exception as exc:  # noqa: BLE001 - reported on every rank
+                    ds_err = f"{type(exc).__name__}: {exc}"
+            _polite_barrier(world)
+            ds, ds_err = world.bcast((ds, ds_err), root=0)
+            if ds_err:
+                if rank == 0:
+                    print(f"# DeepSpeed run failed: {ds_err}", file=sys.stderr)
+                if args.deepspeed == "yes":
+                    wrong += 1
+        if ds is not None:
+            emit("DeepSpeed save_checkpoint", args.save_ranks, None, ds[0], "torch.save, no fsync")
+            emit("DeepSpeed ds_to_universal", 1, None, ds[1], "python -m ..., default workers")
+            emit("DeepSpeed load universal", args.load_ranks, None, ds[2], "")
+            reference, ref_note = sum(ds), "measured in this run"
+        else:
+            reference = args.reference_s
+            ref_note = "reference figure measured on this machine earlier (DeepSpeed not run)"
+        emit("DeepSpeed save+convert+load", args.save_ranks, None, reference, ref_note)
+        emit("speed-up (ckpt vs DeepSpeed)", args.save_ranks, None, None,
+             f"{reference / total:.1f}x (goal >= 5)")
         for r, (growth, part, ok) in enumerate(rss):
             if growth is None:
                 note = "peak RSS not measurable (/proc/self/clear_refs refused)"
@@ -222,7 +357,7 @@ def main(argv: list[str]) -> int:
                         f"+ 64 MiB: {'ok' if growth <= limit else 'OVER'}")
                 if growth > limit:
                     wrong += 1
-            emit(f"load memory, rank {r}", args.load_ranks, growth or 0, None, note)
+            emit(f"load peak RSS growth, rank {r}", args.load_ranks, growth, None, note)
 
         # 4. optional: a save without fsync (page cache speed)
         if args.no_sync:
@@ -242,11 +377,11 @@ def main(argv: list[str]) -> int:
             _polite_barrier(world)
             nosync_s = world.bcast(nosync_s, root=0)
             emit("ckpt.save (no fsync)", args.save_ranks, nbytes, nosync_s,
-                 f"save+load {args.reference_s / (nosync_s + load_s):.1f}x faster than DeepSpeed")
+                 f"save+load {reference / (nosync_s + load_s):.1f}x faster than DeepSpeed")
         if rank == 0:
             print(f"# save throughput {nbytes / save_s / 1e6:.0f} MB/s = {disk_s / save_s:.2f} x the disk's "
                   f"{nbytes / disk_s / 1e6:.0f} MB/s (goal >= 0.5); save+load {total:.2f} s = "
-                  f"{args.reference_s / total:.1f}x faster than DeepSpeed's {args.reference_s} s (goal >= 5)")
+                  f"{reference / total:.1f}x faster than DeepSpeed's {reference:.1f} s ({ref_note}; goal >= 5)")
             print(f"# wrong: {wrong}")
     finally:
         _polite_barrier(world)
