@@ -11,28 +11,45 @@ import numpy as np
 _jit = numba.njit(cache=True, nogil=True)
 
 
-@_jit
+# Loops that build signs and sums work on 64 elements at a time: x, the sum of squares and one
+# 0/1 flag byte per element vectorise; a multiply gathers 8 flag bytes into one MSB-first byte.
+_MAGIC = np.uint64(0x8040201008040201)
+_jitv = numba.njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
+
+
+@_jitv
 def encode(g, e, rows):
     """Pack the signs of x = (g zero-padded) + e into ``rows`` (p, chunk_bytes); return sum x^2."""
     m = g.shape[0]
     p, cb = rows.shape
+    flags = np.empty(64, np.uint8)
+    words = flags.view(np.uint64)
     ss = 0.0
     for r in range(p):
-        for c in range(cb):
-            base = (r * cb + c) * 8
+        base0 = r * cb * 8
+        nblk = min(cb // 8, (m - base0) // 64) if m > base0 else 0
+        part = np.float32(0.0)
+        for blk in range(nblk):
+            o = base0 + blk * 64
+            for k in range(64):
+                x = g[o + k] + e[o + k]
+                part += x * x
+                flags[k] = x >= np.float32(0.0)
+            for q in range(8):
+                rows[r, blk * 8 + q] = np.uint8((words[q] * _MAGIC) >> np.uint64(56))
+            if blk & 63 == 63:
+                ss += part
+                part = np.float32(0.0)
+        ss += part
+        for c in range(nblk * 8, cb):
+            base = base0 + c * 8
             byte = 0
             part = np.float32(0.0)
-            if base + 8 <= m:
-                for k in range(8):
-                    x = g[base + k] + e[base + k]
-                    part += x * x
-                    byte = (byte << 1) | (1 if x >= 0 else 0)
-            else:
-                for k in range(8):
-                    i = base + k
-                    x = e[i] + g[i] if i < m else e[i]
-                    part += x * x
-                    byte = (byte << 1) | (1 if x >= 0 else 0)
+            for k in range(8):
+                i = base + k
+                x = e[i] + g[i] if i < m else e[i]
+                part += x * x
+                byte = (byte << 1) | (1 if x >= 0 else 0)
             rows[r, c] = byte
             ss += part
     return ss
@@ -65,29 +82,66 @@ def _luts(scales):
 
 
 @_jit
+def _expand_lut():
+    """uint64 per byte value whose 8 bytes are its bits (0 or 1), MSB first in memory order."""
+    lut = np.empty(256, np.uint64)
+    for v in range(256):
+        w = np.uint64(0)
+        for k in range(8):
+            if (v >> (7 - k)) & 1:
+                w |= np.uint64(1) << np.uint64(8 * k)
+        lut[v] = w
+    return lut
+
+
+@_jitv
 def server_accumulate(rows, coef, se, out):
     """Set se = sum_i coef[i] * sign_i + se, pack sign(se) into ``out``; return sum se^2."""
     p, cb = rows.shape
-    lut = _luts(coef)
-    acc = np.empty(8, np.float32)
+    expand = _expand_lut()
+    flags = np.empty(64, np.uint8)
+    words = flags.view(np.uint64)
+    acc = np.empty(64, np.float32)
+    two = np.empty(p, np.float32)
+    base = np.float32(0.0)
+    for i in range(p):
+        two[i] = np.float32(2.0) * coef[i]
+        base -= coef[i]
     ss = 0.0
-    for c in range(cb):
-        for k in range(8):
-            acc[k] = 0.0
-        for i in range(p):
-            v = rows[i, c]
-            for k in range(8):
-                acc[k] += lut[i, v, k]
-        byte = 0
-        part = np.float32(0.0)
-        base = c * 8
-        for k in range(8):
-            s = acc[k] + se[base + k]
-            se[base + k] = s
+    nblk = cb // 8
+    part = np.float32(0.0)
+    for blk in range(nblk):
+        for k in range(64):
+            acc[k] = base
+        for i in range(p):  # sign * c = 2c * bit - c
+            for q in range(8):
+                words[q] = expand[rows[i, blk * 8 + q]]
+            c2 = two[i]
+            for k in range(64):
+                acc[k] += c2 * flags[k]
+        o = blk * 64
+        for k in range(64):
+            s = acc[k] + se[o + k]
+            se[o + k] = s
             part += s * s
+            flags[k] = s >= np.float32(0.0)
+        for q in range(8):
+            out[blk * 8 + q] = np.uint8((words[q] * _MAGIC) >> np.uint64(56))
+        if blk & 63 == 63:
+            ss += part
+            part = np.float32(0.0)
+    ss += part
+    for c in range(nblk * 8, cb):
+        byte = 0
+        for k in range(8):
+            s = np.float32(0.0)
+            for i in range(p):
+                s += coef[i] if (rows[i, c] >> (7 - k)) & 1 else -coef[i]
+            s += se[c * 8 + k]
+            se[c * 8 + k] = s
+            ss += s * s
             byte = (byte << 1) | (1 if s >= 0 else 0)
         out[c] = byte
-        ss += part
     return ss
 
 

@@ -179,13 +179,15 @@ class MpiBackend:
         wscales = recv[:, :H].copy().view(np.float32).reshape(p)
         self._raise_if_not_finite(wscales)
 
-        K.worker_residual(g, e, float(scale))
         coef = (wscales.astype(np.float64) / p).astype(np.float32)
         sss = K.server_accumulate(recv[:, H:], coef, s, gsend[H:])
         sscale = np.float32(math.sqrt(sss / lay.chunk))
         gsend[:H] = np.frombuffer(sscale.tobytes(), np.uint8)
+        work = self.comm.all_gather_into_tensor(grecv, gsend, async_op=True)
+        # both residual passes overlap the second exchange
+        K.worker_residual(g, e, float(scale))
         K.server_residual(s, float(sscale))
-        self.comm.all_gather_into_tensor(grecv, gsend)
+        work.wait()
         sscales = grecv[:, :H].copy().view(np.float32).reshape(p)
 
         if direct:

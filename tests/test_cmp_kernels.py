@@ -139,3 +139,22 @@ def test_torch_pack_and_signs():
     assert np.array_equal(packed.numpy(), ref_bits(x.astype(np.float64)))
     s = TK.signs(packed).reshape(-1).numpy()
     assert np.array_equal(s, ref_sign(x.astype(np.float64)).astype(np.float32))
+
+
+def test_falls_back_to_numpy_without_numba():
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['numba'] = None\n"
+            "import numpy as np\n"
+            "from compressed import kernels as K\n"
+            "assert K.use() == 'numpy', K.implementation()\n"
+            "rows = np.zeros((1, 2), np.uint8)\n"
+            "K.encode(np.ones(16, np.float32), np.zeros(16, np.float32), rows)\n"
+            "assert rows.tolist() == [[255, 255]], rows\n"
+            "print('ok')\n")
+    env = dict(__import__("os").environ)
+    env.pop("MPICOMM_COMPRESSED_KERNELS", None)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=env)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr

@@ -1,0 +1,46 @@
+"""bench compressed: runs at every world size, checks its results, writes valid JSON records."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mpitest import check_all
+
+
+@pytest.mark.mpi(min_size=1)
+def test_bench_compressed_small_sizes(world, shared_tmp_path, capsys):
+    from bench import common
+    from bench import compressed as bench
+
+    path = shared_tmp_path / "compressed.json"
+    rc = bench.main(["--sizes", "1K,12K", "--iters", "3", "--warmup", "1", "--rounds", "1",
+                     "--json", str(path)])
+
+    def check():
+        assert rc == 0
+        if world.rank != 0:
+            return
+        out = capsys.readouterr().out
+        assert out.startswith("# mpicomm benchmark: compressed")
+        assert "1-bit/fp32 time" in out and "#wrong = 0" in out
+        records = json.loads(path.read_text())["records"]
+        assert [r["op"] for r in records[:5]] == ["all_reduce", "all_reduce:1bit", "compress",
+                                                   "decompress", "memcpy"]
+        assert len(records) == 10
+        for rec in records:
+            assert common.validate_record(rec) == [], rec
+            assert rec["ranks"] == world.size and rec["wrong"] == 0
+        one_bit = [r for r in records if r["op"] == "all_reduce:1bit"]
+        fp32 = [r for r in records if r["op"] == "all_reduce"]
+        if world.size > 1:
+            assert all(f["wire_bytes"] >= 30 * b["wire_bytes"] for f, b in zip(fp32[1:], one_bit[1:]))
+
+    check_all(check, world)
+
+
+def test_bench_compressed_rejects_unknown_ops(capsys):
+    from bench import compressed as bench
+
+    assert bench.main(["--ops", "all_reduce,nonsense", "--sizes", "1K"]) == 2
+    assert "unknown --ops ['nonsense']" in capsys.readouterr().err
