@@ -264,3 +264,49 @@ def test_error_feedback_running_average_converges(world, comm):
         assert errs[200] < 0.05 and errs[200] < errs[10] / 5 < errs[1], errs
 
     check_all(run, world)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("kind", ["torch", "numpy"])
+def test_non_contiguous_input(world, comm, kind):
+    def run():
+        backend = compressed.MpiBackend(comm=comm)
+        rng = np.random.default_rng(comm.rank + 50)
+        base = rng.standard_normal((12, 9)).astype(np.float32)
+        g = torch.from_numpy(base.copy()).t() if kind == "torch" else base.copy().T
+        assert not (g.is_contiguous() if kind == "torch" else g.flags.c_contiguous)
+        n, p = 108, comm.size
+        we = np.zeros(compressed.padded_size(n, p), np.float32)
+        se = np.zeros(we.size // p, np.float32)
+        if kind == "torch":
+            we, se = torch.from_numpy(we), torch.from_numpy(se)
+        flat = np.ascontiguousarray(base.T).reshape(-1)  # row-major order of the transposed view
+        ref = simulate(flat, np.zeros(we.shape[0]), np.zeros(se.shape[0]), world)
+        out = backend.compressed_allreduce(g, we, se, 0)
+        assert out is g and tuple(out.shape) == (9, 12)
+        compare(np.ascontiguousarray(np.asarray(out)).reshape(-1), we, se, ref)
+
+    check_all(run, world)
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("cuda_aware", [False, True])
+def test_cuda_tensors(world, comm, cuda_aware):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+
+    def run():
+        dev = torch.device("cuda", comm.local_rank % torch.cuda.device_count())
+        backend = compressed.MpiBackend(cuda_aware=cuda_aware, comm=comm)
+        n, p = 5000, comm.size
+        g = torch.randn(n, generator=torch.Generator().manual_seed(comm.rank))
+        we = torch.zeros(compressed.padded_size(n, p), device=dev)
+        se = torch.zeros(we.numel() // p, device=dev)
+        ref = simulate(g.numpy(), np.zeros(we.numel()), np.zeros(se.numel()), world)
+        buf = g.to(dev)
+        out = backend.compressed_allreduce(buf, we, se, comm.local_rank)
+        assert out is buf and out.device == dev
+        compare(out.cpu(), we.cpu(), se.cpu(), ref)
+
+    check_all(run, world)
