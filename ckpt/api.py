@@ -47,10 +47,14 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def _comm(comm: Any) -> Any:
-    if comm is None:
-        import mpicomm
+    """An mpicomm Communicator: the world one for None; an mpi4py communicator is wrapped."""
+    import mpicomm
+    from mpi4py import MPI
 
+    if comm is None:
         return mpicomm.init()
+    if isinstance(comm, MPI.Comm):
+        return mpicomm.Communicator(comm)
     return comm
 
 

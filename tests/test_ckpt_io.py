@@ -411,3 +411,36 @@ def test_zero_matches_plain_optimizer(comm, world, dtype_name, stage, bucket_byt
                                            atol=1e-5)
 
     check_all(check, world)
+
+
+# -- command line -------------------------------------------------------------------------------------
+
+def test_cli_inspect_and_verify(tmp_path):
+    import subprocess
+    import sys
+
+    comm = MPI.COMM_SELF  # a one-rank save inside this process; mpi4py communicators are accepted
+    model = make_model()
+    opt = ckpt.ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=3, comm=ckpt_api._comm(comm), lr=0.01)
+    train(model, opt, range(2), 0)
+    ckpt.save(tmp_path / "c", model=model, optimizer=opt, step=2, comm=comm, extra={"epoch": 1})
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "ckpt", *args], cwd=root, capture_output=True, text=True,
+                              timeout=120)
+
+    out = cli("inspect", str(tmp_path), "--tensors")  # follows the latest pointer
+    assert out.returncode == 0, out.stderr
+    assert "stage 3, step 2" in out.stdout and "torch.optim.adam.Adam" in out.stdout
+    assert "exp_avg_sq" in out.stdout and '"epoch": 1' in out.stdout
+    assert cli("verify", str(tmp_path / "c")).returncode == 0
+    with open(tmp_path / "c" / "data.bin", "r+b") as f:
+        f.seek(5)
+        b = f.read(1)
+        f.seek(5)
+        f.write(bytes([b[0] ^ 1]))
+    out = cli("verify", str(tmp_path / "c"))
+    assert out.returncode == 1 and "BAD: 1 of 1 blocks" in out.stdout, out.stdout
+    out = cli("inspect", str(tmp_path / "nothing"))
+    assert out.returncode == 2 and "no checkpoint" in out.stderr

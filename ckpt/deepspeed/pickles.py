@@ -15,8 +15,8 @@ class PickleRefusedError(ValueError):
 
 
 class Stub:
-    """Stands in for a DeepSpeed class (LossScaler, ZeroStageEnum, fragment_address...) so that
-    its files load without DeepSpeed installed; keeps the constructor arguments and state."""
+    """Stands in for a DeepSpeed class (LossScaler, ZeroStageEnum, fragment_address...): keeps
+    the constructor arguments (``int()`` gives the first, as for an enum) and the state."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "Stub":
         obj = object.__new__(cls)
@@ -47,14 +47,12 @@ def _stub_class(module: str, name: str) -> type:
 
 
 class _Unpickler(pickle.Unpickler):
-    """Resolves DeepSpeed classes to stubs when DeepSpeed is not importable."""
+    """Resolves DeepSpeed's classes to stubs: reading its files neither needs nor imports
+    DeepSpeed (and runs none of its code)."""
 
     def find_class(self, module: str, name: str) -> Any:
         if module == "deepspeed" or module.startswith("deepspeed."):
-            try:
-                return super().find_class(module, name)
-            except (ImportError, AttributeError):
-                return _stub_class(module, name)
+            return _stub_class(module, name)
         return super().find_class(module, name)
 
 
