@@ -8,8 +8,9 @@ Run under MPI (DeepSpeed finds its ranks through mpi4py, gloo carries the collec
 ``save`` trains a few steps, saves tag ``--tag`` under ``--root`` and writes, from rank 0,
 ``<root>/<tag>.truth.pt``: DeepSpeed's own view of every parameter's full fp32 master,
 exp_avg and exp_avg_sq (through ``deepspeed.utils.safe_get_full_*``), the optimizer step and
-the model's dtype. ``load`` starts a fresh engine with ``"load_universal": true`` at this
-world size, loads ``<root>/latest_universal``, writes ``<root>/loaded.<n>.pt`` with the same
+the model's dtype; with ``--universal`` rank 0 also converts the tag with DeepSpeed's
+``ds_to_universal`` into ``<root>/<tag>_universal``. ``load`` starts a fresh engine with
+``"load_universal": true`` at this world size, loads ``<root>/latest_universal``, writes ``<root>/loaded.<n>.pt`` with the same
 per-parameter view plus the losses of a few more training steps, and exits non-zero on error.
 Used by tests/test_ckpt_ds_*.py; needs deepspeed.
 """
@@ -128,6 +129,16 @@ def cmd_save(args: argparse.Namespace) -> None:
     engine.save_checkpoint(args.root, tag=args.tag,
                            client_state={UNIVERSAL_CHECKPOINT_INFO: {}, "iteration": args.steps})
     view = full_view(engine)
+    dist.barrier()
+    if args.universal and dist.get_rank() == 0:
+        from types import SimpleNamespace
+
+        from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+        tag_dir = os.path.join(args.root, args.tag)
+        ds_to_universal(SimpleNamespace(input_folder=tag_dir, output_folder=f"{tag_dir}_universal",
+                                        num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False,
+                                        strict=True, inject_missing_state=False))
     if dist.get_rank() == 0:
         dtype = next(engine.module.parameters()).dtype
         torch.save({"params": view, "step": optimizer_step(engine), "dtype": str(dtype),
@@ -174,6 +185,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--universal", action="store_true",
+                    help="save: also convert with DeepSpeed's ds_to_universal into <tag>_universal")
     args = ap.parse_args(argv)
     (cmd_save if args.mode == "save" else cmd_load)(args)
 
