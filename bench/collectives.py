@@ -258,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     mpi_comm = MPI.COMM_WORLD
-    rep = common.Reporter(BENCH, mpi_comm, args)
+    rep = common.Reporter(BENCH, mpi_comm, args, plot_panel="op")
     peers, ctx, notes = available_peers(args.peers, mpi_comm)
     rep.start(dtype=args.dtype, extra=[
         f"ops: {', '.join(args.ops)}; peers: {', '.join(peers) or 'none'}",

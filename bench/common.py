@@ -449,34 +449,51 @@ class Table:
 PLOT_Y = {"busbw": "busbw_gbps", "algbw": "algbw_gbps", "time": "time_us_mean"}
 
 def plot_records(records: Sequence[dict], path: str, *, y: str = "busbw_gbps",
-                 series: Sequence[str] = ("op", "peer"), title: str = "") -> None:
-    """Draw ``y`` against size, one line per distinct value of the ``series`` fields; save as PNG."""
+                 series: Sequence[str] = ("op", "peer"), panel: str | None = None,
+                 title: str = "") -> None:
+    """Draw ``y`` against size and save a PNG: one line per distinct value of the ``series``
+    fields; with ``panel`` (such as "op"), one panel per value of that field, and the same colour
+    for the same line in every panel."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    lines: dict[str, list[tuple[int, float]]] = {}
+    panel_key = panel
+    line_keys = tuple(k for k in series if k != panel)
+    panels: dict[str, dict[str, list[tuple[int, float]]]] = {}
     for rec in records:
-        label = " / ".join(str(rec[k]) for k in series if rec.get(k) not in (None, ""))
-        lines.setdefault(label or "all", []).append((rec["size_bytes"], rec[y]))
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for label, points in lines.items():
-        points.sort()
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3,
-                label=label)
-    ax.set_xscale("log", base=2)
-    if y.startswith("time"):
-        ax.set_yscale("log")
-    ax.set_xlabel("size (bytes)")
-    ax.set_ylabel({"busbw_gbps": "bus bandwidth (GB/s)", "algbw_gbps": "algorithm bandwidth (GB/s)",
-                   "time_us_mean": "mean time (us)"}.get(y, y))
+        panel = str(rec.get(panel_key, "")) if panel_key else ""
+        label = " / ".join(str(rec[k]) for k in line_keys if rec.get(k) not in (None, ""))
+        panels.setdefault(panel, {}).setdefault(label or panel or "all", []).append(
+            (rec["size_bytes"], rec[y]))
+    labels = list(dict.fromkeys(lab for lines in panels.values() for lab in lines))
+    colors = {lab: f"C{i % 10}" for i, lab in enumerate(labels)}
+    cols = min(3, len(panels))
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 4 * rows), squeeze=False)
+    ylabel = {"busbw_gbps": "bus bandwidth (GB/s)", "algbw_gbps": "algorithm bandwidth (GB/s)",
+              "time_us_mean": "mean time (us)"}.get(y, y)
+    for ax, (panel, lines) in zip(axes.flat, panels.items()):
+        for label, points in lines.items():
+            points.sort()
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3,
+                    label=label, color=colors[label])
+        ax.set_xscale("log", base=2)
+        if y.startswith("time"):
+            ax.set_yscale("log")
+        ax.set_xlabel("size (bytes)")
+        ax.set_ylabel(ylabel)
+        if panel:
+            ax.set_title(panel)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize="small")
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
     if title:
-        ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize="small")
+        fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
@@ -488,7 +505,8 @@ class Reporter:
 
     def __init__(self, bench: str, mpi_comm: MPI.Comm, args: argparse.Namespace,
                  columns: Sequence[Column] = DEFAULT_COLUMNS, *, plot_y: str = "busbw_gbps",
-                 plot_series: Sequence[str] = ("op", "peer"), out: TextIO | None = None) -> None:
+                 plot_series: Sequence[str] = ("op", "peer"), plot_panel: str | None = None,
+                 out: TextIO | None = None) -> None:
         self.bench = bench
         self.mpi_comm = mpi_comm
         self.args = args
@@ -497,6 +515,7 @@ class Reporter:
         self.plot_path = getattr(args, "plot", None)
         self.plot_y = PLOT_Y.get(getattr(args, "plot_y", None) or "", plot_y)
         self.plot_series = tuple(plot_series)
+        self.plot_panel = plot_panel
         self.info: dict = {}
         self.json: JsonWriter | None = None
         self.records: list[dict] = []
@@ -536,6 +555,7 @@ class Reporter:
         """Draw the plot, print the verdict on wrong values; 1 if any value was wrong, else 0."""
         if self.root and self.plot_path and self.records:
             plot_records(self.records, self.plot_path, y=self.plot_y, series=self.plot_series,
+                         panel=self.plot_panel,
                          title=f"mpicomm bench {self.bench}: ranks {self.info.get('ranks')}, "
                                f"hosts {self.info.get('hosts')}, {self.info.get('network')}")
             self.note(f"plot written to {self.plot_path}")

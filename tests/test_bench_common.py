@@ -138,6 +138,8 @@ def test_plot_needs_matplotlib_or_says_so(tmp_path):
     if missing:
         assert "pip install matplotlib" in missing
         return
-    path = tmp_path / "p.png"
-    common.plot_records([_record(size_bytes=8), _record(size_bytes=16)], str(path))
-    assert path.read_bytes()[:4] == b"\x89PNG"
+    recs = [_record(size_bytes=8), _record(size_bytes=16), _record(op="broadcast", size_bytes=8)]
+    for i, kwargs in enumerate([{}, {"panel": "op"}, {"panel": "op", "y": "time_us_mean"}]):
+        path = tmp_path / f"p{i}.png"
+        common.plot_records(recs, str(path), **kwargs)
+        assert path.read_bytes()[:4] == b"\x89PNG"
