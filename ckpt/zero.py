@@ -88,6 +88,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for grp, inner in zip(self._groups, self.optimizer.param_groups):
             outer.append({**{k: v for k, v in inner.items() if k != "params"}, "params": grp.params})
         super().__init__(outer, dict(self.optimizer.defaults))
+        self._built = True
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if getattr(self, "_built", False):
+            raise NotImplementedError("ZeroOptimizer: parameter groups are fixed at construction")
+        super().add_param_group(param_group)
 
     # -- training -------------------------------------------------------------------------------
 

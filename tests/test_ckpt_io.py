@@ -444,3 +444,24 @@ def test_cli_inspect_and_verify(tmp_path):
     assert out.returncode == 1 and "BAD: 1 of 1 blocks" in out.stdout, out.stdout
     out = cli("inspect", str(tmp_path / "nothing"))
     assert out.returncode == 2 and "no checkpoint" in out.stderr
+
+
+def test_lr_scheduler_drives_the_sharded_optimizer():
+    comm = ckpt_api._comm(MPI.COMM_SELF)
+    model = make_model()
+    zero = ckpt.ZeroOptimizer(torch.optim.SGD, model.parameters(), stage=1, comm=comm, lr=0.5)
+    sched = torch.optim.lr_scheduler.StepLR(zero, step_size=1, gamma=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    zero.step()
+    sched.step()
+    assert zero.param_groups[0]["lr"] == pytest.approx(0.05)
+    zero.step()  # same gradient: the update is 0.5 then 0.05
+    for b, p in zip(before, model.parameters()):
+        torch.testing.assert_close(p.detach(), b - 0.55, rtol=0, atol=1e-6)
+    assert zero.optimizer.param_groups[0]["lr"] == pytest.approx(0.05)
+    with pytest.raises(NotImplementedError, match="fixed"):
+        zero.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+    with pytest.raises(NotImplementedError, match="ckpt.save"):
+        zero.state_dict()
