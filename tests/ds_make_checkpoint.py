@@ -10,8 +10,9 @@ Run under MPI (DeepSpeed finds its ranks through mpi4py, gloo carries the collec
 exp_avg and exp_avg_sq (through ``deepspeed.utils.safe_get_full_*``), the optimizer step and
 the model's dtype; with ``--universal`` rank 0 also converts the tag with DeepSpeed's
 ``ds_to_universal`` into ``<root>/<tag>_universal``. ``load`` starts a fresh engine with
-``"load_universal": true`` at this world size, loads ``<root>/latest_universal``, writes ``<root>/loaded.<n>.pt`` with the same
-per-parameter view plus the losses of a few more training steps, and exits non-zero on error.
+``"load_universal": true`` at this world size, loads ``<root>/latest_universal``, writes
+``<root>/loaded.<n>.pt`` with the same per-parameter view, the gathered weights and the losses
+of a few more training steps, and exits non-zero on error.
 Used by tests/test_ckpt_ds_*.py; needs deepspeed.
 """
 from __future__ import annotations
@@ -150,6 +151,7 @@ def cmd_save(args: argparse.Namespace) -> None:
 
 
 def cmd_load(args: argparse.Namespace) -> None:
+    import deepspeed
     import deepspeed.comm as dist
 
     engine = engine_for(args, universal=True)
@@ -158,11 +160,7 @@ def cmd_load(args: argparse.Namespace) -> None:
     step = optimizer_step(engine)
     weights = {}
     for name, p in engine.module.named_parameters():
-        from deepspeed.utils import safe_get_full_fp32_param  # noqa: F401 (full weights below)
-
-        if hasattr(p, "ds_id"):  # ZeRO-3: gather the partitioned weight
-            import deepspeed
-
+        if hasattr(p, "ds_id"):  # ZeRO-3: gather the partitioned weight (collective)
             with deepspeed.zero.GatheredParameters([p]):
                 weights[name] = p.detach().clone()
         else:

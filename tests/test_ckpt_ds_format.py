@@ -20,6 +20,7 @@ from mpitest import assert_all, check_all
 import ckpt
 from ckpt.deepspeed import (DeepSpeedFormatError, PickleRefusedError, from_deepspeed, read_deepspeed,
                             to_deepspeed_universal, write_universal)
+from ckpt.deepspeed.pickles import Loader, Stub
 from ckpt.deepspeed.reader import split_names
 
 # ---------------------------------------------------------------------------------------------
@@ -56,6 +57,8 @@ class _DsPickler(pickle._Pickler):
 
     def save_global(self, obj, name=None):
         g = obj.__dict__.get("_ds_global") if isinstance(obj, type) else None
+        if isinstance(obj, type) and issubclass(obj, Stub) and obj is not Stub:  # re-saving what we read
+            g = (obj.__module__, obj.__qualname__)
         if g is None:
             return super().save_global(obj, name)
         self.write(pickle.GLOBAL + f"{g[0]}\n{g[1]}\n".encode())
@@ -371,3 +374,56 @@ def test_from_deepspeed_loads_into_plain_and_zero_optimizers(comm, world, shared
             if not _same(step, torch.tensor(float(STEP))):
                 ok, msg = False, f"{n} step is {step!r}"
     assert_all(ok, msg)
+
+
+def test_from_deepspeed_follows_latest_and_rejects_non_adam_state(comm, world, tmp_path):
+    if world.Get_size() > 1:
+        pytest.skip("single-process test")
+    make(str(tmp_path / "root" / "step5"), 1, 2)
+    (tmp_path / "root" / "latest").write_text("step5")
+    m = from_deepspeed(tmp_path / "root", tmp_path / "ours", comm=comm, allow_pickle=True)
+    assert m.step == STEP and m.extra["source"].endswith("step5") and m.extra["ds_world_size"] == 2
+
+    make(str(tmp_path / "sgd"), 1, 2)
+    path = tmp_path / "sgd" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    sd = Loader(allow_pickle=True).load(str(path))
+    for st in sd["optimizer_state_dict"]["base_optimizer_state"]["state"].values():
+        st["momentum_buffer"] = st.pop("exp_avg").clone()
+    _ds_save(sd, str(path) + ".new")
+    os.replace(str(path) + ".new", path)
+    with pytest.raises(DeepSpeedFormatError, match=r"Adam-style optimizer state .* found \['exp_avg_sq', "
+                                                    r"'momentum_buffer', 'step'\]"):
+        read_deepspeed(tmp_path / "sgd", allow_pickle=True)
+
+
+def test_to_deepspeed_universal_from_a_plain_torch_checkpoint(comm, world, tmp_path):
+    """Our own checkpoint (not imported) exports too: weights, Adam state and step per parameter."""
+    if world.Get_size() > 1:
+        pytest.skip("single-process test")
+    torch.manual_seed(3)
+    net = Net(torch.float32)
+    opt = torch.optim.AdamW(_net_groups(net))
+    for _ in range(2):
+        opt.zero_grad()
+        (net.dec(torch.tanh(net.enc(torch.randn(4, 7)))).square().sum() + net.head.w.square().sum()).backward()
+        opt.step()
+    ckpt.save(tmp_path / "ours", model=net, optimizer=opt, step=2, comm=comm)
+    out = to_deepspeed_universal(tmp_path / "ours", tmp_path / "uni" / "tag")
+    named = dict(net.named_parameters())
+    for n in SHAPES:
+        d = {k: torch.load(os.path.join(out, "zero", n, f"{k}.pt"), weights_only=True)["param"]
+             for k in ("fp32", "exp_avg", "exp_avg_sq")}
+        assert _same(d["fp32"], named[n].detach())
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert _same(d[k], opt.state[named[n]][k]), (n, k)
+        assert _same(torch.load(os.path.join(out, "zero", n, "step.pt"), weights_only=True),
+                     opt.state[named[n]]["step"])
+    osd = torch.load(os.path.join(out, "zero", "optimizer_state.pt"), weights_only=True)
+    assert [g["lr"] for g in osd["param_groups"]] == [h["lr"] for h in HYPER]
+    ms = torch.load(os.path.join(out, "mp_rank_00_model_states.pt"), weights_only=True)
+    assert _same(ms["module"]["norm.running"], torch.zeros(4)) and ms["dp_world_size"] == 1
+
+    bare = tmp_path / "bare"
+    ckpt.save(bare, model=net, comm=comm)
+    with pytest.raises(ValueError, match="no optimizer state"):
+        to_deepspeed_universal(bare, tmp_path / "uni2" / "tag")

@@ -195,6 +195,7 @@ def read_deepspeed(folder: str | os.PathLike, allow_pickle: bool = False, comm: 
     else:
         owned = split_names(all_names, [math.prod(shapes[n]) for n in all_names], comm.size)[comm.rank]
 
+    _check_adam_state(osd0, stage, folder)
     if stage <= 2:
         base = osd0.get("base_optimizer_state")
         if not isinstance(base, dict):
@@ -222,6 +223,18 @@ def read_deepspeed(folder: str | os.PathLike, allow_pickle: bool = False, comm: 
                           step_dtype=step_dtype, model_state=OrderedDict(module), buffer_names=buffer_names,
                           optimizer_class=_optimizer_class(model_sd.get("ds_config")),
                           ds_version=model_sd.get("ds_version"), owned=owned, tensors=tensors)
+
+
+def _check_adam_state(osd: dict[str, Any], stage: int, folder: str) -> None:
+    inner = osd.get("base_optimizer_state") if stage <= 2 else osd.get("optimizer_state_dict")
+    states = inner.get("state") if isinstance(inner, dict) else None
+    if not isinstance(states, dict) or not states:
+        raise DeepSpeedFormatError(f"{folder}: the optimizer holds no state (saved before its first step?)")
+    for gi, st in states.items():
+        missing = [k for k in STATE_KEYS if k not in st]
+        if missing:
+            raise DeepSpeedFormatError(f"{folder}: expected Adam-style optimizer state {list(STATE_KEYS)} in "
+                                       f"group {gi}, found {sorted(st)}")
 
 
 def _model_dtype(module: dict[str, torch.Tensor], names: list[str]) -> torch.dtype:
