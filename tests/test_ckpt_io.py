@@ -164,7 +164,6 @@ def test_format_is_canonical_json_and_raw_bytes(comm, world, shared_tmp_path):
     model = make_model(torch.bfloat16)
     opt = ckpt.ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=3, comm=comm, lr=0.01)
     train(model, opt, range(3), comm.rank, torch.bfloat16)
-    full = full_masters = None
     ckpt.save(shared_tmp_path / "c", model=model, optimizer=opt, step=3, comm=comm,
               extra={"note": "hi"}, block_size=64, chunk_bytes=128)
     d = shared_tmp_path / "c"

@@ -1,0 +1,28 @@
+"""The checkpoint benchmark program runs end to end on a tiny model and checks what it loads."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_bench_ckpt_small_run(tmp_path):
+    out = tmp_path / "ckpt.json"
+    proc = subprocess.run(
+        ["mpiexec", "-n", "3", sys.executable, "-m", "bench", "ckpt", "--layers", "2", "--hidden", "96",
+         "--deepspeed", "no", "--no-sync", "--dir", str(tmp_path), "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "# wrong: 0" in proc.stdout
+    records = json.loads(out.read_text())["records"]
+    ops = [r["op"] for r in records]
+    for op in ("disk write+fdatasync", "ckpt.save (fsync)", "ckpt.load", "ckpt save + load",
+               "DeepSpeed save+convert+load", "ckpt.save (no fsync)"):
+        assert op in ops, ops
+    load = next(r for r in records if r["op"] == "ckpt.load")
+    assert load["note"] == "state checked" and load["size_bytes"] == 2 * (96 * 96 + 96) * 12
+    assert "reference figure" in next(r for r in records if r["op"] == "DeepSpeed save+convert+load")["note"]
+    assert sum(1 for r in records if r["op"].startswith("load peak RSS")) == 3
