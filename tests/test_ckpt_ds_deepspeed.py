@@ -166,3 +166,38 @@ def test_deepspeed_loads_our_export_at_another_size_and_trains(ds_checkpoint, ou
         w = got["weights"][name]
         assert _same(w, ref["fp32"].to(w.dtype)), name
     assert len(got["losses"]) == 3 and all(math.isfinite(x) for x in got["losses"])
+
+
+def test_deepspeed_loads_export_of_our_own_zero_checkpoint(tmp_path):
+    """A checkpoint trained and saved by ckpt.ZeroOptimizer (never DeepSpeed's) resumes in DeepSpeed."""
+    import mpicomm
+
+    import ckpt
+    from ds_make_checkpoint import TinyNet, batches
+
+    comm = mpicomm.init()
+    torch.manual_seed(0)
+    net = TinyNet()
+    zero = ckpt.ZeroOptimizer(torch.optim.AdamW, net.parameters(), stage=1, comm=comm, lr=0.01,
+                              betas=(0.9, 0.99), eps=1e-7, weight_decay=0.01)
+    for x, y in batches(0, 3, 5, torch.float32):
+        zero.zero_grad()
+        net(x, y).backward()
+        zero.step()
+    ckpt.save(tmp_path / "ours", model=net, optimizer=zero, step=3, comm=comm)
+    root = tmp_path / "root"
+    to_deepspeed_universal(tmp_path / "ours", root / "mine")
+    launch(2, "load", "--root", str(root), "--stage", "1", "--dtype", "fp32", "--steps", "2")
+    got = torch.load(root / "loaded.2.pt", weights_only=False)
+    names = [n for n, _ in net.named_parameters()]
+    g = zero.groups[0]
+    state = zero.shard_state(0)
+    assert got["step"] == 3
+    for s in g.layout.segments(0):
+        name = names[s.param]
+        for k, flat in (("fp32", g.master), ("exp_avg", state["exp_avg"]), ("exp_avg_sq", state["exp_avg_sq"])):
+            want = flat[s.local:s.local + s.length]
+            assert torch.equal(got["params"][name][k].reshape(-1)[s.start:s.start + s.length], want), (name, k)
+    for name, p in net.named_parameters():
+        assert _same(got["weights"][name], p.detach()), name
+    assert len(got["losses"]) == 2 and all(math.isfinite(x) for x in got["losses"])
