@@ -254,6 +254,42 @@ def part_network(mpi_comm, out, rates: list[str], size_bytes: int, timeout_s: fl
 
 
 # ---------------------------------------------------------------------------------------------
+# summary
+
+def summary(records: list[dict]) -> list[str]:
+    """The headline of each part that ran, one line each."""
+    lines = []
+    coll = [r for r in records if r["op"] == "all_reduce" and r.get("peer") in collectives.PEERS]
+    if coll:
+        size = max(r["size_bytes"] for r in coll)
+        at = {r["peer"]: r for r in coll if r["size_bytes"] == size}
+        base = at.get("mpi4py")
+        parts = [f"{peer} {_ms(r['time_us_mean'])}"
+                 + (f" ({r['time_us_mean'] / base['time_us_mean']:.2f}x mpi4py)"
+                    if base and peer != "mpi4py" and base["time_us_mean"] > 0 else "")
+                 for peer, r in at.items()]
+        lines.append(f"all_reduce {common.format_size(size)}, local: " + ", ".join(parts))
+    by_network: dict[str, dict[str, dict]] = {}
+    for r in records:
+        peer = r.get("peer", "")
+        if peer == "onebit" or peer.startswith("fp32-"):
+            by_network.setdefault(r["network"], {})["onebit" if peer == "onebit" else "fp32"] = r
+    for network, pair in by_network.items():
+        fp32, onebit = pair.get("fp32"), pair.get("onebit")
+        where = "local" if network == "local" else network.replace("netsim: ", "")
+        size = common.format_size((fp32 or onebit)["size_bytes"])
+        if fp32 and onebit and onebit["time_us_mean"] > 0:
+            ratio = fp32["time_us_mean"] / onebit["time_us_mean"]
+            verdict = f"{ratio:.1f}x faster" if ratio >= 1 else f"{1 / ratio:.1f}x slower"
+            lines.append(f"1-bit vs fp32 allreduce of {size}, {where}: {_ms(onebit['time_us_mean'])}"
+                         f" vs {_ms(fp32['time_us_mean'])}, {verdict}")
+        elif fp32:
+            lines.append(f"fp32 allreduce of {size}, {where}: {_ms(fp32['time_us_mean'])} "
+                         f"(1-bit not available)")
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------
 # the program
 
 def build_parser() -> argparse.ArgumentParser:
@@ -314,6 +350,12 @@ def main(argv=None) -> int:
             json.dump({"meta": dict(info, bench=BENCH, parts=parts), "records": records}, f,
                       indent=1)
     if parts != ["compressed"] or info["network"] == "local":
+        lines = summary(records)
+        if lines:
+            out("== Summary ==")
+            for line in lines:
+                out(f"   {line}")
+            out()
         out(f"demo done in {time.perf_counter() - t0:.1f} s; "
             + ("all values correct" if wrong == 0 else f"FAILED: {wrong} wrong values"))
     return 1 if wrong else 0
