@@ -31,6 +31,7 @@ def test_demo_collectives_and_compressed_parts(n, tmp_path):
                         "--compressed-size", "256K", "--budget", "0.05")
     assert "== 1. Collectives" in stdout and "== 2. Compressed" in stdout
     assert "all values correct" in stdout
+    assert "== Summary ==" in stdout and "all_reduce 4K, local: mpicomm" in stdout
     recs = doc["records"]
     assert recs and all(common.validate_record(r) == [] for r in recs)
     assert all(r["ranks"] == n and r["wrong"] == 0 for r in recs)
