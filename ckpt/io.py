@@ -14,7 +14,8 @@ from mpi4py import MPI
 from .checksum import Piece, block_ranges, crc32
 from .plan import IOItem, chunk, coalesce
 
-DEFAULT_CHUNK_BYTES = 32 << 20
+DEFAULT_CHUNK_BYTES = 32 << 20   # bound of staging buffers (dtype conversion, device copies)
+DIRECT_CHUNK_BYTES = 256 << 20   # rounds that move bytes straight to or from a host tensor
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:
@@ -39,6 +40,15 @@ def _crc_pieces(offset: int, mem: np.ndarray, block_size: int) -> list[Piece]:
         a = off - offset
         out.append(Piece(off, ln, crc32(mem[a:a + ln])))
     return out
+
+
+def _chunks(items: Sequence[IOItem], direct: set[int], chunk_bytes: int, block_size: int,
+            itemsize: dict[int, int] | None = None) -> list[IOItem]:
+    """Rounds of I/O: large ones for buffers moved in place, ``chunk_bytes`` ones through staging."""
+    big = max(chunk_bytes, DIRECT_CHUNK_BYTES // block_size * block_size)
+    out = chunk([i for i in items if i.buf in direct], big, block_size, itemsize)
+    out += chunk([i for i in items if i.buf not in direct], chunk_bytes, block_size, itemsize)
+    return sorted(out, key=lambda c: c.offset)
 
 
 def _start_writeback(fd: int | None, offset: int, nbytes: int) -> None:
@@ -69,7 +79,8 @@ def write_items(mpi_comm: MPI.Comm, filename: str, items: Sequence[IOItem],
     ``buffers`` (their raw bytes); return the CRC of every written piece within each block.
     Checksums run in a thread alongside the writes; with ``sync`` the kernel is asked to start
     writing each chunk back as soon as it is written, and the file is synced at the end."""
-    chunks = chunk(coalesce(items), chunk_bytes, block_size)
+    host = {i for i, b in enumerate(buffers) if b.device.type == "cpu"}
+    chunks = _chunks(coalesce(items), host, chunk_bytes, block_size)
     views = [byte_view(b) for b in buffers]
     nrounds = _rounds(mpi_comm, len(chunks))
     empty = np.empty(0, np.uint8)
@@ -109,7 +120,8 @@ def read_items(mpi_comm: MPI.Comm, filename: str, items: Sequence[IOItem],
     direct = [d.dtype == fd and d.device.type == "cpu" and d.is_contiguous()
               for d, fd in zip(dests, file_dtypes)]
     itemsize = {i: torch.empty(0, dtype=fd).element_size() for i, fd in enumerate(file_dtypes)}
-    chunks = chunk(coalesce(items), chunk_bytes, block_size, itemsize)
+    chunks = _chunks(coalesce(items), {i for i, ok in enumerate(direct) if ok}, chunk_bytes,
+                     block_size, itemsize)
     nrounds = _rounds(mpi_comm, len(chunks))
     views = [byte_view(d) if ok else None for d, ok in zip(dests, direct)]
     staging: torch.Tensor | None = None
