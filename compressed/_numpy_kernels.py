@@ -1,13 +1,26 @@
 """Plain numpy versions of the CPU kernels (the fallback when numba is absent).
 
-Same signatures and results as ``_numba_kernels``; a few staged passes over preallocated
-scratch space instead of one fused loop.
+Same signatures and results as ``_numba_kernels``, in a few staged whole-array passes over
+scratch arrays that are kept between calls (fresh large arrays cost page faults on every call);
+signs are decoded through 256-entry tables.
 """
 from __future__ import annotations
 
 import numpy as np
 
-_BLOCK = 1 << 16  # elements per float32 dot product before accumulating in float64
+_BLOCK = 1 << 12  # float32 dot products this long, summed in float64 (keeps ~1e-7 accuracy)
+_BITS = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1).astype(bool)  # (256, 8)
+_scratch: dict[tuple[str, int, str], np.ndarray] = {}
+
+
+def _buf(tag: str, n: int, dtype) -> np.ndarray:
+    """A scratch array of ``n`` elements kept for the next call with the same tag (one per tag)."""
+    dtype = np.dtype(dtype)
+    arr = _scratch.get((tag, 0, dtype.str))
+    if arr is None or arr.shape[0] < n:
+        arr = np.empty(n, dtype)
+        _scratch[(tag, 0, dtype.str)] = arr
+    return arr[:n]
 
 
 def _sumsq(x: np.ndarray) -> float:
@@ -20,27 +33,40 @@ def _sumsq(x: np.ndarray) -> float:
 
 def _x(g: np.ndarray, e: np.ndarray) -> np.ndarray:
     m = g.shape[0]
-    x = np.empty_like(e)
+    x = _buf("x", e.shape[0], np.float32)
     np.add(g, e[:m], out=x[:m])
     x[m:] = e[m:]
     return x
 
 
-def _pack_into(x: np.ndarray, out: np.ndarray) -> None:
-    out[...] = np.packbits(x >= 0).reshape(out.shape)
+def _table(scale) -> np.ndarray:
+    """(256, 8) float32: +-scale for each byte value and bit position, MSB first."""
+    s = np.float32(scale)
+    return np.where(_BITS, s, -s)
+
+
+def _pack(x: np.ndarray, out: np.ndarray) -> None:
+    pos = _buf("pos", x.shape[0], bool)
+    np.greater_equal(x, 0, out=pos)
+    out[...] = np.packbits(pos).reshape(out.shape)
 
 
 def _residual(x: np.ndarray, scale: float, out: np.ndarray) -> None:
+    """out = x - scale * sign(x); ``out`` may be ``x``."""
+    n = x.shape[0]
+    pos = _buf("pos", n, bool)
+    signed = _buf("signed", n, np.float32)
     s = np.float32(scale)
-    pos = x >= 0
-    np.subtract(x, s, out=out, where=pos)
-    np.add(x, s, out=out, where=~pos)
+    np.greater_equal(x, 0, out=pos)
+    np.multiply(pos, s + s, out=signed)  # 2s or 0, exact
+    signed -= s  # +s or -s, exact
+    np.subtract(x, signed, out=out)
 
 
 def encode(g, e, rows):
     """Pack the signs of x = (g zero-padded) + e into ``rows`` (p, chunk_bytes); return sum x^2."""
     x = _x(g, e)
-    _pack_into(x, rows)
+    _pack(x, rows)
     return _sumsq(x)
 
 
@@ -49,25 +75,23 @@ def worker_residual(g, e, scale):
     _residual(_x(g, e), scale, e)
 
 
-def _signs(rows: np.ndarray) -> np.ndarray:
-    """+-1 float32 array (p, chunk_bytes * 8) from packed rows."""
-    bits = np.unpackbits(rows, axis=1)
-    return bits.astype(np.float32) * np.float32(2.0) - np.float32(1.0)
-
-
 def server_accumulate(rows, coef, se, out):
     """Set se = sum_i coef[i] * sign_i + se, pack sign(se) into ``out``; return sum se^2."""
-    acc = np.zeros_like(se)
+    n = se.shape[0]
+    acc = _buf("acc", n, np.float32)
+    tmp = _buf("signed", n, np.float32).reshape(-1, 8)
+    acc[...] = 0
     for i in range(rows.shape[0]):
-        acc += _signs(rows[i:i + 1])[0] * np.float32(coef[i])
+        np.take(_table(coef[i]), rows[i], axis=0, out=tmp)
+        acc += tmp.reshape(-1)
     np.add(acc, se, out=se)
-    _pack_into(se, out)
+    _pack(se, out)
     return _sumsq(se)
 
 
 def server_residual(se, scale):
     """Set se = se - scale * sign(se)."""
-    _residual(se.copy(), scale, se)
+    _residual(se, scale, se)
 
 
 def decode(rows, scales, out):
@@ -80,5 +104,8 @@ def decode(rows, scales, out):
         if lo >= m:
             break
         hi = min(m, lo + chunk)
-        signs = _signs(rows[r:r + 1])[0, :hi - lo]
-        np.multiply(signs, np.float32(scales[r]), out=out[lo:hi])
+        table = _table(scales[r])
+        if hi - lo == chunk:
+            np.take(table, rows[r], axis=0, out=out[lo:hi].reshape(cb, 8))
+        else:
+            out[lo:hi] = table[rows[r]].reshape(-1)[:hi - lo]

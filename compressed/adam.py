@@ -38,6 +38,7 @@ class OnebitAdam(torch.optim.Optimizer):
         self.freeze_step = int(freeze_step)
         self.global_step = 0
         self.onebit = OnebitAllreduce(self.comm, cuda_aware=cuda_aware)
+        self._flats: dict[str, torch.Tensor] = {}
 
     @property
     def frozen(self) -> bool:
@@ -85,25 +86,38 @@ class OnebitAdam(torch.optim.Optimizer):
         self.global_step = t
         return loss
 
+    def _flat(self, name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
+        """A float32 buffer kept between steps (fresh large buffers cost page faults each step)."""
+        buf = self._flats.get(name)
+        if buf is None or buf.numel() != numel or buf.device != like.device:
+            buf = torch.empty(numel, dtype=torch.float32, device=like.device)
+            self._flats[name] = buf
+        return buf
+
     def _average(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Mean over ranks of ``tensors`` with one allreduce per device and dtype."""
         if self.comm.size == 1 or not tensors:
             return tensors
         out: list[torch.Tensor | None] = [None] * len(tensors)
-        for idx in _by_device_dtype(tensors).values():
-            flat = torch.cat([tensors[i].reshape(-1) for i in idx])
+        for key, idx in _by_device_dtype(tensors).items():
+            sizes = [tensors[i].numel() for i in idx]
+            flat = self._flat(f"grad:{key[0]}:{key[1]}", sum(sizes), tensors[idx[0]])
+            torch.cat([tensors[i].reshape(-1).float() for i in idx], out=flat)
             self.comm.all_reduce(flat, op="avg")
-            for i, piece in zip(idx, flat.split([tensors[i].numel() for i in idx])):
-                out[i] = piece.view_as(tensors[i])
+            for i, piece in zip(idx, flat.split(sizes)):
+                out[i] = piece.view(tensors[i].shape).to(tensors[i].dtype)
         return out  # type: ignore[return-value]
 
     def _average_momenta(self, active: list[tuple[dict, torch.Tensor]]) -> None:
         moms = [self.state[p]["exp_avg"] for _, p in active]
         for key, idx in _by_device_dtype(moms).items():
-            flat = torch.cat([moms[i].reshape(-1).float() for i in idx])
-            mean = self.onebit(flat, key=f"exp_avg:{key[0]}:{key[1]}")
-            for i, piece in zip(idx, mean.split([moms[i].numel() for i in idx])):
-                moms[i].copy_(piece.view_as(moms[i]))
+            sizes = [moms[i].numel() for i in idx]
+            name = f"exp_avg:{key[0]}:{key[1]}"
+            flat = self._flat(name, sum(sizes), moms[idx[0]])
+            torch.cat([moms[i].reshape(-1).float() for i in idx], out=flat)
+            self.onebit.allreduce_(flat, key=name)
+            for i, piece in zip(idx, flat.split(sizes)):
+                moms[i].copy_(piece.view(moms[i].shape))
 
     def state_dict(self) -> dict:
         sd = super().state_dict()

@@ -32,16 +32,29 @@ class OnebitAllreduce:
 
     def __call__(self, tensor: torch.Tensor, key: str = "default") -> torch.Tensor:
         """Return the compressed mean of ``tensor`` over ranks, using the error buffers of ``key``."""
+        self._check(tensor)
+        if self.size == 1 or tensor.numel() == 0:
+            return tensor.detach().clone()
+        we, se = self.errors(key, tensor.numel(), tensor.device)
+        out = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+        self.backend.allreduce_into(tensor.detach(), out, we, se)
+        return out
+
+    def allreduce_(self, tensor: torch.Tensor, key: str = "default") -> torch.Tensor:
+        """In-place variant: overwrite ``tensor`` with the compressed mean and return it."""
+        self._check(tensor)
+        if self.size == 1 or tensor.numel() == 0:
+            return tensor
+        we, se = self.errors(key, tensor.numel(), tensor.device)
+        self.backend.allreduce_into(tensor.detach(), tensor.detach(), we, se)
+        return tensor
+
+    @staticmethod
+    def _check(tensor) -> None:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"OnebitAllreduce: expected a torch.Tensor, got {type(tensor).__name__}")
         if not tensor.dtype.is_floating_point:
             raise TypeError(f"OnebitAllreduce: expected a floating tensor, got dtype {tensor.dtype}")
-        if self.size == 1 or tensor.numel() == 0:
-            return tensor.detach().clone()
-        we, se = self.errors(key, tensor.numel(), tensor.device)
-        work = tensor.detach().to(torch.float32, copy=True)
-        out = self.backend.compressed_allreduce(work, we, se, self.comm.local_rank)
-        return out if tensor.dtype == torch.float32 else out.to(tensor.dtype)
 
     def errors(self, key: str, numel: int | None = None,
                device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -42,6 +42,33 @@ def as_communicator(comm: Any):
                     f"got {type(comm).__name__}")
 
 
+def _numel(x: Any) -> int:
+    return int(x.numel()) if isinstance(x, torch.Tensor) else int(x.size)
+
+
+def _host_view(x: Any) -> np.ndarray:
+    """numpy view of a CPU tensor or numpy array (for a CPU tensor, sharing its memory)."""
+    if isinstance(x, torch.Tensor):
+        t = x.detach()
+        if t.device.type != "cpu":
+            raise TypeError(f"compressed_allreduce: host kernels need CPU buffers, got {_describe(x)}")
+        if t.dtype == torch.bfloat16:
+            return t.float().numpy()
+        return t.numpy()
+    return x
+
+
+def _host_f32(x: Any) -> np.ndarray | None:
+    """Flat float32 numpy view sharing ``x``'s memory, or None if ``x`` is not contiguous float32."""
+    if isinstance(x, torch.Tensor):
+        if x.dtype != torch.float32 or not x.is_contiguous() or x.device.type != "cpu":
+            return None
+        return x.detach().reshape(-1).numpy()
+    if x.dtype != np.float32 or not x.flags.c_contiguous:
+        return None
+    return x.reshape(-1)
+
+
 def _describe(x: Any) -> str:
     kind = "numpy.ndarray" if isinstance(x, np.ndarray) else type(x).__name__
     dev = f" on {x.device}" if isinstance(x, torch.Tensor) else ""
@@ -87,21 +114,32 @@ class MpiBackend:
         If any rank's input is not finite, every rank raises ``NonFiniteError`` after the first
         exchange and no buffer is modified on any rank. Every rank must call with the same size.
         """
+        self.allreduce_into(buffer_m, buffer_m, worker_error, server_error)
+        return buffer_m
+
+    def allreduce_into(self, inp, out, worker_error, server_error) -> None:
+        """Write the compressed mean of every rank's ``inp`` into ``out``; ``inp`` is only read.
+
+        ``out`` has ``inp``'s number of elements, any float dtype, and may be ``inp`` itself
+        (that is ``compressed_allreduce``). Errors and failure behave as there.
+        """
         p = self.size
-        n = int(buffer_m.numel()) if isinstance(buffer_m, torch.Tensor) else int(buffer_m.size)
+        n = _numel(inp)
         lay = Layout(n, p)
-        self._check_buffers(buffer_m, worker_error, server_error, lay)
+        self._check_buffers(inp, worker_error, server_error, lay)
+        if _numel(out) != n or isinstance(out, torch.Tensor) != isinstance(inp, torch.Tensor):
+            raise ValueError(f"compressed_allreduce: out must be the same kind of buffer with "
+                             f"{n} elements, got {_describe(out)}")
         if n == 0:
-            return buffer_m
+            return
         use_torch = self.kernels == "torch" or (
-            self.kernels is None and isinstance(buffer_m, torch.Tensor) and buffer_m.device.type != "cpu")
+            self.kernels is None and isinstance(inp, torch.Tensor) and inp.device.type != "cpu")
         if use_torch:
-            self._torch_allreduce(buffer_m, worker_error, server_error, lay)
+            self._torch_allreduce(inp, out, worker_error, server_error, lay)
         else:
-            self._host_allreduce(buffer_m, worker_error, server_error, lay)
+            self._host_allreduce(inp, out, worker_error, server_error, lay)
         self.calls += 1
         self.wire_bytes += lay.wire_bytes()
-        return buffer_m
 
     # ------------------------------------------------------------------------------------------
     def _check_buffers(self, buf, we, se, lay: Layout) -> None:
@@ -118,14 +156,15 @@ class MpiBackend:
                 ("worker_error", we, lay.padded, f"padded_size({lay.numel}, {lay.world_size})"),
                 ("server_error", se, lay.chunk, f"padded_size({lay.numel}, {lay.world_size}) // "
                                                 f"{lay.world_size}")):
-            numel = int(x.numel()) if isinstance(x, torch.Tensor) else int(x.size)
+            numel = _numel(x)
             if numel != want:
                 raise ValueError(f"{call}: {name} must have {what} = {want} elements, "
                                  f"got {_describe(x)}")
             contiguous = x.is_contiguous() if isinstance(x, torch.Tensor) else x.flags.c_contiguous
             if str(x.dtype) not in ("float32", "torch.float32") or not contiguous:
                 raise TypeError(f"{call}: {name} must be a contiguous float32 buffer, got {_describe(x)}")
-            if type(x) is not type(buf) or (isinstance(x, torch.Tensor) and x.device != buf.device):
+            if isinstance(x, torch.Tensor) != isinstance(buf, torch.Tensor) or (
+                    isinstance(x, torch.Tensor) and x.device != buf.device):
                 raise TypeError(f"{call}: {name} must be the same kind of buffer on the same device "
                                 f"as buffer_m ({_describe(buf)}), got {_describe(x)}")
 
@@ -157,19 +196,16 @@ class MpiBackend:
                 f"was modified.")
 
     # ------------------------------------------------------------------------------------------
-    def _host_allreduce(self, buf, we, se, lay: Layout) -> None:
+    def _host_allreduce(self, inp, out, we, se, lay: Layout) -> None:
         p = lay.world_size
-        if isinstance(buf, torch.Tensor):
-            t = buf.detach()
-            direct = t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu"
-            g = t.reshape(-1).numpy() if direct else t.reshape(-1).to("cpu", torch.float32).numpy()
-            e = we.detach().reshape(-1).cpu().numpy()
-            s = se.detach().reshape(-1).cpu().numpy()
-        else:
-            direct = buf.dtype == np.float32 and buf.flags.c_contiguous
-            g = buf.reshape(-1) if direct else np.ascontiguousarray(buf, np.float32).reshape(-1)
-            e, s = we.reshape(-1), se.reshape(-1)
         ws = self._workspace(lay, None)
+        g = _host_f32(inp)
+        if g is None:  # convert into a kept scratch buffer (fresh large arrays cost page faults)
+            g = ws.setdefault("g32", np.empty(lay.numel, np.float32))
+            g[...] = _host_view(inp).reshape(-1)
+        dst = _host_f32(out)
+        e = _host_view(we).reshape(-1)
+        s = _host_view(se).reshape(-1)
         send, recv, gsend, grecv = ws["send"], ws["recv"], ws["gsend"], ws["grecv"]
 
         ssq = K.encode(g, e, send[:, H:])
@@ -190,23 +226,23 @@ class MpiBackend:
         work.wait()
         sscales = grecv[:, :H].copy().view(np.float32).reshape(p)
 
-        if direct:
-            K.decode(grecv[:, H:], sscales, g)
+        if dst is not None:
+            K.decode(grecv[:, H:], sscales, dst)
         else:
-            out = np.empty(lay.numel, np.float32)
-            K.decode(grecv[:, H:], sscales, out)
-            if isinstance(buf, torch.Tensor):
-                buf.detach().copy_(torch.from_numpy(out).view(buf.shape))
+            res = ws.setdefault("out32", np.empty(lay.numel, np.float32))
+            K.decode(grecv[:, H:], sscales, res)
+            if isinstance(out, torch.Tensor):
+                out.detach().copy_(torch.from_numpy(res).view(out.shape))
             else:
-                buf[...] = out.reshape(buf.shape)
+                out[...] = res.reshape(out.shape)
 
     # ------------------------------------------------------------------------------------------
-    def _torch_allreduce(self, buf, we, se, lay: Layout) -> None:
+    def _torch_allreduce(self, inp, out, we, se, lay: Layout) -> None:
         p = lay.world_size
-        if isinstance(buf, np.ndarray):
+        if isinstance(inp, np.ndarray):
             raise TypeError("compressed_allreduce: torch kernels need torch tensors, got a numpy array")
-        dev = buf.device
-        g = buf.detach().reshape(-1).to(torch.float32)
+        dev = inp.device
+        g = inp.detach().reshape(-1).to(torch.float32)
         e = we.detach().view(-1)
         s = se.detach().view(-1)
         ws = self._workspace(lay, dev)
@@ -232,9 +268,9 @@ class MpiBackend:
         grecv_any = self._exchange(self.comm.all_gather_into_tensor, grecv, gsend)
         grecv_dev = grecv_any.to(dev, non_blocking=True)
         sscales = grecv_dev[:, :H].reshape(-1).view(torch.float32)
-        out = torch.empty(lay.numel, dtype=torch.float32, device=dev)
-        TK.decode(grecv_dev[:, H:], sscales, out)
-        buf.detach().copy_(out.view(buf.shape))
+        res = torch.empty(lay.numel, dtype=torch.float32, device=dev)
+        TK.decode(grecv_dev[:, H:], sscales, res)
+        out.detach().copy_(res.view(out.shape))
 
     def _exchange(self, collective, out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
         """Run ``collective(out, inp)``; stage through host memory for device buffers unless
