@@ -1,6 +1,7 @@
 """CRC-32 per fixed-size file block, assembled from pieces written or read by any rank (pure)."""
 from __future__ import annotations
 
+import functools
 import zlib
 from dataclasses import dataclass
 from typing import Iterable, Sequence
@@ -35,6 +36,7 @@ def _x2n_table() -> list[int]:
 _X2N = _x2n_table()
 
 
+@functools.lru_cache(maxsize=4096)
 def _x8n_mod_p(nbytes: int) -> int:
     """Return x^(8 * nbytes) modulo the CRC polynomial."""
     p = 1 << 31  # x^0
@@ -48,10 +50,17 @@ def _x8n_mod_p(nbytes: int) -> int:
     return p
 
 
+_ZEROS = memoryview(bytes(64 << 10))
+
+
 def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     """CRC-32 of A+B from crc32(A), crc32(B) and len(B)."""
     if len2 == 0:
         return crc1
+    if len2 <= len(_ZEROS):
+        # CRC is affine in its start value: crc(B, c) = crc(B, 0) ^ crc(0^n, c) ^ crc(0^n, 0)
+        z = _ZEROS[:len2]
+        return (_CRC32(z, crc1) ^ _CRC32(z, 0) ^ crc2) & 0xFFFFFFFF
     return _mult_mod_p(_x8n_mod_p(len2), crc1) ^ crc2
 
 
@@ -98,25 +107,29 @@ def num_blocks(file_size: int, block_size: int) -> int:
 
 
 def _chain(pieces: Sequence[Piece], start: int, stop: int) -> list[Piece] | None:
-    """Pick pieces that tile [start, stop) exactly, or None if none do."""
+    """Pick pieces that tile [start, stop) exactly, or None if none do (depth-first over byte
+    positions, longest piece first, each position visited once)."""
     by_start: dict[int, list[Piece]] = {}
     for p in pieces:
         by_start.setdefault(p.offset, []).append(p)
     for lst in by_start.values():
-        lst.sort(key=lambda q: -q.length)
-    # depth-first search over positions, longest piece first; positions visited once
-    seen: set[int] = set()
-    stack: list[tuple[int, list[Piece]]] = [(start, [])]
+        lst.sort(key=lambda q: q.length)  # popped from the end: longest first
+    came_from: dict[int, tuple[int, Piece] | None] = {start: None}
+    stack = [start]
     while stack:
-        pos, path = stack.pop()
+        pos = stack.pop()
         if pos == stop:
-            return path
-        if pos in seen or pos > stop:
-            continue
-        seen.add(pos)
-        for p in reversed(by_start.get(pos, [])):
-            if p.offset + p.length <= stop:
-                stack.append((p.offset + p.length, path + [p]))
+            chain = []
+            while came_from[pos] is not None:
+                prev, piece = came_from[pos]  # type: ignore[misc]
+                chain.append(piece)
+                pos = prev
+            return chain[::-1]
+        for p in by_start.get(pos, []):
+            end = p.offset + p.length
+            if end <= stop and end not in came_from:
+                came_from[end] = (pos, p)
+                stack.append(end)
     return None
 
 
