@@ -1,4 +1,19 @@
-"""1-bit compressed allreduce (sign + scale with error feedback), 1-bit Adam and a DDP comm hook."""
+"""1-bit compressed allreduce (sign + scale with error feedback), 1-bit Adam and a DDP comm hook.
+
+- ``MpiBackend(cuda_aware=False, comm=None).compressed_allreduce(buffer_m, worker_error,
+  server_error, local_rank)``: DeepSpeed's signature and algorithm; overwrites ``buffer_m`` with
+  the mean estimate and returns it; updates both error buffers; changes nothing on any rank when
+  some rank's input is not finite (``NonFiniteError`` everywhere).
+- ``padded_size(n, world_size)``: the worker error's size (n rounded up to 8 * world_size);
+  the server error holds that / world_size.
+- ``OnebitAllreduce(comm)``: ``ar(tensor, key)`` returns the compressed mean as a new tensor,
+  keeping error buffers per key; identity at world size 1.
+- ``OnebitAdam``: Adam, then frozen variance and compressed momentum after ``freeze_step``.
+- ``onebit_ddp_hook`` with ``OnebitDDPState``: DDP comm hook (warm-up and small buckets exact).
+
+CPU kernels are numba-fused when numba is installed (``pip install mpicomm[fast]``), numpy
+otherwise; CUDA tensors use torch ops. See ``compressed.layout`` for the wire format.
+"""
 from __future__ import annotations
 
 from .adam import OnebitAdam

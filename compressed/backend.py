@@ -42,12 +42,16 @@ def as_communicator(comm: Any):
                     f"got {type(comm).__name__}")
 
 
+def _is_cupy(x: Any) -> bool:
+    return hasattr(x, "__cuda_array_interface__") and type(x).__module__.startswith("cupy")
+
+
 def _numel(x: Any) -> int:
     return int(x.numel()) if isinstance(x, torch.Tensor) else int(x.size)
 
 
 def _host_view(x: Any) -> np.ndarray:
-    """numpy view of a CPU tensor or numpy array (for a CPU tensor, sharing its memory)."""
+    """numpy array of a CPU tensor or numpy array (a view sharing memory, except for bfloat16)."""
     if isinstance(x, torch.Tensor):
         t = x.detach()
         if t.device.type != "cpu":
@@ -103,7 +107,7 @@ class MpiBackend:
     def compressed_allreduce(self, buffer_m, worker_error, server_error, local_rank: int = 0):
         """Overwrite ``buffer_m`` with the compressed mean of every rank's ``buffer_m``; return it.
 
-        - ``buffer_m``: torch tensor (CPU or device) or numpy array, any shape, a float dtype;
+        - ``buffer_m``: torch tensor (CPU or device), numpy or cupy array, any shape, a float dtype;
           computed in float32. On success it is overwritten, whole, with the mean estimate (same
           shape and dtype) and returned (the same object).
         - ``worker_error``: contiguous float32, ``padded_size(buffer_m.numel(), world_size)``
@@ -114,6 +118,11 @@ class MpiBackend:
         If any rank's input is not finite, every rank raises ``NonFiniteError`` after the first
         exchange and no buffer is modified on any rank. Every rank must call with the same size.
         """
+        if _is_cupy(buffer_m):  # zero-copy torch views; results land in the cupy arrays
+            buf, we, se = (torch.from_dlpack(x) if _is_cupy(x) else x
+                           for x in (buffer_m, worker_error, server_error))
+            self.allreduce_into(buf, buf, we, se)
+            return buffer_m
         self.allreduce_into(buffer_m, buffer_m, worker_error, server_error)
         return buffer_m
 
