@@ -348,7 +348,7 @@ def main(argv: list[str]) -> int:
         emit("DeepSpeed save+convert+load", args.save_ranks, None, reference, ref_note)
         emit("speed-up (ckpt vs DeepSpeed)", args.save_ranks, None, None,
              f"{reference / total:.1f}x (goal >= 5)")
-        for r, (growth, part, ok) in enumerate(rss):
+        for r, (growth, part, _ok) in enumerate(rss):
             if growth is None:
                 note = "peak RSS not measurable (/proc/self/clear_refs refused)"
             else:

@@ -144,11 +144,14 @@ def save(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.op
          chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Manifest:
     """Save model weights, optimizer state, step and JSON-able ``extra`` to directory ``path``.
 
-    Collective over ``comm``. Every rank writes its own shard (and an even share of replicated
-    tensors) into one data file with MPI-IO; rank 0 then writes the manifest, and the directory
+    Collective over ``comm`` (default: the ZeroOptimizer's communicator, else the world).
+    Every rank writes its own shard (and an even share of replicated tensors) into one data
+    file with MPI-IO; rank 0 then writes the manifest, and the directory
     appears under its final name by an atomic rename, after which ``<parent>/latest`` names it.
     ``sync`` makes the data and manifest durable (fsync) before the rename.
     """
+    if comm is None and isinstance(optimizer, ZeroOptimizer):
+        comm = optimizer.comm
     comm = _comm(comm)
     mpi = comm.mpi_comm
     rank, size = mpi.Get_rank(), mpi.Get_size()
@@ -270,7 +273,7 @@ def _plan_zero_save(zero: ZeroOptimizer, index: dict[int, int], names: list[str]
         for p in g.params:
             scalars[str(index[id(p)])] = s_keys
     # masters
-    for gi, g in enumerate(zero.groups):
+    for g in zero.groups:
         entries = {}
         for li, p in enumerate(g.params):
             i = index[id(p)]
@@ -375,9 +378,10 @@ def load(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.op
     optimizer (full state on every rank). Collective. Each rank reads only the bytes it keeps
     and checks them against the block checksums; on an error the model and optimizer are left
     in an undefined state."""
+    if comm is None and isinstance(optimizer, ZeroOptimizer):
+        comm = optimizer.comm
     comm = _comm(comm)
     mpi = comm.mpi_comm
-    rank = mpi.Get_rank()
     text_dir = _on_root(mpi, lambda: (read_manifest(path).to_json(), resolve(path)))
     m = Manifest.from_json(text_dir[0])
     ckdir = text_dir[1]
