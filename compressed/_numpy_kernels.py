@@ -6,20 +6,24 @@ signs are decoded through 256-entry tables.
 """
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 _BLOCK = 1 << 12  # float32 dot products this long, summed in float64 (keeps ~1e-7 accuracy)
 _BITS = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1).astype(bool)  # (256, 8)
-_scratch: dict[tuple[str, int, str], np.ndarray] = {}
+_kept = threading.local()
 
 
 def _buf(tag: str, n: int, dtype) -> np.ndarray:
-    """A scratch array of ``n`` elements kept for the next call with the same tag (one per tag)."""
+    """A scratch array of ``n`` elements kept (per thread) for the next call with the same tag."""
     dtype = np.dtype(dtype)
-    arr = _scratch.get((tag, 0, dtype.str))
+    scratch = getattr(_kept, "scratch", None)
+    if scratch is None:
+        scratch = _kept.scratch = {}
+    arr = scratch.get((tag, dtype.str))
     if arr is None or arr.shape[0] < n:
-        arr = np.empty(n, dtype)
-        _scratch[(tag, 0, dtype.str)] = arr
+        arr = scratch[(tag, dtype.str)] = np.empty(n, dtype)
     return arr[:n]
 
 
