@@ -107,7 +107,7 @@ def make_zero12(folder: str, t, world: int, dtype=torch.float32) -> None:
     """ZeRO-1/2: each group flattened, padded to a multiple of ``world``, cut evenly; the last
     rank's fp32 partition is saved without the padding, as DeepSpeed does."""
     os.makedirs(folder, exist_ok=True)
-    flats = {k: [torch.cat([t[n][k].reshape(-1) for n in g]) for g in GROUPS] for k in t["enc.bias"]}
+    flats = {k: [torch.cat([t[n][k].reshape(-1) for n in g]) for g in GROUPS] for k in next(iter(t.values()))}
     per_rank = []
     for r in range(world):
         fp32, states, maps = [], {}, []

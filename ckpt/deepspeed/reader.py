@@ -196,6 +196,9 @@ def read_deepspeed(folder: str | os.PathLike, allow_pickle: bool = False, comm: 
         owned = split_names(all_names, [math.prod(shapes[n]) for n in all_names], comm.size)[comm.rank]
 
     _check_adam_state(osd0, stage, folder)
+    if stage == 3 and model_sd.get("frozen_param_shapes"):
+        raise DeepSpeedFormatError(f"{model_path}: frozen (requires_grad=False) parameters under ZeRO-3 "
+                                   f"are not supported: {list(model_sd['frozen_param_shapes'])[:5]}")
     if stage <= 2:
         base = osd0.get("base_optimizer_state")
         if not isinstance(base, dict):
