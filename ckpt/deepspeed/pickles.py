@@ -5,6 +5,7 @@ import os
 import pickle
 import re
 import types
+import zipfile
 from typing import Any
 
 import torch
@@ -73,9 +74,11 @@ class Loader:
         self.needs_pickle = False
 
     def load(self, path: str) -> Any:
+        # torch's zip format (the default since torch 1.6) can be memory-mapped; older files not
+        mmap = zipfile.is_zipfile(path)
         if not self.needs_pickle:
             try:
-                return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+                return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
             except pickle.UnpicklingError as exc:
                 if not self.allow_pickle:
                     m = re.search(r"GLOBAL (\S+)", str(exc))
@@ -85,4 +88,4 @@ class Loader:
                         f"loading it with pickle can run arbitrary code. Pass allow_pickle=True if you trust "
                         f"{os.path.dirname(path)}.") from None
                 self.needs_pickle = True
-        return torch.load(path, map_location="cpu", weights_only=False, mmap=True, pickle_module=_PICKLE)
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap, pickle_module=_PICKLE)

@@ -293,7 +293,6 @@ def _unflatten_zero3(optim: list[tuple[int, dict]], owned: list[str], shapes_gro
                      shapes: dict[str, tuple[int, ...]], folder: str) -> dict[str, dict[str, torch.Tensor]]:
     """ZeRO-3: every parameter is split alone into ceil(numel / P)-element pieces; rank r's flat
     sub-group holds its piece of each parameter in turn, each padded to full piece size."""
-    want = set(owned)
     where: dict[str, tuple[int, int]] = {}  # name -> (sub group, offset of its piece in a flat partition)
     for si, g in enumerate(shapes_groups):
         off = 0
@@ -312,8 +311,6 @@ def _unflatten_zero3(optim: list[tuple[int, dict]], owned: list[str], shapes_gro
         flats = osd["fp32_flat_groups"]
         states = osd["optimizer_state_dict"]["state"]
         for n in owned:
-            if n not in want:
-                continue
             si, off = where[n]
             numel = math.prod(shapes[n])
             piece = math.ceil(numel / len(optim))
