@@ -518,7 +518,10 @@ def _plan_zero_load(zero: ZeroOptimizer, m: Manifest, by_id: dict[int, int], rea
             if len(present) != len(ids):
                 raise ManifestError(f"load: state {key!r} is saved for some parameters of group {gi} only")
             dt = next(iter(present.values())).dtype
-            t = torch.empty(g.layout.local_numel, dtype=_DTYPES[dt], device=g.master.device)
+            # floating state lives in fp32 beside the fp32 masters, whatever dtype it was saved in
+            kind = _DTYPES[dt]
+            t = torch.empty(g.layout.local_numel, dtype=torch.float32 if kind.is_floating_point else kind,
+                            device=g.master.device)
             _zero_padding(t, segs)
             state[key] = t
             reads.items += plan.shard_items(segs, present, reads.add(t, dt))

@@ -12,7 +12,7 @@ import torch
 from mpi4py import MPI
 
 from .checksum import Piece, block_ranges, crc32
-from .plan import IOItem, chunk, coalesce
+from .plan import IOItem, batches, chunk, coalesce
 
 DEFAULT_CHUNK_BYTES = 32 << 20   # bound of staging buffers (dtype conversion, device copies)
 DIRECT_CHUNK_BYTES = 256 << 20   # rounds that move bytes straight to or from a host tensor
@@ -72,35 +72,76 @@ def _load_sync_file_range():
 _SYNC_FILE_RANGE = _load_sync_file_range() if sys.platform.startswith("linux") else None
 
 
+def _view_type(batch: Sequence[IOItem]):
+    """A file view that exposes exactly the batch's byte ranges, in order."""
+    if not batch:
+        return None
+    t = MPI.BYTE.Create_hindexed([c.nbytes for c in batch], [c.offset for c in batch])
+    t.Commit()
+    return t
+
+
+def _round(fh: MPI.File, batch: Sequence[IOItem], mem: np.ndarray, call) -> None:
+    """One collective call: a single range at its offset, several through a file view."""
+    ftype = _view_type(batch)
+    fh.Set_view(0, MPI.BYTE, ftype if ftype is not None else MPI.BYTE)
+    try:
+        call(fh, 0, mem)
+    finally:
+        if ftype is not None:
+            ftype.Free()
+
+
+def _plan(items: Sequence[IOItem], direct: set[int], chunk_bytes: int, block_size: int,
+          itemsize: dict[int, int] | None = None) -> list[list[IOItem]]:
+    chunks = _chunks(coalesce(items), direct, chunk_bytes, block_size, itemsize)
+    # ranges moved in place that are big enough get a round each; the rest share staging
+    return batches(chunks, lambda c: c.buf in direct and c.nbytes >= min(chunk_bytes, 1 << 20), chunk_bytes)
+
+
 def write_items(mpi_comm: MPI.Comm, filename: str, items: Sequence[IOItem],
                 buffers: Sequence[torch.Tensor], *, file_size: int, block_size: int,
                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, sync: bool = True) -> list[Piece]:
     """Collectively create ``filename`` of ``file_size`` bytes and write this rank's items from
     ``buffers`` (their raw bytes); return the CRC of every written piece within each block.
+    Large host ranges are written in place, one collective call each; small or device ranges
+    are packed into a staging buffer of at most ``chunk_bytes`` and written through a file view.
     Checksums run in a thread alongside the writes; with ``sync`` the kernel is asked to start
-    writing each chunk back as soon as it is written, and the file is synced at the end."""
+    writing each round back as soon as it is written, and the file is synced at the end."""
     host = {i for i, b in enumerate(buffers) if b.device.type == "cpu"}
-    chunks = _chunks(coalesce(items), host, chunk_bytes, block_size)
+    rounds = _plan(items, host, chunk_bytes, block_size)
     views = [byte_view(b) for b in buffers]
-    nrounds = _rounds(mpi_comm, len(chunks))
+    nrounds = _rounds(mpi_comm, len(rounds))
     empty = np.empty(0, np.uint8)
+    staging: torch.Tensor | None = None
     futures = []
+    write = MPI.File.Write_at_all
     fh = MPI.File.Open(mpi_comm, filename, MPI.MODE_WRONLY | MPI.MODE_CREATE)
     fd = None
     try:
         fh.Set_size(file_size)
-        if sync and chunks and _SYNC_FILE_RANGE is not None:
+        if sync and rounds and _SYNC_FILE_RANGE is not None:
             fd = os.open(filename, os.O_WRONLY)
         with ThreadPoolExecutor(max_workers=1) as pool:
             for i in range(nrounds):
-                if i < len(chunks):
-                    c = chunks[i]
-                    mem = _host(views[c.buf][c.buf_offset:c.buf_offset + c.nbytes])
-                    futures.append(pool.submit(_crc_pieces, c.offset, mem, block_size))
-                    fh.Write_at_all(c.offset, mem)
-                    _start_writeback(fd, c.offset, c.nbytes)
+                batch = rounds[i] if i < len(rounds) else []
+                srcs = [_host(views[c.buf][c.buf_offset:c.buf_offset + c.nbytes]) for c in batch]
+                for c, src in zip(batch, srcs):
+                    futures.append(pool.submit(_crc_pieces, c.offset, src, block_size))
+                if len(batch) <= 1:
+                    mem = srcs[0] if srcs else empty
                 else:
-                    fh.Write_at_all(0, empty)
+                    total = sum(c.nbytes for c in batch)
+                    if staging is None or staging.numel() < total:
+                        staging = torch.empty(max(total, min(chunk_bytes, 1 << 20)), dtype=torch.uint8)
+                    mem = staging[:total].numpy()
+                    pos = 0
+                    for src in srcs:
+                        mem[pos:pos + len(src)] = src
+                        pos += len(src)
+                _round(fh, batch, mem, write)
+                if batch:
+                    _start_writeback(fd, batch[0].offset, batch[-1].offset + batch[-1].nbytes - batch[0].offset)
             pieces = [p for f in futures for p in f.result()]
         if sync:
             fh.Sync()
@@ -115,42 +156,49 @@ def read_items(mpi_comm: MPI.Comm, filename: str, items: Sequence[IOItem],
                dests: Sequence[torch.Tensor], file_dtypes: Sequence[torch.dtype], *,
                block_size: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> list[Piece]:
     """Collectively read this rank's items into ``dests`` (flat views, converting from
-    ``file_dtypes`` where they differ) in chunks of at most ``chunk_bytes``; return the CRC of
-    every piece read within each block (computed in a thread while the next chunk is read)."""
+    ``file_dtypes`` where they differ); return the CRC of every piece read within each block.
+    Large ranges land in place, one collective call each (their checksums computed in a
+    thread while the next round is read); small, converted or device ranges go through a file
+    view into a staging buffer of at most ``chunk_bytes``."""
     direct = [d.dtype == fd and d.device.type == "cpu" and d.is_contiguous()
               for d, fd in zip(dests, file_dtypes)]
     itemsize = {i: torch.empty(0, dtype=fd).element_size() for i, fd in enumerate(file_dtypes)}
-    chunks = _chunks(coalesce(items), {i for i, ok in enumerate(direct) if ok}, chunk_bytes,
-                     block_size, itemsize)
-    nrounds = _rounds(mpi_comm, len(chunks))
+    in_place = {i for i, ok in enumerate(direct) if ok}
+    rounds = _plan(items, in_place, chunk_bytes, block_size, itemsize)
+    nrounds = _rounds(mpi_comm, len(rounds))
     views = [byte_view(d) if ok else None for d, ok in zip(dests, direct)]
     staging: torch.Tensor | None = None
     empty = np.empty(0, np.uint8)
     futures = []
+    read = MPI.File.Read_at_all
     fh = MPI.File.Open(mpi_comm, filename, MPI.MODE_RDONLY)
     try:
         with ThreadPoolExecutor(max_workers=1) as pool:
             for i in range(nrounds):
-                if i >= len(chunks):
-                    fh.Read_at_all(0, empty)
+                batch = rounds[i] if i < len(rounds) else []
+                if len(batch) == 1 and views[batch[0].buf] is not None:
+                    c = batch[0]
+                    mem = views[c.buf][c.buf_offset:c.buf_offset + c.nbytes].numpy()
+                    _round(fh, batch, mem, read)
+                    futures.append(pool.submit(_crc_pieces, c.offset, mem, block_size))
                     continue
-                c = chunks[i]
-                view = views[c.buf]
-                if view is not None:
-                    mem = view[c.buf_offset:c.buf_offset + c.nbytes].numpy()
-                    fh.Read_at_all(c.offset, mem)
-                    futures.append(pool.submit(_crc_pieces, c.offset, mem, block_size))
-                else:
-                    if staging is None or staging.numel() < c.nbytes:
-                        staging = torch.empty(max(c.nbytes, min(chunk_bytes, 1 << 20)), dtype=torch.uint8)
-                    raw = staging[:c.nbytes]
-                    mem = raw.numpy()
-                    fh.Read_at_all(c.offset, mem)
-                    futures.append(pool.submit(_crc_pieces, c.offset, mem, block_size))
-                    fd = file_dtypes[c.buf]
-                    e0, n = c.buf_offset // itemsize[c.buf], c.nbytes // itemsize[c.buf]
-                    dests[c.buf].view(-1)[e0:e0 + n].copy_(raw.view(fd))
-                    futures[-1] = _Done(futures[-1].result())  # staging is reused next round
+                total = sum(c.nbytes for c in batch)
+                if total and (staging is None or staging.numel() < total):
+                    staging = torch.empty(max(total, min(chunk_bytes, 1 << 20)), dtype=torch.uint8)
+                raw = staging[:total] if total else None
+                _round(fh, batch, raw.numpy() if raw is not None else empty, read)
+                pos = 0
+                for c in batch:
+                    part = raw[pos:pos + c.nbytes]
+                    futures.append(_Done(_crc_pieces(c.offset, part.numpy(), block_size)))
+                    if views[c.buf] is not None:
+                        views[c.buf][c.buf_offset:c.buf_offset + c.nbytes].copy_(part)
+                    else:
+                        e0, n = c.buf_offset // itemsize[c.buf], c.nbytes // itemsize[c.buf]
+                        if pos % itemsize[c.buf]:
+                            part = part.clone()  # torch views a dtype only at aligned offsets
+                        dests[c.buf].view(-1)[e0:e0 + n].copy_(part.view(file_dtypes[c.buf]))
+                    pos += c.nbytes
             pieces = [p for f in futures for p in f.result()]
     finally:
         fh.Close()

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 from .layout import Segment, split_evenly
 from .manifest import TensorEntry
@@ -105,3 +105,29 @@ def check_disjoint(items: Sequence[IOItem]) -> None:
         if a.offset + a.nbytes > b.offset:
             raise ValueError(f"items overlap: [{a.offset}, {a.offset + a.nbytes}) and "
                              f"[{b.offset}, {b.offset + b.nbytes})")
+
+
+def batches(chunks: Sequence[IOItem], alone: Callable[[IOItem], bool], max_bytes: int,
+            max_items: int = 4096) -> list[list[IOItem]]:
+    """Group chunks (sorted by file offset) into rounds of one collective call each: a chunk
+    for which ``alone`` holds gets a round to itself; others share rounds of at most
+    ``max_bytes`` and ``max_items``, in increasing, non-overlapping file order (a file view)."""
+    out: list[list[IOItem]] = []
+    cur: list[IOItem] = []
+    size = 0
+    for c in chunks:
+        if alone(c):
+            if cur:
+                out.append(cur)
+                cur, size = [], 0
+            out.append([c])
+            continue
+        if cur and (size + c.nbytes > max_bytes or len(cur) >= max_items
+                    or c.offset < cur[-1].offset + cur[-1].nbytes):
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(c)
+        size += c.nbytes
+    if cur:
+        out.append(cur)
+    return out

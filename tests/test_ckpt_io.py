@@ -464,3 +464,31 @@ def test_lr_scheduler_drives_the_sharded_optimizer():
         zero.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
     with pytest.raises(NotImplementedError, match="ckpt.save"):
         zero.state_dict()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_low_precision_plain_checkpoint_into_zero(comm, world, shared_tmp_path):
+    model = make_model(torch.bfloat16)
+    plain = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    train(model, plain, range(3), 0, torch.bfloat16)  # same data on every rank: replicated state
+    ckpt.save(shared_tmp_path / "p", model=model, optimizer=plain, step=3, comm=comm)
+
+    other = make_model(torch.bfloat16, seed=5)
+    zero = ckpt.ZeroOptimizer(torch.optim.SGD, other.parameters(), stage=3, comm=comm, lr=0.05, momentum=0.9)
+    ckpt.load(shared_tmp_path / "p", model=other, optimizer=zero, comm=comm)
+    params = list(model.parameters())
+
+    def check():
+        for a, b in zip(model.state_dict().values(), other.state_dict().values()):
+            assert torch.equal(a, b)
+        g = zero.groups[0]
+        buf = zero.shard_state(0)["momentum_buffer"]
+        assert buf.dtype == torch.float32
+        for s in g.layout.segments(comm.rank):
+            want_w = params[s.param].detach().reshape(-1)[s.start:s.start + s.length].float()
+            want_m = plain.state[params[s.param]]["momentum_buffer"].reshape(-1)[s.start:s.start + s.length].float()
+            assert torch.equal(g.master[s.local:s.local + s.length], want_w)
+            assert torch.equal(buf[s.local:s.local + s.length], want_m)
+
+    check_all(check, world)
+    train(other, zero, range(3, 5), comm.rank, torch.bfloat16)  # and it trains on

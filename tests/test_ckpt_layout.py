@@ -220,3 +220,13 @@ def test_jsonable_and_like():
         jsonable({"lr": object()}, "g")
     assert like((0.9, 0.99), [0.8, 0.7]) == (0.8, 0.7)
     assert like(0.1, 0.2) == 0.2
+
+
+def test_batches_group_small_chunks_into_ordered_rounds():
+    chunks = [plan.IOItem(0, 10, 0, 0), plan.IOItem(20, 10, 1, 0), plan.IOItem(40, 100, 2, 0),
+              plan.IOItem(200, 10, 0, 10), plan.IOItem(215, 30, 1, 10), plan.IOItem(230, 5, 3, 0)]
+    got = plan.batches(chunks, alone=lambda c: c.nbytes >= 100, max_bytes=40)
+    assert got == [chunks[0:2], [chunks[2]], chunks[3:5], [chunks[5]]]  # last overlaps, so split off
+    for b in got:
+        assert all(x.offset + x.nbytes <= y.offset for x, y in zip(b, b[1:]))
+    assert plan.batches(chunks[:2], alone=lambda c: False, max_bytes=100, max_items=1) == [[chunks[0]], [chunks[1]]]
