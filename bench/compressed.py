@@ -7,6 +7,7 @@ For every size (bytes of float32 input per rank) it measures, side by side in on
 - ``all_reduce``           the plain fp32 MPI Allreduce (mpi4py, numpy buffers): the baseline;
 - ``all_reduce:1bit``      ``compressed.MpiBackend.compressed_allreduce`` (error feedback kept);
 - ``compress`` (local)     the worker compression kernels: sign + scale + pack + error update;
+- ``encode`` (local)       the first of them alone: sign + sum of squares + pack;
 - ``decompress`` (local)   unpacking p chunks of signs times their scales into the output;
 - ``memcpy`` (local)       numpy copy of the same buffer, the memory-bandwidth yardstick.
 
@@ -114,6 +115,10 @@ def _cases(ops, g, lay, world, backend, K, rng, header) -> dict:
             K.worker_residual(g, we2, math.sqrt(ssq / lay.padded))
 
         cases["compress"] = (compress, "local", 0, None)
+    if "encode" in ops:
+        we3 = np.zeros(lay.padded, np.float32)
+        msg3 = np.empty((p, lay.row_bytes), np.uint8)
+        cases["encode"] = (lambda: K.encode(g, we3, msg3[:, header:]), "local", 0, None)
     if "decompress" in ops:
         rows = rng.integers(0, 256, (p, lay.row_bytes), dtype=np.uint8)
         scales = np.ones(p, np.float32)
@@ -131,7 +136,7 @@ def _parser() -> argparse.ArgumentParser:
     common.add_common_args(parser, default_sizes="1K:64M")
     parser.add_argument("--kernels", choices=("auto", "numba", "numpy"), default="auto",
                         help="CPU kernel implementation (default: numba when installed)")
-    parser.add_argument("--ops", default="all_reduce,all_reduce:1bit,compress,decompress,memcpy",
+    parser.add_argument("--ops", default="all_reduce,all_reduce:1bit,compress,encode,decompress,memcpy",
                         help="comma-separated rows to measure (default: all)")
     parser.add_argument("--no-check", action="store_true", help="skip the correctness checks")
     parser.add_argument("--rounds", type=int, default=3, metavar="R",
@@ -155,7 +160,7 @@ def _run(args, compressed, K) -> int:
     p = world.Get_size()
     impl = K.use(None if args.kernels == "auto" else args.kernels)
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
-    known = {"all_reduce", "all_reduce:1bit", "compress", "decompress", "memcpy"}
+    known = {"all_reduce", "all_reduce:1bit", "compress", "encode", "decompress", "memcpy"}
     unknown = sorted(set(ops) - known)
     if unknown:
         print(f"bench compressed: unknown --ops {unknown}; expected some of {sorted(known)}",
@@ -205,6 +210,8 @@ def _run(args, compressed, K) -> int:
         if "compress" in times and "memcpy" in times:
             parts.append(f"compress kernel bandwidth / memcpy {times['memcpy'] / times['compress']:.2f} "
                          f"(goal >= 0.5)")
+        if "encode" in times and "memcpy" in times:
+            parts.append(f"(encode alone {times['memcpy'] / times['encode']:.2f})")
         if len(parts) > 1:
             summary.append(" ".join(parts))
     for line in summary:

@@ -2,9 +2,11 @@
 
 Every function here has a numpy twin with the same signature in ``_numpy_kernels``. Signs are
 packed 8 per byte, most significant bit first; bit 1 means ``x >= 0`` (zero counts as +1).
-Measured choices (64 MiB, one core): encode as one vectorised pass writing 0/1 flag bytes plus
-numpy.packbits beat one fused pack loop by ~12%; a fused residual+decode pass was slower than
-the two separate passes.
+Measured choices (64 MiB, one core, CPU time): encode in 4096-element tiles (a vectorised pass
+writing 0/1 flag bytes into L1, then 8 flags packed per multiply, into a contiguous buffer) took
+9.7 ms against 15 ms storing into the strided message rows, 12.2 ms for flags in memory +
+numpy.packbits and 13.4 ms for 64-element groups, with memcpy at 9.4 ms; a fused
+residual+decode pass was slower than the two separate passes.
 """
 from __future__ import annotations
 
@@ -22,40 +24,51 @@ _MAGIC = np.uint64(0x8040201008040201)
 _jitv = numba.njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
 
 
+_TILE = 4096  # elements per tile: flags stay in L1, float32 partial sums stay accurate
+
+
 @_jitv
-def _flags_sumsq(g, e, flags):
-    """flags[i] = x[i] >= 0 for x = (g zero-padded) + e; return sum x^2 (one vectorised pass)."""
+def _encode_flat(g, e, packed):
+    """Pack the signs of x = (g zero-padded) + e into contiguous ``packed``; return sum x^2."""
     m = g.shape[0]
     n = e.shape[0]
-    block = 4096  # float32 partial sums this long, accumulated in float64
-    full = m - m % block
+    flags = np.empty(_TILE, np.uint8)
+    words = flags.view(np.uint64)
+    full = m - m % _TILE
     ss = 0.0
-    for o in range(0, full, block):
+    for o in range(0, full, _TILE):
         part = np.float32(0.0)
-        for k in range(block):
+        for k in range(_TILE):  # vectorised: x, x^2 and one 0/1 byte per element
             x = g[o + k] + e[o + k]
             part += x * x
-            flags[o + k] = x >= np.float32(0.0)
+            flags[k] = x >= np.float32(0.0)
         ss += part
-    for i in range(full, n):
-        x = e[i] + g[i] if i < m else e[i]
-        ss += x * x
-        flags[i] = x >= np.float32(0.0)
+        b0 = o // 8
+        for q in range(_TILE // 8):  # 8 flag bytes -> one MSB-first byte
+            packed[b0 + q] = np.uint8((words[q] * _MAGIC) >> np.uint64(56))
+    for c in range(full // 8, n // 8):
+        byte = 0
+        for k in range(8):
+            i = c * 8 + k
+            x = e[i] + g[i] if i < m else e[i]
+            ss += x * x
+            byte = (byte << 1) | (1 if x >= 0 else 0)
+        packed[c] = byte
     return ss
 
 
-_kept = threading.local()  # flag scratch kept between calls: fresh large arrays cost page faults
+_kept = threading.local()  # packed scratch kept between calls (fresh arrays cost page faults)
 
 
 def encode(g, e, rows):
     """Pack the signs of x = (g zero-padded) + e into ``rows`` (p, chunk_bytes); return sum x^2."""
-    n = e.shape[0]
-    flags = getattr(_kept, "flags", None)
-    if flags is None or flags.shape[0] < n:
-        flags = _kept.flags = np.empty(n, np.uint8)
-    flags = flags[:n]
-    ss = _flags_sumsq(g, e, flags)
-    rows[...] = np.packbits(flags.view(np.bool_)).reshape(rows.shape)  # numpy's SIMD packing
+    nbytes = e.shape[0] // 8
+    packed = getattr(_kept, "packed", None)
+    if packed is None or packed.shape[0] < nbytes:
+        packed = _kept.packed = np.empty(nbytes, np.uint8)
+    packed = packed[:nbytes]
+    ss = _encode_flat(g, e, packed)
+    rows[...] = packed.reshape(rows.shape)  # strided rows: storing there directly was slower
     return ss
 
 

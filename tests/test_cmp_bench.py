@@ -25,9 +25,9 @@ def test_bench_compressed_small_sizes(world, shared_tmp_path, capsys):
         assert out.startswith("# mpicomm benchmark: compressed")
         assert "1-bit/fp32 time" in out and "#wrong = 0" in out
         records = json.loads(path.read_text())["records"]
-        assert [r["op"] for r in records[:5]] == ["all_reduce", "all_reduce:1bit", "compress",
-                                                   "decompress", "memcpy"]
-        assert len(records) == 10
+        assert [r["op"] for r in records[:6]] == ["all_reduce", "all_reduce:1bit", "compress",
+                                                   "encode", "decompress", "memcpy"]
+        assert len(records) == 12
         for rec in records:
             assert common.validate_record(rec) == [], rec
             assert rec["ranks"] == world.size and rec["wrong"] == 0
