@@ -60,6 +60,7 @@ def launch(n: int, *args: str, timeout: int = 300) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPI_LOCAL"))}
     env["DS_TEST_PORT"] = str(_free_port())
     env.setdefault("OMP_NUM_THREADS", "1")
+    env["DS_ACCELERATOR"] = "cpu"  # gloo on the CPU even where a GPU is present
     cmd = [_mpiexec(), "-n", str(n), sys.executable, "-m", "mpi4py", SCRIPT, *args]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)

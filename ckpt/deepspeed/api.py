@@ -11,7 +11,7 @@ import torch
 from ..api import read_manifest, resolve, save
 from ..io import read_blocks
 from ..layout import ShardLayout
-from ..manifest import DATA_NAME, Manifest, TensorEntry
+from ..manifest import Manifest, TensorEntry
 from ..zero import ZeroOptimizer
 from .reader import DeepSpeedState, read_deepspeed, split_names
 from .universal import write_universal
