@@ -5,6 +5,7 @@
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
+export MPICOMM_DEEPSPEED="${MPICOMM_DEEPSPEED:-1}"  # the DeepSpeed interop tests run by default
 . scripts/bootstrap.sh
 launch_timeout="${MPICOMM_TEST_TIMEOUT:-900}"
 status=0
