@@ -10,11 +10,23 @@ export MPICOMM_DEEPSPEED="${MPICOMM_DEEPSPEED:-1}"  # the DeepSpeed interop test
 set +e  # bootstrap runs with -e; here every launch runs and reports, whatever the others did
 launch_timeout="${MPICOMM_TEST_TIMEOUT:-900}"
 status=0
+passed=0; failed=0; skipped=0
+log="$(mktemp)"
+trap 'rm -f "$log"' EXIT
+count() {  # add up pytest's closing line ("3 failed, 10 passed, 2 skipped in 4.2s")
+    local line n
+    line="$(grep -E "^=*.* in [0-9.]+s" "$log" | grep -E "passed|failed|skipped|error" | tail -1)"
+    n=$(grep -oE "[0-9]+ passed" <<<"$line" | cut -d' ' -f1); passed=$((passed + ${n:-0}))
+    n=$(grep -oE "[0-9]+ failed" <<<"$line" | cut -d' ' -f1); failed=$((failed + ${n:-0}))
+    n=$(grep -oE "[0-9]+ errors?" <<<"$line" | cut -d' ' -f1); failed=$((failed + ${n:-0}))
+    n=$(grep -oE "[0-9]+ skipped" <<<"$line" | cut -d' ' -f1); skipped=$((skipped + ${n:-0}))
+}
 run() {
     echo
     echo "=== $* ==="
-    timeout -k 10 "$launch_timeout" "$@"
-    rc=$?
+    timeout -k 10 "$launch_timeout" "$@" 2>&1 | tee "$log"
+    rc=${PIPESTATUS[0]}
+    count
     if [ $rc -ne 0 ] && [ $rc -ne 5 ]; then
         echo "!!! failed with exit code $rc: $*"
         status=1
@@ -26,4 +38,5 @@ for n in 2 4; do
 done
 echo
 if [ $status -eq 0 ]; then echo "ALL TEST RUNS PASSED"; else echo "SOME TEST RUNS FAILED"; fi
+echo "tests: $passed passed, $failed failed, $skipped skipped"
 exit $status
