@@ -107,14 +107,16 @@ def gather_full(opt: ckpt.ZeroOptimizer, comm) -> dict:
         def gather(t):
             out = torch.empty(comm.size * local, dtype=t.dtype)
             comm.all_gather_into_tensor(out, t.contiguous())
-            return [x.reshape(p.shape).clone() for x, p in zip(_unpad(out.view(comm.size, local), numels, opt.stage), g.params)]
+            parts = _unpad(out.view(comm.size, local), numels, opt.stage)
+            return [x.reshape(p.shape).clone() for x, p in zip(parts, g.params)]
 
         full["master"] += gather(g.master)
         for key, v in opt.shard_state(gi).items():
             if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == local:
                 full.setdefault(key, []).extend(gather(v))
             else:
-                full["scalars"].setdefault(key, []).extend([v.item() if isinstance(v, torch.Tensor) else v] * len(numels))
+                value = v.item() if isinstance(v, torch.Tensor) else v
+                full["scalars"].setdefault(key, []).extend([value] * len(numels))
     return full
 
 
@@ -162,7 +164,8 @@ def assert_full_equal(got: dict, expected: dict, what: str) -> None:
         assert len(got[key]) == len(expected[key]), \
             f"{what}: {len(got[key])} tensors for {key}, expected {len(expected[key])}"
         for i, (a, b) in enumerate(zip(got[key], expected[key])):
-            assert a.dtype == b.dtype and a.shape == b.shape, f"{what}: {key}[{i}] {a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}"
+            assert a.dtype == b.dtype and a.shape == b.shape, \
+                f"{what}: {key}[{i}] {a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}"
             assert torch.equal(a, b), f"{what}: {key}[{i}] differs by {(a - b).abs().max()}"
 
 
@@ -236,7 +239,8 @@ def test_reshard(world, shared_tmp_path, dtype_name, stage, opt_name, move):
         model = make_model(dtype, seed=2)
         opt = ckpt.ZeroOptimizer(cls, model.parameters(), stage=stage, comm=load_c, **{**kw, "lr": 0.5})
         info = ckpt.load(path, model=model, optimizer=opt, comm=load_c)
-        assert (info.step, info.extra, info.world_size, info.stage) == (STEPS, {"move": [n_save, n_load]}, n_save, stage)
+        assert (info.step, info.extra, info.world_size, info.stage) == \
+            (STEPS, {"move": [n_save, n_load]}, n_save, stage)
         assert_model_equal(model, ref["model"], "model after load")
         assert_full_equal(gather_full(opt, load_c), ref["full"], "optimizer after load")
         assert hyper(opt) == ref["groups"], f"param_groups {hyper(opt)} != {ref['groups']}"
