@@ -17,12 +17,11 @@ import numpy as np
 
 _jit = numba.njit(cache=True, nogil=True)
 
-
-# Loops that build signs and sums work on 64 elements at a time: x, the sum of squares and one
-# 0/1 flag byte per element vectorise; a multiply gathers 8 flag bytes into one MSB-first byte.
+# Loops that build signs and sums work on blocks of elements: x, the sum of squares (float32
+# within a block, reassociated so it vectorises; float64 across blocks) and one 0/1 flag byte
+# per element vectorise; a multiply gathers 8 flag bytes into one MSB-first byte.
 _MAGIC = np.uint64(0x8040201008040201)
 _jitv = numba.njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
-
 
 _TILE = 4096  # elements per tile: flags stay in L1, float32 partial sums stay accurate
 
