@@ -65,6 +65,11 @@ class Slot:
     def spec(self) -> list:
         return spec(self.work, self.mpi_type)
 
+    @property
+    def has_finish(self) -> bool:
+        """Whether finish() has anything to do."""
+        return self.staged or (self.role != IN and (self.copied or self.scale is not None))
+
     def finish(self) -> None:
         """After MPI completes: scale, copy back into the user's buffer, release staging memory."""
         if self.role != IN:
@@ -81,7 +86,7 @@ class Slot:
 def prepare(t: torch.Tensor, role: int, mpi_type, wire_dtype: torch.dtype,
             policy: Callable[[], DevicePolicy] | None, mpi_call: str) -> Slot:
     """Make ``t`` usable by MPI: contiguous, in ``wire_dtype``, on the host unless MPI takes device memory."""
-    on_device = t.device.type != "cpu"
+    on_device = not t.is_cpu
     direct = not on_device or policy().direct(mpi_call)
     if direct and t.dtype == wire_dtype and t.is_contiguous():
         if on_device:
@@ -107,16 +112,16 @@ def _sync(t: torch.Tensor) -> None:
 
 
 def host_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors' memory ranges overlap (same device)."""
-    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
-        return False
+    """Whether two tensors' memory ranges overlap (addresses are unique across host and devices)."""
     a0 = a.data_ptr()
     b0 = b.data_ptr()
-    a1 = a0 + _extent(a)
-    b1 = b0 + _extent(b)
-    return a0 < b1 and b0 < a1
+    return a0 < b0 + _extent(b) and b0 < a0 + _extent(a)
 
 
 def _extent(t: torch.Tensor) -> int:
+    if t.is_contiguous():
+        return t.nbytes
+    if t.numel() == 0:
+        return 0
     last = sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
     return (last + 1) * t.element_size()

@@ -81,7 +81,8 @@ class Communicator:
     def _launch(self, blocking: Callable, nonblocking: Callable, args: tuple, slots: Sequence[Slot],
                 async_op: bool, result: Sequence, extra: Sequence[Callable[[], None]] = ()):
         """Run one MPI primitive (blocking or not) and put the results back on completion."""
-        finish = [s.finish for s in slots] + list(extra)
+        finish = [s.finish for s in slots if s.has_finish]
+        finish.extend(extra)
         try:
             if async_op:
                 return Work(nonblocking(*args), finish, result)
