@@ -492,3 +492,53 @@ def test_low_precision_plain_checkpoint_into_zero(comm, world, shared_tmp_path):
 
     check_all(check, world)
     train(other, zero, range(3, 5), comm.rank, torch.bfloat16)  # and it trains on
+
+
+# -- who moves which bytes -------------------------------------------------------------------------
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("stage", [1, 3])
+def test_every_byte_written_once_and_each_rank_reads_its_own(comm, world, shared_tmp_path, monkeypatch, stage):
+    model = make_model(torch.bfloat16)
+    opt = ckpt.ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=stage, comm=comm, lr=0.01)
+    train(model, opt, range(2), comm.rank, torch.bfloat16)
+    seen = {}
+    real_write, real_read = ckpt_api.write_items, ckpt_api.read_items
+
+    def spy_write(mpi_comm, filename, items, *a, **k):
+        seen["write"] = [(it.offset, it.nbytes) for it in items]
+        return real_write(mpi_comm, filename, items, *a, **k)
+
+    def spy_read(mpi_comm, filename, items, *a, **k):
+        seen["read"] = [(it.offset, it.nbytes) for it in items]
+        return real_read(mpi_comm, filename, items, *a, **k)
+
+    monkeypatch.setattr(ckpt_api, "write_items", spy_write)
+    monkeypatch.setattr(ckpt_api, "read_items", spy_read)
+    m = ckpt.save(shared_tmp_path / "w", model=model, optimizer=opt, step=2, comm=comm)
+    other = make_model(torch.bfloat16, seed=3)
+    opt2 = ckpt.ZeroOptimizer(torch.optim.Adam, other.parameters(), stage=4 - stage if stage == 3 else 3,
+                              comm=comm, lr=0.01)
+    ckpt.load(shared_tmp_path / "w", model=other, optimizer=opt2, comm=comm)
+    writes = world.allgather(seen["write"])
+    size = m.files["data.bin"]["nbytes"]
+
+    def check():
+        counts = np.zeros(size, np.int64)
+        for lst in writes:
+            for off, n in lst:
+                counts[off:off + n] += 1
+        assert (counts == 1).all(), f"bytes written {counts.min()}..{counts.max()} times"
+        # this rank read exactly its own shard of masters and optimizer state, nothing else
+        want = np.zeros(size, np.int64)
+        g = opt2.groups[0]
+        for kind, key in (("master", None), ("state", "exp_avg"), ("state", "exp_avg_sq")):
+            for s in g.layout.segments(comm.rank):
+                e = m.find(kind, s.param, key)
+                want[e.offset + s.start * 4:e.offset + (s.start + s.length) * 4] += 1
+        got = np.zeros(size, np.int64)
+        for off, n in seen["read"]:
+            got[off:off + n] += 1
+        assert (got == want).all(), f"read {int(got.sum())} bytes, own shard is {int(want.sum())}"
+
+    check_all(check, world)
