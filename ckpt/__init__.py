@@ -8,6 +8,9 @@
 A checkpoint is a directory: ``manifest.json`` (format, world size, stage, tensors with byte
 offsets, optimizer class and param_groups, per-block CRC-32, step, extras) and ``data.bin``
 (every tensor unpadded at its offset). ``python -m ckpt inspect|verify PATH`` reads it without MPI.
+
+DeepSpeed: ``ckpt.from_deepspeed(tag_dir, path, allow_pickle=True)`` imports a ZeRO checkpoint;
+``ckpt.to_deepspeed_universal(path, out_dir)`` writes DeepSpeed's universal layout.
 """
 from __future__ import annotations
 
@@ -15,8 +18,10 @@ from .api import ChecksumError, LoadResult, load, read_manifest, resolve, save
 from .layout import Segment, ShardLayout
 from .manifest import FORMAT_VERSION, Manifest, ManifestError, TensorEntry
 from .zero import ZeroOptimizer
+from .deepspeed import PickleRefusedError, from_deepspeed, to_deepspeed_universal  # noqa: E402
 
 __all__ = [
-    "ChecksumError", "FORMAT_VERSION", "LoadResult", "Manifest", "ManifestError", "Segment",
-    "ShardLayout", "TensorEntry", "ZeroOptimizer", "load", "read_manifest", "resolve", "save",
+    "ChecksumError", "FORMAT_VERSION", "LoadResult", "Manifest", "ManifestError", "PickleRefusedError",
+    "Segment", "ShardLayout", "TensorEntry", "ZeroOptimizer", "from_deepspeed", "load",
+    "read_manifest", "resolve", "save", "to_deepspeed_universal",
 ]
