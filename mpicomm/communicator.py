@@ -322,11 +322,7 @@ class Communicator:
         inp = to_tensor(tensor, call, "tensor", writable=False)
         mpi_type = self._move_type(call, "tensor", inp)
         root = self.rank == dst
-        if root:
-            outs = self._check_list(call, "gather_list", gather_list, inp)
-        elif gather_list:
-            fail_value(call, "gather_list", f"None or [] on rank {self.rank} (only dst={dst} "
-                       "receives)", f"a list of {len(gather_list)}")
+        outs = self._root_list(call, "gather_list", gather_list, inp, "dst", dst)
         if self.check:
             agree(self.mpi_comm, call, f"dst={dst}, tensor={_sig(inp)}")
         mpi_call = "igather" if async_op else "gather"
@@ -348,11 +344,7 @@ class Communicator:
         out = to_tensor(tensor, call, "tensor", writable=True)
         mpi_type = self._move_type(call, "tensor", out)
         root = self.rank == src
-        if root:
-            ins = self._check_list(call, "scatter_list", scatter_list, out)
-        elif scatter_list:
-            fail_value(call, "scatter_list", f"None or [] on rank {self.rank} (only src={src} "
-                       "sends)", f"a list of {len(scatter_list)}")
+        ins = self._root_list(call, "scatter_list", scatter_list, out, "src", src)
         if self.check:
             agree(self.mpi_comm, call, f"src={src}, tensor={_sig(out)}")
         mpi_call = "iscatter" if async_op else "scatter"
@@ -364,6 +356,16 @@ class Communicator:
         send = prepare(flat, IN, mpi_type, out.dtype, self.device_policy, mpi_call)
         return self._launch(self.mpi_comm.Scatter, self.mpi_comm.Iscatter,
                             (send.spec, recv.spec, src), [send, recv], async_op, [tensor])
+
+    def _root_list(self, call: str, arg: str, items, ref: torch.Tensor, root_arg: str,
+                   root: int) -> list[torch.Tensor] | None:
+        """Validate the per-rank list that only the root rank passes (None elsewhere)."""
+        if self.rank == root:
+            return self._check_list(call, arg, items, ref)
+        if items:
+            fail_value(call, arg, f"None or [] on rank {self.rank} (only {root_arg}={root} uses it)",
+                       f"a list of {len(items)}")
+        return None
 
     def _check_list(self, call: str, arg: str, items, ref: torch.Tensor) -> list[torch.Tensor]:
         if not isinstance(items, (list, tuple)) or len(items) != self.size:
