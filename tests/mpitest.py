@@ -41,6 +41,18 @@ def assert_close_all(actual, expected, *, rtol: float = 0.0, atol: float = 0.0,
     check_all(_check, comm)
 
 
+def gloo_init_method(comm: MPI.Comm = MPI.COMM_WORLD) -> str:
+    """A tcp:// rendezvous address on this host for a gloo group over ``comm`` (collective)."""
+    import socket
+
+    port = None
+    if comm.Get_rank() == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    return f"tcp://127.0.0.1:{comm.bcast(port, root=0)}"
+
+
 def _as_numpy(x) -> np.ndarray:
     try:
         import torch

@@ -1,8 +1,6 @@
 """torch.distributed backend "mpicomm" and DDP through it, against gloo as the reference."""
 from __future__ import annotations
 
-import socket
-
 import numpy as np
 import pytest
 import torch
@@ -11,7 +9,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import mpicomm
 import mpicomm.distributed as md
-from mpitest import assert_all, assert_close_all
+from mpitest import assert_all, assert_close_all, gloo_init_method
 
 pytestmark = pytest.mark.mpi(min_size=1)
 
@@ -26,13 +24,7 @@ def mpicomm_default_group():
 @pytest.fixture
 def gloo_and_mpicomm(world):
     """Default group on gloo (reference) plus an mpicomm group over the same ranks."""
-    port = None
-    if world.rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = world.bcast(port, root=0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=world.rank,
+    dist.init_process_group("gloo", init_method=gloo_init_method(world), rank=world.rank,
                             world_size=world.size)
     group = dist.new_group(backend="mpicomm")
     yield group
