@@ -18,7 +18,7 @@ def parse_overrides(text: str) -> dict[str, bool]:
     table: dict[str, bool] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, sep, value = item.partition("=")
-        if not sep or value.strip() not in ("0", "1"):
+        if not sep or not name.strip() or value.strip() not in ("0", "1"):
             raise ValueError(f"MPICOMM_CUDA_AWARE_OPS: expected entries like 'iallreduce=0', got {item!r}")
         table[name.strip().lower()] = value.strip() == "1"
     return table
