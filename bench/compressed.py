@@ -6,8 +6,18 @@ For every size (bytes of float32 input per rank) it measures, side by side in on
 
 - ``all_reduce``           the plain fp32 MPI Allreduce (mpi4py, numpy buffers): the baseline;
 - ``all_reduce:1bit``      ``compressed.MpiBackend.compressed_allreduce`` (error feedback kept);
-- ``compress`` (local)     the worker compression kernels: sign + scale + pack + error update;
+- ``compress`` (local)     the worker compression kernels of ``MpiBackend``: x = g + e, sum of
+                           squares (the scale), signs packed, then the error update
+                           e = x - scale * sign(x) (DeepSpeed's buffers: two passes);
 - ``encode`` (local)       the first of them alone: sign + sum of squares + pack;
+
+Opt-in rows (``--ops``; ``OnebitAllreduce``, which owns its error buffers and defers updates):
+
+- ``all_reduce:1bit-ar``   ``compressed.OnebitAllreduce.allreduce_`` (in place, like the row above);
+- ``all_reduce:1bit-new``  ``compressed.OnebitAllreduce.__call__`` (returns a new tensor);
+- ``compress:fused``       its worker compression kernel, one pass: the previous call's error
+                           update (x_prev - scale_prev * sign(x_prev)) + g into the spare buffer,
+                           sum of squares, signs packed (``kernels.encode_into``), buffers swapped;
 - ``decompress`` (local)   unpacking p chunks of signs times their scales into the output;
 - ``memcpy`` (local)       numpy copy of the same buffer, the memory-bandwidth yardstick.
 
@@ -31,7 +41,7 @@ from . import common
 BENCH = "compressed"
 
 COLUMNS = (
-    common.Column("op", "op", 16),
+    common.Column("op", "op", 19),
     common.Column("peer", "peer", 8),
     common.Column("size_bytes", "size(B)", 10, "d"),
     common.Column("count", "count", 9, "d"),
@@ -83,6 +93,21 @@ def check_compressed(backend, g: np.ndarray, mpi_comm: MPI.Comm) -> int:
     return int(mpi_comm.allreduce(int(bad.sum()), op=MPI.SUM))
 
 
+def check_onebit(g: np.ndarray, mpi_comm: MPI.Comm, new: bool) -> int:
+    """Collective: positions where a fresh ``OnebitAllreduce`` of ``g`` disagrees with the simulation."""
+    import torch
+
+    import compressed
+
+    ar = compressed.OnebitAllreduce(mpi_comm)
+    t = torch.from_numpy(g.copy())
+    out = (ar(t, key="check") if new else ar.allreduce_(t, key="check")).numpy().astype(np.float64)
+    want, s = simulate_compressed(g.astype(np.float64), mpi_comm)
+    near0 = np.abs(s) <= 1e-5 * (np.abs(s).max() + 1e-30)
+    bad = (np.abs(out - want) > 2e-6 * np.abs(want) + 1e-30) & ~near0
+    return int(mpi_comm.allreduce(int(bad.sum()), op=MPI.SUM))
+
+
 def _cases(ops, g, lay, world, backend, K, rng, header) -> dict:
     """op -> (callable, peer, wire bytes per rank, correctness check or None), in table order."""
     from compressed.layout import fp32_allreduce_wire_bytes
@@ -115,6 +140,30 @@ def _cases(ops, g, lay, world, backend, K, rng, header) -> dict:
             K.worker_residual(g, we2, math.sqrt(ssq / lay.padded))
 
         cases["compress"] = (compress, "local", 0, None)
+    if "all_reduce:1bit-ar" in ops or "all_reduce:1bit-new" in ops:
+        import torch
+
+        import compressed
+
+        ar = compressed.OnebitAllreduce(world)
+        t = torch.from_numpy(g.copy())
+        if "all_reduce:1bit-ar" in ops:
+            cases["all_reduce:1bit-ar"] = (lambda: ar.allreduce_(t, key="ar_"), "mpicomm",
+                                           lay.wire_bytes(), lambda: check_onebit(g, world, False))
+        if "all_reduce:1bit-new" in ops:
+            cases["all_reduce:1bit-new"] = (lambda: ar(t, key="new"), "mpicomm",
+                                            lay.wire_bytes(), lambda: check_onebit(g, world, True))
+    if "compress:fused" in ops:
+        fused = {"e": np.zeros(lay.padded, np.float32), "x": np.empty(lay.padded, np.float32),
+                 "pending": 0.0}
+        msg4 = np.empty((p, lay.row_bytes), np.uint8)
+
+        def compress_fused() -> None:
+            ssq = K.encode_into(g, fused["e"], fused["pending"], fused["x"], msg4[:, header:])
+            fused["pending"] = float(np.float32(math.sqrt(ssq / lay.padded)))
+            fused["e"], fused["x"] = fused["x"], fused["e"]
+
+        cases["compress:fused"] = (compress_fused, "local", 0, None)
     if "encode" in ops:
         we3 = np.zeros(lay.padded, np.float32)
         msg3 = np.empty((p, lay.row_bytes), np.uint8)
@@ -160,7 +209,8 @@ def _run(args, compressed, K) -> int:
     p = world.Get_size()
     impl = K.use(None if args.kernels == "auto" else args.kernels)
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
-    known = {"all_reduce", "all_reduce:1bit", "compress", "encode", "decompress", "memcpy"}
+    known = {"all_reduce", "all_reduce:1bit", "compress", "encode", "decompress", "memcpy",
+             "all_reduce:1bit-ar", "all_reduce:1bit-new", "compress:fused"}
     unknown = sorted(set(ops) - known)
     if unknown:
         print(f"bench compressed: unknown --ops {unknown}; expected some of {sorted(known)}",
@@ -207,6 +257,12 @@ def _run(args, compressed, K) -> int:
                          f"(goal <= 1.0x)")
             parts.append(f"wire fp32/1-bit {fp32_allreduce_wire_bytes(n, p) / max(1, lay.wire_bytes()):.1f}x "
                          f"(goal >= 30x)")
+        for op in ("all_reduce:1bit-ar", "all_reduce:1bit-new"):
+            if op in times and "all_reduce" in times:
+                parts.append(f"{op[11:]}/fp32 {times[op] / times['all_reduce']:.2f}x")
+        if "compress:fused" in times and "memcpy" in times:
+            parts.append(f"fused compress (OnebitAllreduce) / memcpy "
+                         f"{times['memcpy'] / times['compress:fused']:.2f}")
         if "compress" in times and "memcpy" in times:
             parts.append(f"compress kernel bandwidth / memcpy {times['memcpy'] / times['compress']:.2f} "
                          f"(goal >= 0.5)")

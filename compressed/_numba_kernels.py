@@ -56,18 +56,71 @@ def _encode_flat(g, e, packed):
     return ss
 
 
+@_jitv
+def _encode_into_flat(g, e, pend, xout, packed):
+    """x = (g zero-padded) + (e - pend * sign(e)) into ``xout`` (may be ``e``); pack x's signs
+    into contiguous ``packed``; return sum x^2. One pass: the previous call's error update fused
+    with this call's encode."""
+    m = g.shape[0]
+    n = e.shape[0]
+    s = np.float32(pend)
+    flags = np.empty(_TILE, np.uint8)
+    words = flags.view(np.uint64)
+    full = m - m % _TILE
+    ss = 0.0
+    for o in range(0, full, _TILE):
+        gt = g[o:o + _TILE]
+        et = e[o:o + _TILE]
+        xt = xout[o:o + _TILE]
+        part = np.float32(0.0)
+        for k in range(_TILE):  # vectorised: correction, x, x^2, one 0/1 byte per element
+            v = et[k]
+            x = gt[k] + (v - (s if v >= np.float32(0.0) else -s))
+            xt[k] = x
+            part += x * x
+            flags[k] = x >= np.float32(0.0)
+        ss += part
+        b0 = o // 8
+        for q in range(_TILE // 8):
+            packed[b0 + q] = np.uint8((words[q] * _MAGIC) >> np.uint64(56))
+    for c in range(full // 8, n // 8):
+        byte = 0
+        for k in range(8):
+            i = c * 8 + k
+            v = e[i]
+            corr = v - (s if v >= np.float32(0.0) else -s)
+            x = g[i] + corr if i < m else corr
+            xout[i] = x
+            ss += x * x
+            byte = (byte << 1) | (1 if x >= 0 else 0)
+        packed[c] = byte
+    return ss
+
+
 _kept = threading.local()  # packed scratch kept between calls (fresh arrays cost page faults)
+
+
+def _packed_scratch(nbytes):
+    packed = getattr(_kept, "packed", None)
+    if packed is None or packed.shape[0] < nbytes:
+        packed = _kept.packed = np.empty(nbytes, np.uint8)
+    return packed[:nbytes]
 
 
 def encode(g, e, rows):
     """Pack the signs of x = (g zero-padded) + e into ``rows`` (p, chunk_bytes); return sum x^2."""
-    nbytes = e.shape[0] // 8
-    packed = getattr(_kept, "packed", None)
-    if packed is None or packed.shape[0] < nbytes:
-        packed = _kept.packed = np.empty(nbytes, np.uint8)
-    packed = packed[:nbytes]
+    packed = _packed_scratch(e.shape[0] // 8)
     ss = _encode_flat(g, e, packed)
     rows[...] = packed.reshape(rows.shape)  # strided rows: storing there directly was slower
+    return ss
+
+
+def encode_into(g, e, pend, xout, rows):
+    """x = (g zero-padded) + (e - pend * sign(e)) into ``xout``; pack x's signs into ``rows``;
+    return sum x^2."""
+    packed = _packed_scratch(e.shape[0] // 8)
+    ss = _encode_into_flat(g, e, pend, xout, packed)
+    rows[...] = packed.reshape(rows.shape)
     return ss
 
 
@@ -111,9 +164,11 @@ def _expand_lut():
 
 
 @_jitv
-def server_accumulate(rows, coef, se, out):
-    """Set se = sum_i coef[i] * sign_i + se, pack sign(se) into ``out``; return sum se^2."""
+def server_accumulate(rows, coef, se, out, pend):
+    """Set se = sum_i coef[i] * sign_i + (se - pend * sign(se)), pack sign(se) into ``out``;
+    return sum se^2."""
     p, cb = rows.shape
+    sp = np.float32(pend)
     expand = _expand_lut()
     flags = np.empty(64, np.uint8)
     words = flags.view(np.uint64)
@@ -137,7 +192,8 @@ def server_accumulate(rows, coef, se, out):
                 acc[k] += c2 * flags[k]
         o = blk * 64
         for k in range(64):
-            s = acc[k] + se[o + k]
+            v = se[o + k]
+            s = acc[k] + (v - (sp if v >= np.float32(0.0) else -sp))
             se[o + k] = s
             part += s * s
             flags[k] = s >= np.float32(0.0)
@@ -153,7 +209,8 @@ def server_accumulate(rows, coef, se, out):
             s = np.float32(0.0)
             for i in range(p):
                 s += coef[i] if (rows[i, c] >> (7 - k)) & 1 else -coef[i]
-            s += se[c * 8 + k]
+            v = se[c * 8 + k]
+            s += v - (sp if v >= np.float32(0.0) else -sp)
             se[c * 8 + k] = s
             ss += s * s
             byte = (byte << 1) | (1 if s >= 0 else 0)

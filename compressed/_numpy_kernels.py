@@ -74,14 +74,27 @@ def encode(g, e, rows):
     return _sumsq(x)
 
 
+def encode_into(g, e, pend, xout, rows):
+    """x = (g zero-padded) + (e - pend * sign(e)) into ``xout``; pack x's signs into ``rows``;
+    return sum x^2."""
+    m = g.shape[0]
+    _residual(e, pend, xout)
+    np.add(g, xout[:m], out=xout[:m])  # g + corrected error, as in the fused numba pass
+    _pack(xout, rows)
+    return _sumsq(xout)
+
+
 def worker_residual(g, e, scale):
     """Set e = x - scale * sign(x) with x = (g zero-padded) + e."""
     _residual(_x(g, e), scale, e)
 
 
-def server_accumulate(rows, coef, se, out):
-    """Set se = sum_i coef[i] * sign_i + se, pack sign(se) into ``out``; return sum se^2."""
+def server_accumulate(rows, coef, se, out, pend):
+    """Set se = sum_i coef[i] * sign_i + (se - pend * sign(se)), pack sign(se) into ``out``;
+    return sum se^2."""
     n = se.shape[0]
+    if pend != 0:
+        _residual(se, pend, se)
     acc = _buf("acc", n, np.float32)
     tmp = _buf("signed", n, np.float32).reshape(-1, 8)
     acc[...] = 0

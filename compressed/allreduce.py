@@ -5,10 +5,30 @@ from typing import Any
 
 import torch
 
+from . import kernels as K
 from .backend import MpiBackend, as_communicator
 from .layout import padded_size
 
 __all__ = ["OnebitAllreduce"]
+
+
+class _KeyErrors:
+    """One key's error buffers; ``*_pending`` are error updates not yet applied (0: none)."""
+
+    __slots__ = ("we", "se", "we_pending", "se_pending")
+
+    def __init__(self, we: torch.Tensor, se: torch.Tensor) -> None:
+        self.we, self.se = we, se
+        self.we_pending = 0.0
+        self.se_pending = 0.0
+
+    def materialize(self) -> None:
+        """Apply the pending updates, so that the buffers hold the errors themselves."""
+        for buf, name in ((self.we, "we_pending"), (self.se, "se_pending")):
+            pending = getattr(self, name)
+            if pending != 0.0:
+                K.correct(buf.numpy(), pending)
+                setattr(self, name, 0.0)
 
 
 class OnebitAllreduce:
@@ -21,6 +41,13 @@ class OnebitAllreduce:
     empty copies without communicating. Half and bfloat16 (and float64) inputs are computed in
     float32 and returned in their dtype. A non-finite input on any rank raises
     ``NonFiniteError`` on every rank, leaving the error buffers as they were.
+
+    On CPU (host kernels) the error updates are deferred: a key's buffers keep x and s of its
+    last call plus their scales, and the next call applies the update inside the pass that
+    reads them anyway (one pass over the worker buffer per call instead of three). The worker
+    buffer is double-buffered: x goes to a spare buffer (one per size, shared by keys), which
+    becomes the key's after the exchange succeeded. ``errors(key)`` and ``state_dict()`` first
+    apply pending updates, so they show DeepSpeed's error buffers; the results are the same.
     """
 
     def __init__(self, comm: Any = None, *, cuda_aware: bool = False,
@@ -28,16 +55,17 @@ class OnebitAllreduce:
         self.comm = as_communicator(comm)
         self.backend = MpiBackend(cuda_aware=cuda_aware, comm=self.comm, kernels=kernels)
         self.size = self.comm.size
-        self._errors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._errors: dict[str, _KeyErrors] = {}
+        self._spares: dict[tuple[int, str], torch.Tensor] = {}
 
     def __call__(self, tensor: torch.Tensor, key: str = "default") -> torch.Tensor:
         """Return the compressed mean of ``tensor`` over ranks, using the error buffers of ``key``."""
         self._check(tensor)
         if self.size == 1 or tensor.numel() == 0:
             return tensor.detach().clone()
-        we, se = self.errors(key, tensor.numel(), tensor.device)
+        st = self._state(key, tensor.numel(), tensor.device)
         out = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
-        self.backend.allreduce_into(tensor.detach(), out, we, se)
+        self._run(tensor.detach(), out, st)
         return out
 
     def allreduce_(self, tensor: torch.Tensor, key: str = "default") -> torch.Tensor:
@@ -45,9 +73,27 @@ class OnebitAllreduce:
         self._check(tensor)
         if self.size == 1 or tensor.numel() == 0:
             return tensor
-        we, se = self.errors(key, tensor.numel(), tensor.device)
-        self.backend.allreduce_into(tensor.detach(), tensor.detach(), we, se)
+        st = self._state(key, tensor.numel(), tensor.device)
+        self._run(tensor.detach(), tensor.detach(), st)
         return tensor
+
+    def _run(self, inp: torch.Tensor, out: torch.Tensor, st: _KeyErrors) -> None:
+        if inp.device.type != "cpu" or not self.backend.host_kernels_for(inp):
+            st.materialize()
+            self.backend.allreduce_into(inp, out, st.we, st.se)
+            return
+        spare_key = (st.we.numel(), str(st.we.device))
+        spare = self._spares.pop(spare_key, None)
+        if spare is None:
+            spare = torch.empty_like(st.we)
+        try:
+            scale, sscale = self.backend.allreduce_deferred(inp, out, st.we, st.se, spare,
+                                                            st.we_pending, st.se_pending)
+        except BaseException:
+            self._spares[spare_key] = spare
+            raise
+        self._spares[spare_key] = st.we
+        st.we, st.we_pending, st.se_pending = spare, scale, sscale
 
     @staticmethod
     def _check(tensor) -> None:
@@ -56,39 +102,52 @@ class OnebitAllreduce:
         if not tensor.dtype.is_floating_point:
             raise TypeError(f"OnebitAllreduce: expected a floating tensor, got dtype {tensor.dtype}")
 
-    def errors(self, key: str, numel: int | None = None,
-               device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The (worker_error, server_error) of ``key``; created as zeros when ``numel`` is given."""
-        pair = self._errors.get(key)
-        if pair is None:
+    def _state(self, key: str, numel: int | None = None,
+               device: torch.device | str | None = None) -> _KeyErrors:
+        st = self._errors.get(key)
+        if st is None:
             if numel is None:
                 raise KeyError(f"OnebitAllreduce: no error buffers for key {key!r}")
             n = padded_size(numel, self.size)
-            pair = (torch.zeros(n, dtype=torch.float32, device=device),
-                    torch.zeros(n // self.size, dtype=torch.float32, device=device))
-            self._errors[key] = pair
-        elif numel is not None and pair[0].numel() != padded_size(numel, self.size):
+            st = _KeyErrors(torch.zeros(n, dtype=torch.float32, device=device),
+                            torch.zeros(n // self.size, dtype=torch.float32, device=device))
+            self._errors[key] = st
+        elif numel is not None and st.we.numel() != padded_size(numel, self.size):
             raise ValueError(f"OnebitAllreduce: key {key!r} holds error buffers for "
-                             f"{pair[0].numel()} padded elements, got a tensor of {numel} elements "
+                             f"{st.we.numel()} padded elements, got a tensor of {numel} elements "
                              f"(padded {padded_size(numel, self.size)}); use another key or reset()")
-        return pair
+        return st
+
+    def errors(self, key: str, numel: int | None = None,
+               device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (worker_error, server_error) of ``key``; created as zeros when ``numel`` is given.
+
+        Pending updates are applied first. Later calls may replace these tensors (the worker
+        buffer is double-buffered) rather than update them: ask again after each call.
+        """
+        st = self._state(key, numel, device)
+        st.materialize()
+        return st.we, st.se
 
     def keys(self) -> list[str]:
         """Names that own error buffers."""
         return list(self._errors)
 
     def reset(self, key: str | None = None) -> None:
-        """Drop the error buffers of ``key`` (all keys when None)."""
+        """Drop the error buffers of ``key`` (all keys and spare buffers when None)."""
         if key is None:
             self._errors.clear()
+            self._spares.clear()
         else:
             self._errors.pop(key, None)
 
     def state_dict(self) -> dict:
         """Error buffers by key (this rank's; they differ between ranks)."""
-        return {"world_size": self.size,
-                "errors": {k: {"worker_error": we.clone(), "server_error": se.clone()}
-                           for k, (we, se) in self._errors.items()}}
+        out = {}
+        for k, st in self._errors.items():
+            st.materialize()
+            out[k] = {"worker_error": st.we.clone(), "server_error": st.se.clone()}
+        return {"world_size": self.size, "errors": out}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore error buffers saved by ``state_dict`` at the same world size."""
@@ -97,6 +156,6 @@ class OnebitAllreduce:
                              f"{state.get('world_size')}, loading at {self.size}")
         errors = {}
         for k, d in state["errors"].items():
-            errors[k] = (d["worker_error"].detach().to(torch.float32).clone().contiguous(),
-                         d["server_error"].detach().to(torch.float32).clone().contiguous())
+            errors[k] = _KeyErrors(d["worker_error"].detach().to(torch.float32).clone().contiguous(),
+                                   d["server_error"].detach().to(torch.float32).clone().contiguous())
         self._errors = errors

@@ -141,14 +141,40 @@ class MpiBackend:
                              f"{n} elements, got {_describe(out)}")
         if n == 0:
             return
-        use_torch = self.kernels == "torch" or (
-            self.kernels is None and isinstance(inp, torch.Tensor) and inp.device.type != "cpu")
-        if use_torch:
+        if not self.host_kernels_for(inp):
             self._torch_allreduce(inp, out, worker_error, server_error, lay)
         else:
             self._host_allreduce(inp, out, worker_error, server_error, lay)
         self.calls += 1
         self.wire_bytes += lay.wire_bytes()
+
+    def host_kernels_for(self, inp) -> bool:
+        """Whether a call on ``inp`` runs the host (numpy/numba) kernels, not the torch ones."""
+        return not (self.kernels == "torch" or (
+            self.kernels is None and isinstance(inp, torch.Tensor) and inp.device.type != "cpu"))
+
+    def allreduce_deferred(self, inp, out, worker_x, server_s, x_out, worker_pending: float,
+                           server_pending: float) -> tuple[float, float]:
+        """Host-kernel allreduce with deferred error updates (used by ``OnebitAllreduce``).
+
+        ``worker_x`` and ``server_s`` hold the previous call's x and s; their error updates
+        (x - pending * sign(x)) are still to be applied. This call's x goes to ``x_out`` (a
+        buffer like ``worker_x``; ``worker_x`` is only read) and ``server_s`` is corrected and
+        overwritten by this call's s. Returns the (worker, server) scales, the new pending
+        scales of ``x_out`` and ``server_s``. On ``NonFiniteError`` nothing but ``x_out`` was
+        written. The math is that of ``allreduce_into`` (DeepSpeed's), reordered only.
+        """
+        n = _numel(inp)
+        lay = Layout(n, self.size)
+        self._check_buffers(inp, worker_x, server_s, lay)
+        self._check_buffers(inp, x_out, server_s, lay)
+        if n == 0 or not self.host_kernels_for(inp):
+            raise ValueError("allreduce_deferred: needs a non-empty buffer for the host kernels")
+        scales = self._host_allreduce(inp, out, worker_x, server_s, lay,
+                                      deferred=(x_out, float(worker_pending), float(server_pending)))
+        self.calls += 1
+        self.wire_bytes += lay.wire_bytes()
+        return scales
 
     # ------------------------------------------------------------------------------------------
     def _check_buffers(self, buf, we, se, lay: Layout) -> None:
@@ -205,7 +231,13 @@ class MpiBackend:
                 f"was modified.")
 
     # ------------------------------------------------------------------------------------------
-    def _host_allreduce(self, inp, out, we, se, lay: Layout) -> None:
+    def _host_allreduce(self, inp, out, we, se, lay: Layout, deferred=None):
+        """The host path. With ``deferred`` = (x buffer, worker pending, server pending) the error
+        updates are deferred (``OnebitAllreduce``): ``we`` and ``se`` hold x and s of the previous
+        call, still to be corrected by their pending scales; this call's x is written into the x
+        buffer (``we`` is only read, so a failed call changes nothing), ``se`` is corrected
+        inside the server pass, and (worker scale, server scale) are returned: the new pending
+        scales of the x buffer and ``se``, left uncorrected."""
         p = lay.world_size
         ws = self._workspace(lay, None)
         g = _host_f32(inp)
@@ -217,7 +249,11 @@ class MpiBackend:
         s = _host_view(se).reshape(-1)
         send, recv, gsend, grecv = ws["send"], ws["recv"], ws["gsend"], ws["grecv"]
 
-        ssq = K.encode(g, e, send[:, H:])
+        if deferred is None:
+            ssq = K.encode(g, e, send[:, H:])
+        else:
+            xbuf, wpend, spend = deferred
+            ssq = K.encode_into(g, e, wpend, _host_view(xbuf).reshape(-1), send[:, H:])
         scale = np.float32(math.sqrt(ssq / lay.padded))
         send[:, :H] = np.frombuffer(scale.tobytes(), np.uint8)
         self.comm.all_to_all_single(recv, send)
@@ -225,13 +261,14 @@ class MpiBackend:
         self._raise_if_not_finite(wscales)
 
         coef = (wscales.astype(np.float64) / p).astype(np.float32)
-        sss = K.server_accumulate(recv[:, H:], coef, s, gsend[H:])
+        sss = K.server_accumulate(recv[:, H:], coef, s, gsend[H:],
+                                  0.0 if deferred is None else spend)
         sscale = np.float32(math.sqrt(sss / lay.chunk))
         gsend[:H] = np.frombuffer(sscale.tobytes(), np.uint8)
         work = self.comm.all_gather_into_tensor(grecv, gsend, async_op=True)
-        # both residual passes overlap the second exchange
-        K.worker_residual(g, e, float(scale))
-        K.server_residual(s, float(sscale))
+        if deferred is None:  # both residual passes overlap the second exchange
+            K.worker_residual(g, e, float(scale))
+            K.server_residual(s, float(sscale))
         work.wait()
         sscales = grecv[:, :H].copy().view(np.float32).reshape(p)
 
@@ -244,6 +281,7 @@ class MpiBackend:
                 out.detach().copy_(torch.from_numpy(res).view(out.shape))
             else:
                 out[...] = res.reshape(out.shape)
+        return float(scale), float(sscale)
 
     # ------------------------------------------------------------------------------------------
     def _torch_allreduce(self, inp, out, we, se, lay: Layout) -> None:

@@ -14,7 +14,7 @@ from types import ModuleType
 
 import numpy as np
 
-__all__ = ["encode", "worker_residual", "server_accumulate", "server_residual", "decode",
+__all__ = ["encode", "encode_into", "worker_residual", "correct", "server_accumulate", "server_residual", "decode",
            "implementation", "use"]
 
 _impl: ModuleType | None = None
@@ -66,14 +66,32 @@ def encode(g: np.ndarray, e: np.ndarray, rows: np.ndarray) -> float:
     return float(_get().encode(g, e, rows))
 
 
+def encode_into(g: np.ndarray, e: np.ndarray, pending: float, xout: np.ndarray,
+                rows: np.ndarray) -> float:
+    """One fused pass: x = (g zero-padded) + (e - pending * sign(e)) written to ``xout`` (e's
+    size; may be ``e``), x's signs packed into ``rows``; return sum(x^2).
+
+    With ``pending`` = 0 the correction is exact identity, so x = g + e as in ``encode``.
+    """
+    return float(_get().encode_into(g, e, float(pending), xout, rows))
+
+
+def correct(e: np.ndarray, pending: float) -> None:
+    """Set e = e - pending * sign(e) (apply a deferred error update)."""
+    _get().server_residual(e, float(pending))
+
+
 def worker_residual(g: np.ndarray, e: np.ndarray, scale: float) -> None:
     """Set e = x - scale * sign(x), x = (g zero-padded) + e, computed exactly as in ``encode``."""
     _get().worker_residual(g, e, float(scale))
 
 
-def server_accumulate(rows: np.ndarray, coef: np.ndarray, se: np.ndarray, out: np.ndarray) -> float:
-    """Set se = sum_i coef[i] * sign(rows[i]) + se; pack sign(se) into ``out``; return sum(se^2)."""
-    return float(_get().server_accumulate(rows, np.ascontiguousarray(coef, np.float32), se, out))
+def server_accumulate(rows: np.ndarray, coef: np.ndarray, se: np.ndarray, out: np.ndarray,
+                      pending: float = 0.0) -> float:
+    """Set se = sum_i coef[i] * sign(rows[i]) + (se - pending * sign(se)); pack sign(se) into
+    ``out``; return sum(se^2). ``pending`` is a deferred server error update (0: none)."""
+    return float(_get().server_accumulate(rows, np.ascontiguousarray(coef, np.float32), se, out,
+                                          float(pending)))
 
 
 def server_residual(se: np.ndarray, scale: float) -> None:

@@ -128,3 +128,50 @@ def test_state_dict_round_trip_continues_identically(world, comm):
             b.load_state_dict(bad)
 
     check_all(run, world)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("kernels", ["numpy", "numba"])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_consecutive_calls_with_deferred_updates_match_simulation(world, comm, kernels, inplace):
+    """Calls back to back (errors not inspected in between, so updates stay deferred) follow
+    the simulation, which carries its own float64 errors; the errors match at the end."""
+    from compressed import kernels as K
+
+    if kernels == "numba":
+        pytest.importorskip("numba")
+
+    def run():
+        before = K.implementation()
+        K.use(kernels)
+        try:
+            ar = compressed.OnebitAllreduce(comm)
+            p = comm.size
+            rng = np.random.default_rng(40 + comm.rank)
+            states = {}
+            for step in range(4):
+                for key, n in (("a", 4096 * 2 + 40), ("b", 4096 * 2 + 40), ("c", 77)):
+                    g = torch.from_numpy((rng.standard_normal(n) + 0.1 * comm.rank).astype(np.float32))
+                    N = compressed.padded_size(n, p)
+                    we, se = states.get(key, (np.zeros(N), np.zeros(N // p)))
+                    ref = simulate(g.numpy(), we, se, world)
+                    states[key] = (ref["we"], ref["se"])
+                    if inplace:
+                        out = g.clone()
+                        assert ar.allreduce_(out, key=key) is out
+                    else:
+                        out = ar(g, key=key)
+                    if p == 1:
+                        assert torch.equal(out, g)
+                        continue
+                    # errors are checked below (asking for them applies the deferred updates)
+                    compare(out, ref["we"], ref["se"], ref)
+            if p > 1:
+                for key in ("a", "b", "c"):
+                    wt, st = ar.errors(key)
+                    np.testing.assert_allclose(wt.numpy(), states[key][0], rtol=0, atol=1e-5)
+                    np.testing.assert_allclose(st.numpy(), states[key][1], rtol=0, atol=1e-5)
+        finally:
+            K.use(before)
+
+    check_all(run, world)

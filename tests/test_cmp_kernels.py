@@ -158,3 +158,54 @@ def test_falls_back_to_numpy_without_numba():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env=env)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+# ---- deferred error updates (OnebitAllreduce's fused pass) ------------------------------------
+def ref_correct(e: np.ndarray, pending: float) -> np.ndarray:
+    """e - pending * sign(e) in float32 (the error update DeepSpeed applies after each call)."""
+    e = e.astype(np.float32)
+    return (e - np.float32(pending) * ref_sign(e).astype(np.float32)).astype(np.float32)
+
+
+@pytest.mark.parametrize("m,p", [(1, 1), (13, 2), (100, 3), (4096, 4), (4096 * 3 + 5, 2)])
+@pytest.mark.parametrize("pending", [0.0, 0.37])
+def test_encode_into_fuses_the_pending_update(impl, m, p, pending):
+    rng = np.random.default_rng(m * 7 + p)
+    N = compressed.padded_size(m, p)
+    g = rng.standard_normal(m).astype(np.float32)
+    e = (rng.standard_normal(N) * 0.3).astype(np.float32)
+    e[:2] = [-0.0, 0.0]
+    e_before = e.copy()
+    xout = np.full(N, 7.0, np.float32)
+    msg = np.full((p, HEADER_BYTES + N // (8 * p)), 0xAB, np.uint8)
+    ssq = K.encode_into(g, e, pending, xout, msg[:, HEADER_BYTES:])
+    c = ref_correct(e_before, pending)
+    want = c.copy()
+    want[:m] = (g + c[:m]).astype(np.float32)
+    np.testing.assert_array_equal(xout, want)
+    assert np.array_equal(e, e_before), "encode_into modified its input error"
+    assert np.array_equal(msg[:, HEADER_BYTES:].reshape(-1), ref_bits(want.astype(np.float64)))
+    assert np.all(msg[:, :HEADER_BYTES] == 0xAB)
+    assert ssq == pytest.approx(float(np.dot(want.astype(np.float64), want)), rel=1e-5)
+    # in place (xout is e) gives the same
+    ssq2 = K.encode_into(g, e, pending, e, msg[:, HEADER_BYTES:])
+    np.testing.assert_array_equal(e, want)
+    assert ssq2 == pytest.approx(float(np.dot(want.astype(np.float64), want)), rel=1e-5)
+
+
+@pytest.mark.parametrize("p,cb", [(1, 1), (2, 5), (3, 17), (4, 64)])
+def test_server_accumulate_applies_pending_update(impl, p, cb):
+    rng = np.random.default_rng(p * 31 + cb)
+    rows = rng.integers(0, 256, (p, cb), dtype=np.uint8)
+    coef = rng.uniform(0.1, 2.0, p).astype(np.float32)
+    se = (rng.standard_normal(cb * 8) * 0.5).astype(np.float32)
+    c = ref_correct(se, 0.6).astype(np.float64)
+    out = np.zeros(cb, np.uint8)
+    ssq = K.server_accumulate(rows, coef, se, out, 0.6)
+    signs = np.unpackbits(rows, axis=1).astype(np.float64) * 2 - 1
+    s = (signs * coef.astype(np.float64)[:, None]).sum(axis=0) + c
+    np.testing.assert_allclose(se, s, rtol=1e-6, atol=1e-6)
+    assert np.array_equal(out, ref_bits(s))
+    assert ssq == pytest.approx(float(np.dot(s, s)), rel=1e-5)
+    K.correct(se, 0.25)
+    np.testing.assert_allclose(se, s - 0.25 * ref_sign(s), atol=1e-5)
