@@ -1,8 +1,11 @@
 """OnebitAllreduce: a compressed mean over ranks that owns its error-feedback buffers by name."""
 from __future__ import annotations
 
+import sys
+from collections import OrderedDict
 from typing import Any
 
+import numpy as np
 import torch
 
 from . import kernels as K
@@ -31,6 +34,36 @@ class _KeyErrors:
                 setattr(self, name, 0.0)
 
 
+class _ResultMemory:
+    """CPU memory for results, recycled once nothing references a previous result any more.
+
+    A fresh large tensor costs a page fault per 4 KiB page on first write (about as long as the
+    whole compressed allreduce of it). Each kept block is a numpy byte array; tensors made from
+    it hold a reference to it (through their storage, shared by all views), so a block whose
+    reference count is back to ours alone is free to reuse.
+    """
+
+    MIN_BYTES = 1 << 20
+    _FREE = sys.getrefcount(np.empty(0)) + 1  # our dict's reference + getrefcount's argument
+
+    def __init__(self, blocks: int = 4) -> None:
+        self._blocks: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._limit = blocks
+
+    def empty(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised CPU tensor; its memory is not referenced by anything else."""
+        nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
+        if nbytes < self.MIN_BYTES:
+            return torch.empty(shape, dtype=dtype)
+        if nbytes in self._blocks and sys.getrefcount(self._blocks[nbytes]) <= self._FREE:
+            self._blocks.move_to_end(nbytes)
+        else:
+            self._blocks[nbytes] = np.empty(nbytes, np.uint8)  # the old block stays with its users
+            while len(self._blocks) > self._limit:
+                self._blocks.popitem(last=False)
+        return torch.from_numpy(self._blocks[nbytes]).view(dtype).view(shape)
+
+
 class OnebitAllreduce:
     """Callable returning the 1-bit compressed mean of a tensor over the communicator's ranks.
 
@@ -57,6 +90,7 @@ class OnebitAllreduce:
         self.size = self.comm.size
         self._errors: dict[str, _KeyErrors] = {}
         self._spares: dict[tuple[int, str], torch.Tensor] = {}
+        self._results = _ResultMemory()
 
     def __call__(self, tensor: torch.Tensor, key: str = "default") -> torch.Tensor:
         """Return the compressed mean of ``tensor`` over ranks, using the error buffers of ``key``."""
@@ -64,7 +98,10 @@ class OnebitAllreduce:
         if self.size == 1 or tensor.numel() == 0:
             return tensor.detach().clone()
         st = self._state(key, tensor.numel(), tensor.device)
-        out = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+        if tensor.device.type == "cpu":
+            out = self._results.empty(tensor.shape, tensor.dtype)
+        else:
+            out = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
         self._run(tensor.detach(), out, st)
         return out
 

@@ -175,3 +175,43 @@ def test_consecutive_calls_with_deferred_updates_match_simulation(world, comm, k
             K.use(before)
 
     check_all(run, world)
+
+
+def test_result_memory_reuses_only_unreferenced_blocks():
+    from compressed.allreduce import _ResultMemory
+
+    mem = _ResultMemory()
+    shape = torch.Size([1 << 18])
+    a = mem.empty(shape, torch.float32)
+    b = mem.empty(shape, torch.float32)
+    assert b.data_ptr() != a.data_ptr(), "a live result's memory was handed out again"
+    view, arr = a[7:], b.numpy()[3:]
+    del a, b
+    c = mem.empty(shape, torch.float32)
+    assert c.data_ptr() not in (view.data_ptr() - 28, arr.ctypes.data - 12)
+    ptr = c.data_ptr()
+    del c
+    d = mem.empty(shape, torch.float32)
+    assert d.data_ptr() == ptr, "a dropped result's memory was not reused"
+    e = mem.empty(torch.Size([256, 1024]), torch.bfloat16)
+    assert e.dtype == torch.bfloat16 and e.shape == (256, 1024) and e.is_contiguous()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_results_are_never_overwritten_while_referenced(world, comm):
+    def run():
+        ar = compressed.OnebitAllreduce(comm)
+        n = 300_000  # above the size where result memory is recycled
+        rng = np.random.default_rng(comm.rank)
+        xs = [torch.from_numpy(rng.standard_normal(n).astype(np.float32)) for _ in range(3)]
+        first = ar(xs[0], key="r")
+        kept_view = first[10:]
+        kept = kept_view.clone()
+        del first
+        second = ar(xs[1], key="r")
+        assert torch.equal(kept_view, kept)
+        del second
+        third = ar(xs[2], key="r")
+        assert torch.equal(kept_view, kept) and third.shape == (n,)
+
+    check_all(run, world)
