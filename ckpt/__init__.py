@@ -7,21 +7,27 @@
 
 A checkpoint is a directory: ``manifest.json`` (format, world size, stage, tensors with byte
 offsets, optimizer class and param_groups, per-block CRC-32, step, extras) and ``data.bin``
-(every tensor unpadded at its offset). ``python -m ckpt inspect|verify PATH`` reads it without MPI.
+(every tensor unpadded at its offset). A save writes into a hidden working directory marked
+``INCOMPLETE`` and publishes it under its final name by an atomic rename (one committer at a
+time per parent directory); unfinished saves are refused by name. ``python -m ckpt inspect|verify
+PATH`` reads a checkpoint without MPI; ``convert`` and ``export`` move to and from DeepSpeed.
 
 DeepSpeed: ``ckpt.from_deepspeed(tag_dir, path, allow_pickle=True)`` imports a ZeRO checkpoint;
 ``ckpt.to_deepspeed_universal(path, out_dir)`` writes DeepSpeed's universal layout.
 """
 from __future__ import annotations
 
-from .api import ChecksumError, LoadResult, load, read_manifest, resolve, save
+from .api import (ChecksumError, CollectiveError, LoadResult, StateMismatchError, incomplete_reason, load,
+                  read_manifest, resolve, save)
 from .layout import Segment, ShardLayout
-from .manifest import FORMAT_VERSION, Manifest, ManifestError, TensorEntry
+from .manifest import (FORMAT_VERSION, DamagedCheckpointError, IncompleteCheckpointError, Manifest, ManifestError,
+                       TensorEntry)
 from .zero import ZeroOptimizer
 from .deepspeed import PickleRefusedError, from_deepspeed, to_deepspeed_universal  # noqa: E402
 
 __all__ = [
-    "ChecksumError", "FORMAT_VERSION", "LoadResult", "Manifest", "ManifestError", "PickleRefusedError",
-    "Segment", "ShardLayout", "TensorEntry", "ZeroOptimizer", "from_deepspeed", "load",
+    "ChecksumError", "CollectiveError", "DamagedCheckpointError", "FORMAT_VERSION", "IncompleteCheckpointError",
+    "LoadResult", "Manifest", "ManifestError", "PickleRefusedError", "Segment", "ShardLayout",
+    "StateMismatchError", "TensorEntry", "ZeroOptimizer", "from_deepspeed", "incomplete_reason", "load",
     "read_manifest", "resolve", "save", "to_deepspeed_universal",
 ]

@@ -1,28 +1,49 @@
 """Collective save and load of model and (sharded or plain) optimizer state."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import socket
+import time
 import uuid
-from dataclasses import dataclass
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable, TypeVar
 
 import torch
 
-from . import checksum, plan
+from . import checksum, commit, plan
 from .io import DEFAULT_CHUNK_BYTES, fsync_path, read_blocks, read_items, write_items
-from .manifest import (DATA_NAME, DEFAULT_BLOCK_SIZE, LATEST_NAME, MANIFEST_NAME, Manifest,
-                       ManifestError, Packer, ParamInfo, TensorEntry, jsonable, like)
+from .manifest import (DATA_NAME, DEFAULT_BLOCK_SIZE, INCOMPLETE_NAME, LATEST_NAME, MANIFEST_NAME, TMP_MARK,
+                       DamagedCheckpointError, IncompleteCheckpointError, Manifest, ManifestError, Packer,
+                       ParamInfo, TensorEntry, jsonable, like)
 from .zero import ZeroOptimizer
+
+T = TypeVar("T")
 
 
 class ChecksumError(RuntimeError):
     """Bytes read from a checkpoint do not match the checksums in its manifest."""
 
 
+class CollectiveError(RuntimeError):
+    """Another rank failed during a collective save or load (this rank's part went well)."""
+
+
+class StateMismatchError(KeyError, ValueError):
+    """The model's state names or shapes differ from the checkpoint's (``load(strict=True)``)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
 @dataclass
 class LoadResult:
-    """What ``load`` found: the saved step and extras, and how the checkpoint was written."""
+    """What ``load`` found: the saved step and extras, and how the checkpoint was written.
+
+    ``missing`` (model entries the checkpoint lacks), ``unexpected`` (checkpoint entries the
+    model lacks) and ``mismatched`` (name -> (model shape, checkpoint shape)) list what a
+    ``strict=False`` load left untouched; all empty after a strict load."""
 
     step: int | None
     extra: Any
@@ -30,6 +51,15 @@ class LoadResult:
     stage: int | None
     optimizer_loaded: bool
     manifest: Manifest
+    path: str = ""
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    mismatched: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        """True when every model entry was loaded and the checkpoint held nothing else."""
+        return not (self.missing or self.unexpected or self.mismatched)
 
 
 _DTYPE_NAMES = {torch.float64: "float64", torch.float32: "float32", torch.float16: "float16",
@@ -69,6 +99,29 @@ def _on_root(mpi_comm: Any, fn: Callable[[], Any]) -> Any:
     ok, value = mpi_comm.bcast(result, root=0)
     if not ok:
         raise value
+    return value
+
+
+def _everywhere(mpi_comm: Any, fn: Callable[[], T], what: str) -> T:
+    """Run ``fn`` on every rank; if it raises on any rank, raise on every rank (the failing
+    ranks their own exception, the others a CollectiveError naming it) instead of leaving the
+    others waiting in the next collective call."""
+    err: BaseException | None = None
+    value: Any = None
+    try:
+        value = fn()
+    except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
+        err = exc
+    if mpi_comm.Get_size() > 1:
+        msgs = mpi_comm.allgather(None if err is None else f"{type(err).__name__}: {err}")
+    else:
+        msgs = [None]
+    if err is not None:
+        raise err
+    bad = [(r, m) for r, m in enumerate(msgs) if m is not None]
+    if bad:
+        lines = "; ".join(f"rank {r}: {m}" for r, m in bad[:8])
+        raise CollectiveError(f"{what} failed on {len(bad)} of {len(msgs)} rank(s): {lines}")
     return value
 
 
@@ -146,16 +199,76 @@ def save(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.op
 
     Collective over ``comm`` (default: the ZeroOptimizer's communicator, else the world).
     Every rank writes its own shard (and an even share of replicated tensors) into one data
-    file with MPI-IO; rank 0 then writes the manifest, and the directory
-    appears under its final name by an atomic rename, after which ``<parent>/latest`` names it.
-    ``sync`` makes the data and manifest durable (fsync) before the rename.
+    file with MPI-IO, in a working directory ``.<name>.tmp-<id>`` marked ``INCOMPLETE``; rank 0
+    then writes the manifest, drops the marker, and publishes the directory under its final
+    name by an atomic rename (an atomic swap with ``overwrite``), holding a lock on the parent so
+    that concurrent saves commit one at a time; ``<parent>/latest`` then names it. A failure on
+    any rank raises on every rank. ``sync`` makes the data and manifest durable (fsync) first.
     """
     if comm is None and isinstance(optimizer, ZeroOptimizer):
         comm = optimizer.comm
     comm = _comm(comm)
     mpi = comm.mpi_comm
-    rank, size = mpi.Get_rank(), mpi.Get_size()
     path = os.path.abspath(os.fspath(path))
+    mine, buffers, manifest = _everywhere(
+        mpi, lambda: _plan_save(mpi, model, optimizer, step, extra, block_size, chunk_bytes), "save (planning)")
+    size = manifest.world_size
+
+    def prepare() -> str:
+        if os.path.exists(path) and not overwrite:
+            raise FileExistsError(f"save: {path} exists (pass overwrite=True to replace it)")
+        parent = os.path.dirname(path)
+        os.makedirs(parent, exist_ok=True)
+        tmp = os.path.join(parent, f".{os.path.basename(path)}{TMP_MARK}{uuid.uuid4().hex[:12]}")
+        os.mkdir(tmp)
+        with open(os.path.join(tmp, INCOMPLETE_NAME), "w") as f:
+            f.write(json.dumps({"target": path, "world_size": size, "host": socket.gethostname(),
+                                "pid": os.getpid(), "started": time.time()}) + "\n")
+        return tmp
+
+    tmp = _on_root(mpi, prepare)
+    pieces = _everywhere(mpi, lambda: write_items(
+        mpi, os.path.join(tmp, DATA_NAME), mine, buffers, file_size=manifest.files[DATA_NAME]["nbytes"],
+        block_size=block_size, chunk_bytes=chunk_bytes, sync=sync), "save (writing data)")
+    gathered = mpi.gather([(p.offset, p.length, p.crc) for p in pieces], root=0)
+
+    def finish() -> Manifest:
+        allp = [checksum.Piece(*t) for lst in gathered for t in lst]
+        manifest.files[DATA_NAME]["crc32"] = checksum.combine_blocks(allp, manifest.files[DATA_NAME]["nbytes"],
+                                                                     block_size)
+        manifest.validate()
+        mpath = os.path.join(tmp, MANIFEST_NAME)
+        with open(mpath, "w") as f:
+            f.write(manifest.to_json())
+            f.flush()
+            if sync:
+                os.fsync(f.fileno())
+        os.unlink(os.path.join(tmp, INCOMPLETE_NAME))  # the manifest is durable: the save is complete
+        if sync:
+            fsync_path(tmp, directory=True)
+        parent = os.path.dirname(path)
+        with commit.dir_lock(parent):
+            try:
+                old = commit.publish(tmp, path, overwrite)
+            except FileExistsError:
+                shutil.rmtree(tmp, ignore_errors=True)  # complete but never published: ours to remove
+                raise
+            if sync:
+                fsync_path(parent, directory=True)
+            if update_latest:
+                _write_latest(parent, os.path.basename(path), sync)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        return manifest
+
+    return _on_root(mpi, finish)
+
+
+def _plan_save(mpi: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, step: int | None,
+               extra: Any, block_size: int, chunk_bytes: int
+               ) -> tuple[list[plan.IOItem], list[torch.Tensor], Manifest]:
+    """This rank's write items and buffers, and the manifest (checksums still empty)."""
+    rank, size = mpi.Get_rank(), mpi.Get_size()
     if chunk_bytes % block_size:
         raise ValueError(f"expected chunk_bytes a multiple of block_size={block_size}, got {chunk_bytes}")
 
@@ -181,12 +294,10 @@ def save(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.op
             raise ValueError("save: the optimizer holds a parameter that is not in model.state_dict()")
 
     # model weights (fp32 weights under a ZeroOptimizer are the masters' bytes: added below)
-    param_entries: dict[int, TensorEntry] = {}
     for i, (n, t) in enumerate(zip(names, tensors)):
         if zero is not None and id(t) in opt_ids and t.dtype == torch.float32:
             continue
         e = packer.add(n, i, "param", t.shape, dtype_name(t.dtype))
-        param_entries[i] = e
         replicated.append(plan.IOItem(e.offset, e.nbytes, add_buffer(t), 0))
 
     opt_meta: dict[str, Any] | None = None
@@ -203,48 +314,7 @@ def save(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.op
                         files={DATA_NAME: {"nbytes": packer.size, "crc32": []}},
                         optimizer=opt_meta, extra=jsonable(extra, "extra"), block_size=block_size,
                         info={"torch": torch.__version__, "aliases": aliases})
-
-    def prepare() -> str:
-        if os.path.exists(path) and not overwrite:
-            raise FileExistsError(f"save: {path} exists (pass overwrite=True to replace it)")
-        parent = os.path.dirname(path)
-        os.makedirs(parent, exist_ok=True)
-        tmp = os.path.join(parent, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:12]}")
-        os.mkdir(tmp)
-        return tmp
-
-    tmp = _on_root(mpi, prepare)
-    pieces = write_items(mpi, os.path.join(tmp, DATA_NAME), mine, buffers, file_size=packer.size,
-                         block_size=block_size, chunk_bytes=chunk_bytes, sync=sync)
-    gathered = mpi.gather([(p.offset, p.length, p.crc) for p in pieces], root=0)
-
-    def commit() -> Manifest:
-        allp = [checksum.Piece(*t) for lst in gathered for t in lst]
-        manifest.files[DATA_NAME]["crc32"] = checksum.combine_blocks(allp, packer.size, block_size)
-        manifest.validate()
-        mpath = os.path.join(tmp, MANIFEST_NAME)
-        with open(mpath, "w") as f:
-            f.write(manifest.to_json())
-            f.flush()
-            if sync:
-                os.fsync(f.fileno())
-        if sync:
-            fsync_path(tmp, directory=True)
-        parent = os.path.dirname(path)
-        old = None
-        if os.path.exists(path):
-            old = os.path.join(parent, f".{os.path.basename(path)}.old-{uuid.uuid4().hex[:12]}")
-            os.rename(path, old)
-        os.rename(tmp, path)
-        if sync:
-            fsync_path(parent, directory=True)
-        if update_latest:
-            _write_latest(parent, os.path.basename(path), sync)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-        return manifest
-
-    return _on_root(mpi, commit)
+    return mine, buffers, manifest
 
 
 def _write_latest(parent: str, name: str, sync: bool) -> None:
@@ -329,31 +399,83 @@ def _plan_plain_save(optimizer: torch.optim.Optimizer, index: dict[int, int], na
 # load
 
 
+def incomplete_reason(directory: str | os.PathLike) -> str | None:
+    """Why ``directory`` is an unfinished save, or None when nothing says so."""
+    d = os.path.abspath(os.fspath(directory))
+    base = os.path.basename(d)
+    if os.path.lexists(os.path.join(d, INCOMPLETE_NAME)):
+        return f"it holds an {INCOMPLETE_NAME} marker: its save did not finish (a rank died or failed while writing)"
+    if base.startswith(".") and TMP_MARK in base:
+        return "it is the working directory of a save that was never committed under its final name"
+    if not os.path.lexists(os.path.join(d, MANIFEST_NAME)) and os.path.lexists(os.path.join(d, DATA_NAME)):
+        return f"it has {DATA_NAME} but no {MANIFEST_NAME}: its save did not finish"
+    return None
+
+
+def _refuse_incomplete(d: str) -> None:
+    why = incomplete_reason(d)
+    if why is not None:
+        raise IncompleteCheckpointError(
+            f"{d} is an incomplete checkpoint and is never loaded: {why}. Load its parent directory to follow "
+            f"'{LATEST_NAME}' to the last complete checkpoint, or delete it.")
+
+
 def resolve(path: str | os.PathLike) -> str:
-    """The checkpoint directory at ``path``, following a ``latest`` pointer in it if needed."""
+    """The checkpoint directory at ``path``, following a ``latest`` pointer in it if needed.
+    Refuses (IncompleteCheckpointError) a save that did not finish."""
     path = os.path.abspath(os.fspath(path))
+    if not os.path.exists(path):
+        raise ManifestError(f"no checkpoint at {path}: it does not exist")
+    if not os.path.isdir(path):
+        raise ManifestError(f"no checkpoint at {path}: expected a directory, found a file")
+    _refuse_incomplete(path)
     if os.path.isfile(os.path.join(path, MANIFEST_NAME)):
         return path
     latest = os.path.join(path, LATEST_NAME)
     if os.path.isfile(latest):
-        with open(latest) as f:
-            name = f.read().strip()
-        target = os.path.join(path, name)
+        with open(latest, "rb") as f:
+            raw = f.read(4096)
+        try:
+            name = raw.decode("utf-8").strip()
+        except UnicodeDecodeError:
+            name = ""
+        target = os.path.normpath(os.path.join(path, name))
+        if not name or os.sep in name or name in (".", "..") or os.path.dirname(target) != path:
+            raise ManifestError(f"{latest}: expected the name of a checkpoint directory in {path}, got {raw[:60]!r}")
+        if os.path.isdir(target):
+            _refuse_incomplete(target)
         if os.path.isfile(os.path.join(target, MANIFEST_NAME)):
             return target
         raise ManifestError(f"{latest} names {name!r}, which has no {MANIFEST_NAME}")
     raise ManifestError(f"no checkpoint at {path}: expected {MANIFEST_NAME} or a {LATEST_NAME} pointer")
 
 
+MAX_MANIFEST_BYTES = 1 << 30
+
+
 def read_manifest(path: str | os.PathLike) -> Manifest:
-    """Read and check the manifest of the checkpoint at ``path`` (no MPI)."""
+    """Read and check the manifest of the checkpoint at ``path`` (no MPI): it must parse, be
+    of a format version this code reads, and describe a data file of the size found."""
     d = resolve(path)
-    with open(os.path.join(d, MANIFEST_NAME)) as f:
-        m = Manifest.from_json(f.read())
-    size = os.path.getsize(os.path.join(d, DATA_NAME))
+    mpath = os.path.join(d, MANIFEST_NAME)
+    if os.path.getsize(mpath) > MAX_MANIFEST_BYTES:
+        raise ManifestError(f"{mpath}: over {MAX_MANIFEST_BYTES} bytes; not a manifest")
+    with open(mpath, "rb") as f:
+        raw = f.read()
+    try:
+        m = Manifest.from_json(raw)
+        if set(m.files) != {DATA_NAME}:
+            raise ManifestError(f"expected the data file {[DATA_NAME]}, manifest lists {sorted(m.files)}")
+    except ManifestError as exc:
+        raise ManifestError(f"{mpath}: {exc}") from None
+    dpath = os.path.join(d, DATA_NAME)
     want = int(m.files[DATA_NAME]["nbytes"])
+    if not os.path.isfile(dpath):
+        raise DamagedCheckpointError(f"{d}: {DATA_NAME} is missing (the manifest expects {want} bytes)")
+    size = os.path.getsize(dpath)
     if size != want:
-        raise ManifestError(f"{d}/{DATA_NAME}: expected {want} bytes, found {size}")
+        raise DamagedCheckpointError(f"{dpath}: expected {want} bytes, found {size} "
+                                     f"({'truncated' if size < want else 'longer than written'})")
     return m
 
 
@@ -377,7 +499,12 @@ def load(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.op
     (optionally) ``optimizer``: a ZeroOptimizer of any stage on ``comm``, or a plain torch
     optimizer (full state on every rank). Collective. Each rank reads only the bytes it keeps
     and checks them against the block checksums; on an error the model and optimizer are left
-    in an undefined state."""
+    in an undefined state.
+
+    ``strict`` (default): the model's state names and shapes must equal the checkpoint's, else
+    a StateMismatchError lists every difference. ``strict=False`` loads the entries whose name
+    and shape match and reports the rest in the result (``missing``, ``unexpected``,
+    ``mismatched``); an optimizer is then loaded only if all its parameters match."""
     if comm is None and isinstance(optimizer, ZeroOptimizer):
         comm = optimizer.comm
     comm = _comm(comm)
@@ -386,57 +513,66 @@ def load(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.op
     m = Manifest.from_json(text_dir[0])
     ckdir = text_dir[1]
     block = m.block_size
-    midx = m.param_index()
-
-    names, tensors, _aliases, _bufs = _model_state(model)
-    if strict:
-        missing = [n for n in names if n not in midx]
-        unexpected = [p.name for p in m.params if p.name not in set(names)]
-        if missing or unexpected:
-            raise KeyError(f"load: model state does not match the checkpoint: missing {missing}, "
-                           f"unexpected {unexpected}")
-    for n, t in zip(names, tensors):
-        if n in midx and tuple(m.params[midx[n]].shape) != tuple(t.shape):
-            raise ValueError(f"load: {n!r} expected shape {tuple(t.shape)}, checkpoint has "
-                             f"{tuple(m.params[midx[n]].shape)}")
-    by_id = {id(t): midx[n] for n, t in zip(names, tensors) if n in midx}
-
-    if optimizer is not None and any(id(p) not in by_id for p in _opt_params(optimizer)):
-        raise ValueError("load: the optimizer holds parameters that are not in model.state_dict()")
-    zero = optimizer if isinstance(optimizer, ZeroOptimizer) else None
-    if zero is not None and zero.comm.size != mpi.Get_size():
-        raise ValueError(f"load: the optimizer shards over {zero.comm.size} ranks but comm has {mpi.Get_size()}")
-    has_opt = optimizer is not None and m.optimizer is not None
-    if has_opt:
-        want, got = m.optimizer["class"], _class_name(zero.optimizer_class if zero else type(optimizer))
-        if want != got:
-            raise TypeError(f"load: checkpoint holds {want} state, the optimizer is {got}")
     reads = _Reads()
     post: list[Callable[[], None]] = []
+    report: dict[str, Any] = {}
 
-    # model weights: read whole, except those a ZeroOptimizer gathers from its masters
-    from_masters = {id(p) for p in _opt_params(zero)} if zero is not None else set()
-    for n, t in zip(names, tensors):
-        if n not in midx or id(t) in from_masters:
-            continue
-        # fp32 weights come from the fp32 masters when the checkpoint has them
-        e = (m.find("master", midx[n]) if t.dtype == torch.float32 else None) or m.find("param", midx[n])
-        if e is None:
-            raise ManifestError(f"load: checkpoint has no weights for {n!r}")
-        dest = t.detach()
-        if not dest.is_contiguous():
-            tmp = torch.empty(dest.shape, dtype=dest.dtype, device=dest.device)
-            post.append(lambda d=dest, s=tmp: d.copy_(s))
-            dest = tmp
-        reads.items.append(plan.IOItem(e.offset, e.nbytes, reads.add(dest.view(-1), e.dtype), 0))
+    def plan_reads() -> bool:
+        midx = m.param_index()
+        names, tensors, _aliases, _bufs = _model_state(model)
+        name_set = set(names)
+        missing = [n for n in names if n not in midx]
+        unexpected = [p.name for p in m.params if p.name not in name_set]
+        mismatched = {n: (tuple(t.shape), tuple(m.params[midx[n]].shape)) for n, t in zip(names, tensors)
+                      if n in midx and tuple(m.params[midx[n]].shape) != tuple(t.shape)}
+        report.update(missing=missing, unexpected=unexpected, mismatched=mismatched)
+        if strict and (missing or unexpected or mismatched):
+            raise StateMismatchError(_mismatch_message(ckdir, missing, unexpected, mismatched))
+        by_id = {id(t): midx[n] for n, t in zip(names, tensors) if n in midx and n not in mismatched}
 
-    if zero is not None:
-        post.append(_plan_zero_load(zero, m, by_id, reads, has_opt))
-    elif has_opt:
-        post.append(_plan_plain_load(optimizer, m, by_id, reads))
+        if optimizer is not None and any(id(p) not in by_id for p in _opt_params(optimizer)):
+            if strict or not (missing or mismatched):
+                raise ValueError("load: the optimizer holds parameters that are not in model.state_dict()")
+            raise StateMismatchError(
+                "load(strict=False): the optimizer holds parameters that the checkpoint lacks or holds in "
+                "another shape, and optimizer state cannot be loaded in part: "
+                + _mismatch_message(ckdir, missing, [], mismatched, hint=False)
+                + "; pass optimizer=None to load the matching model entries alone")
+        zero = optimizer if isinstance(optimizer, ZeroOptimizer) else None
+        if zero is not None and zero.comm.size != mpi.Get_size():
+            raise ValueError(f"load: the optimizer shards over {zero.comm.size} ranks but comm has {mpi.Get_size()}")
+        has_opt = optimizer is not None and m.optimizer is not None
+        if has_opt:
+            want, got = m.optimizer["class"], _class_name(zero.optimizer_class if zero else type(optimizer))
+            if want != got:
+                raise TypeError(f"load: checkpoint holds {want} state, the optimizer is {got}")
 
-    pieces = read_items(mpi, os.path.join(ckdir, DATA_NAME), reads.items, reads.dests, reads.dtypes,
-                        block_size=block, chunk_bytes=chunk_bytes)
+        # model weights: read whole, except those a ZeroOptimizer gathers from its masters
+        from_masters = {id(p) for p in _opt_params(zero)} if zero is not None else set()
+        for n, t in zip(names, tensors):
+            if id(t) not in by_id or id(t) in from_masters:
+                continue
+            # fp32 weights come from the fp32 masters when the checkpoint has them
+            e = (m.find("master", midx[n]) if t.dtype == torch.float32 else None) or m.find("param", midx[n])
+            if e is None:
+                raise ManifestError(f"load: checkpoint has no weights for {n!r}")
+            dest = t.detach()
+            if not dest.is_contiguous():
+                tmp = torch.empty(dest.shape, dtype=dest.dtype, device=dest.device)
+                post.append(lambda d=dest, s=tmp: d.copy_(s))
+                dest = tmp
+            reads.items.append(plan.IOItem(e.offset, e.nbytes, reads.add(dest.view(-1), e.dtype), 0))
+
+        if zero is not None:
+            post.append(_plan_zero_load(zero, m, by_id, reads, has_opt))
+        elif has_opt:
+            post.append(_plan_plain_load(optimizer, m, by_id, reads))
+        return has_opt
+
+    has_opt = _everywhere(mpi, plan_reads, "load (planning)")
+    pieces = _everywhere(mpi, lambda: read_items(mpi, os.path.join(ckdir, DATA_NAME), reads.items, reads.dests,
+                                                 reads.dtypes, block_size=block, chunk_bytes=chunk_bytes),
+                         "load (reading data)")
     gathered = mpi.gather([(p.offset, p.length, p.crc) for p in pieces], root=0)
 
     def verify() -> None:
@@ -449,13 +585,28 @@ def load(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.op
             bad += [b for b, c in zip(partial, crcs) if c != expected[b]]
         if bad:
             raise ChecksumError(f"load: {ckdir}/{DATA_NAME}: checksum mismatch in {len(bad)} "
-                                f"block(s) of {block} bytes: {sorted(bad)[:10]}")
+                                f"block(s) of {block} bytes: {m.describe_blocks(bad)}")
 
     _on_root(mpi, verify)
     for fn in post:
         fn()
     return LoadResult(step=m.step, extra=m.extra, world_size=m.world_size, stage=m.stage,
-                      optimizer_loaded=has_opt, manifest=m)
+                      optimizer_loaded=has_opt, manifest=m, path=ckdir, **report)
+
+
+def _mismatch_message(ckdir: str, missing: list[str], unexpected: list[str],
+                      mismatched: dict[str, tuple[tuple[int, ...], tuple[int, ...]]], hint: bool = True) -> str:
+    parts = []
+    if missing:
+        parts.append(f"missing from the checkpoint ({len(missing)}): {missing}")
+    if unexpected:
+        parts.append(f"unexpected, in the checkpoint but not the model ({len(unexpected)}): {unexpected}")
+    if mismatched:
+        parts.append(f"other shapes ({len(mismatched)}): " + ", ".join(
+            f"{n!r} expected shape {a}, checkpoint has {b}" for n, (a, b) in mismatched.items()))
+    counts = f"(missing {len(missing)}, unexpected {len(unexpected)}, other shapes {len(mismatched)})"
+    head = f"load: model state does not match the checkpoint {ckdir} {counts}: " if hint else ""
+    return head + "; ".join(parts) + ("; pass strict=False to load the matching part" if hint else "")
 
 
 def _check_groups(optimizer: torch.optim.Optimizer, m: Manifest, by_id: dict[int, int]) -> None:

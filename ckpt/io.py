@@ -115,6 +115,8 @@ def write_items(mpi_comm: MPI.Comm, filename: str, items: Sequence[IOItem],
     empty = np.empty(0, np.uint8)
     staging: torch.Tensor | None = None
     futures = []
+    error: BaseException | None = None  # after a local failure: keep joining the collective calls, empty
+    pieces: list[Piece] = []
     write = MPI.File.Write_at_all
     fh = MPI.File.Open(mpi_comm, filename, MPI.MODE_WRONLY | MPI.MODE_CREATE)
     fd = None
@@ -124,31 +126,42 @@ def write_items(mpi_comm: MPI.Comm, filename: str, items: Sequence[IOItem],
             fd = os.open(filename, os.O_WRONLY)
         with ThreadPoolExecutor(max_workers=1) as pool:
             for i in range(nrounds):
-                batch = rounds[i] if i < len(rounds) else []
-                srcs = [_host(views[c.buf][c.buf_offset:c.buf_offset + c.nbytes]) for c in batch]
-                for c, src in zip(batch, srcs):
-                    futures.append(pool.submit(_crc_pieces, c.offset, src, block_size))
-                if len(batch) <= 1:
-                    mem = srcs[0] if srcs else empty
-                else:
-                    total = sum(c.nbytes for c in batch)
-                    if staging is None or staging.numel() < total:
-                        staging = torch.empty(max(total, min(chunk_bytes, 1 << 20)), dtype=torch.uint8)
-                    mem = staging[:total].numpy()
-                    pos = 0
-                    for src in srcs:
-                        mem[pos:pos + len(src)] = src
-                        pos += len(src)
-                _round(fh, batch, mem, write)
-                if batch:
+                batch = rounds[i] if i < len(rounds) and error is None else []
+                try:
+                    srcs = [_host(views[c.buf][c.buf_offset:c.buf_offset + c.nbytes]) for c in batch]
+                    for c, src in zip(batch, srcs):
+                        futures.append(pool.submit(_crc_pieces, c.offset, src, block_size))
+                    if len(batch) <= 1:
+                        mem = srcs[0] if srcs else empty
+                    else:
+                        total = sum(c.nbytes for c in batch)
+                        if staging is None or staging.numel() < total:
+                            staging = torch.empty(max(total, min(chunk_bytes, 1 << 20)), dtype=torch.uint8)
+                        mem = staging[:total].numpy()
+                        pos = 0
+                        for src in srcs:
+                            mem[pos:pos + len(src)] = src
+                            pos += len(src)
+                except Exception as exc:  # noqa: BLE001 - raised after the collective calls below
+                    error, batch, mem = exc, [], empty
+                try:
+                    _round(fh, batch, mem, write)
+                except Exception as exc:  # noqa: BLE001
+                    error = error or exc
+                if batch and error is None:
                     _start_writeback(fd, batch[0].offset, batch[-1].offset + batch[-1].nbytes - batch[0].offset)
-            pieces = [p for f in futures for p in f.result()]
+            try:
+                pieces = [p for f in futures for p in f.result()]
+            except Exception as exc:  # noqa: BLE001
+                error = error or exc
         if sync:
             fh.Sync()
     finally:
         if fd is not None:
             os.close(fd)
         fh.Close()
+    if error is not None:
+        raise error
     return pieces
 
 
@@ -170,38 +183,59 @@ def read_items(mpi_comm: MPI.Comm, filename: str, items: Sequence[IOItem],
     staging: torch.Tensor | None = None
     empty = np.empty(0, np.uint8)
     futures = []
+    error: BaseException | None = None  # after a local failure: keep joining the collective calls, empty
+    pieces: list[Piece] = []
     read = MPI.File.Read_at_all
     fh = MPI.File.Open(mpi_comm, filename, MPI.MODE_RDONLY)
     try:
         with ThreadPoolExecutor(max_workers=1) as pool:
             for i in range(nrounds):
-                batch = rounds[i] if i < len(rounds) else []
-                if len(batch) == 1 and views[batch[0].buf] is not None:
-                    c = batch[0]
-                    mem = views[c.buf][c.buf_offset:c.buf_offset + c.nbytes].numpy()
-                    _round(fh, batch, mem, read)
-                    futures.append(pool.submit(_crc_pieces, c.offset, mem, block_size))
-                    continue
-                total = sum(c.nbytes for c in batch)
-                if total and (staging is None or staging.numel() < total):
-                    staging = torch.empty(max(total, min(chunk_bytes, 1 << 20)), dtype=torch.uint8)
-                raw = staging[:total] if total else None
-                _round(fh, batch, raw.numpy() if raw is not None else empty, read)
-                pos = 0
-                for c in batch:
-                    part = raw[pos:pos + c.nbytes]
-                    futures.append(_Done(_crc_pieces(c.offset, part.numpy(), block_size)))
-                    if views[c.buf] is not None:
-                        views[c.buf][c.buf_offset:c.buf_offset + c.nbytes].copy_(part)
+                batch = rounds[i] if i < len(rounds) and error is None else []
+                mem, raw = empty, None
+                try:
+                    if len(batch) == 1 and views[batch[0].buf] is not None:
+                        c = batch[0]
+                        mem = views[c.buf][c.buf_offset:c.buf_offset + c.nbytes].numpy()
                     else:
-                        e0, n = c.buf_offset // itemsize[c.buf], c.nbytes // itemsize[c.buf]
-                        if pos % itemsize[c.buf]:
-                            part = part.clone()  # torch views a dtype only at aligned offsets
-                        dests[c.buf].view(-1)[e0:e0 + n].copy_(part.view(file_dtypes[c.buf]))
-                    pos += c.nbytes
-            pieces = [p for f in futures for p in f.result()]
+                        total = sum(c.nbytes for c in batch)
+                        if total and (staging is None or staging.numel() < total):
+                            staging = torch.empty(max(total, min(chunk_bytes, 1 << 20)), dtype=torch.uint8)
+                        raw = staging[:total] if total else None
+                        mem = raw.numpy() if raw is not None else empty
+                except Exception as exc:  # noqa: BLE001 - raised after the collective calls
+                    error, batch, mem, raw = exc, [], empty, None
+                try:
+                    _round(fh, batch, mem, read)  # every rank joins every round, failed or not
+                except Exception as exc:  # noqa: BLE001
+                    error = error or exc
+                if error is not None or not batch:
+                    continue
+                try:
+                    if raw is None:
+                        futures.append(pool.submit(_crc_pieces, batch[0].offset, mem, block_size))
+                        continue
+                    pos = 0
+                    for c in batch:
+                        part = raw[pos:pos + c.nbytes]
+                        futures.append(_Done(_crc_pieces(c.offset, part.numpy(), block_size)))
+                        if views[c.buf] is not None:
+                            views[c.buf][c.buf_offset:c.buf_offset + c.nbytes].copy_(part)
+                        else:
+                            e0, n = c.buf_offset // itemsize[c.buf], c.nbytes // itemsize[c.buf]
+                            if pos % itemsize[c.buf]:
+                                part = part.clone()  # torch views a dtype only at aligned offsets
+                            dests[c.buf].view(-1)[e0:e0 + n].copy_(part.view(file_dtypes[c.buf]))
+                        pos += c.nbytes
+                except Exception as exc:  # noqa: BLE001
+                    error = error or exc
+            try:
+                pieces = [p for f in futures for p in f.result()]
+            except Exception as exc:  # noqa: BLE001
+                error = error or exc
     finally:
         fh.Close()
+    if error is not None:
+        raise error
     return pieces
 
 

@@ -21,8 +21,20 @@ ITEMSIZE = {
 }
 
 
+INCOMPLETE_NAME = "INCOMPLETE"   # present while a save is writing; removed just before the commit
+TMP_MARK = ".tmp-"                # a save's working directory is ``.<name>.tmp-<id>``
+
+
 class ManifestError(ValueError):
     """The manifest is missing, malformed, or of an unsupported version."""
+
+
+class IncompleteCheckpointError(ManifestError):
+    """The directory is a save that did not finish (its writer died or failed); never loaded."""
+
+
+class DamagedCheckpointError(ManifestError):
+    """A file of the checkpoint is missing or has the wrong size."""
 
 
 @dataclass(frozen=True)
@@ -115,17 +127,51 @@ class Manifest:
         }
         return json.dumps(d, indent=1, allow_nan=True)
 
+    def blocks_of(self, t: TensorEntry) -> range:
+        """The checksum blocks that hold tensor ``t``'s bytes."""
+        if not t.nbytes:
+            return range(0)
+        return range(t.offset // self.block_size, (t.offset + t.nbytes - 1) // self.block_size + 1)
+
+    def describe_blocks(self, blocks: Iterable[int], file: str = DATA_NAME, limit: int = 10) -> str:
+        """"block 3 (bytes [a, b)): 'w' master, 'w' state exp_avg; ..." for bad-block messages."""
+        parts = []
+        blocks = sorted(set(blocks))
+        for b in blocks[:limit]:
+            lo = b * self.block_size
+            hi = min(lo + self.block_size, int(self.files[file]["nbytes"]))
+            held = []
+            for t in self.tensors:
+                if t.file == file and t.nbytes and t.offset < hi and t.offset + t.nbytes > lo:
+                    what = f"{t.name!r} {t.kind}" + (f" {t.key}" if t.key else "")
+                    if what not in held:
+                        held.append(what)
+            parts.append(f"block {b} (bytes [{lo}, {hi})) holding {', '.join(held) or 'no tensor'}")
+        more = f"; and {len(blocks) - limit} more" if len(blocks) > limit else ""
+        return "; ".join(parts) + more
+
     @classmethod
-    def from_json(cls, text: str) -> "Manifest":
+    def from_json(cls, text: str | bytes) -> "Manifest":
+        if isinstance(text, (bytes, bytearray)):
+            try:
+                text = bytes(text).decode("utf-8")
+            except UnicodeDecodeError:
+                hint = " (it looks like a pickle, which ckpt never loads)" if text[:1] == b"\x80" else ""
+                raise ManifestError(f"manifest is not UTF-8 JSON text: starts with {bytes(text[:8])!r}{hint}") \
+                    from None
         try:
             d = json.loads(text)
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, RecursionError) as exc:
             raise ManifestError(f"manifest is not valid JSON: {exc}") from None
         if not isinstance(d, dict) or d.get("format") != FORMAT_NAME:
             got = d.get("format") if isinstance(d, dict) else type(d).__name__
             raise ManifestError(f"expected format {FORMAT_NAME!r}, got {got!r}")
-        if d.get("version") != FORMAT_VERSION:
-            raise ManifestError(f"expected format version {FORMAT_VERSION}, got {d.get('version')!r}")
+        version = d.get("version")
+        if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION:
+            raise ManifestError(f"expected format version {FORMAT_VERSION}, got {version}: the checkpoint "
+                                "was written by a newer ckpt; upgrade mpicomm to read it")
+        if version != FORMAT_VERSION:
+            raise ManifestError(f"expected format version {FORMAT_VERSION}, got {version!r}")
         try:
             params = [ParamInfo(p["name"], tuple(p["shape"]), p["dtype"], bool(p.get("buffer", False)))
                       for p in d["params"]]
@@ -136,9 +182,13 @@ class Manifest:
                     tensors=tensors, files=d["files"], optimizer=d.get("optimizer"),
                     extra=d.get("extra"), block_size=int(d["block_size"]),
                     checksum=d.get("checksum", "crc32"), info=d.get("info") or {})
-        except (KeyError, TypeError) as exc:
+            if not isinstance(m.files, dict) or m.block_size <= 0:
+                raise TypeError("'files' or 'block_size'")
+            m.validate()
+        except ManifestError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ManifestError(f"manifest lacks or mistypes field {exc}") from None
-        m.validate()
         return m
 
     def validate(self) -> None:
