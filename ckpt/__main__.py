@@ -1,4 +1,4 @@
-"""Entry point: python -m ckpt inspect|verify PATH."""
+"""Entry point: python -m ckpt inspect|verify|convert|export (see --help for exit codes)."""
 import sys
 
 from .cli import main

@@ -1,21 +1,68 @@
-"""Command line: ``python -m ckpt inspect|verify PATH`` (no MPI needed)."""
+"""Command line: ``python -m ckpt inspect|verify|convert|export``.
+
+inspect and verify need no MPI; convert and export run on every rank of an ``mpiexec`` job
+(or alone), sharing the work.
+"""
 from __future__ import annotations
 
 import argparse
 import json
 import os
 import sys
+from typing import Any
 
-from .api import read_manifest, resolve
+from .api import ChecksumError, CollectiveError, StateMismatchError, read_manifest, resolve
 from .io import read_blocks
-from .manifest import DATA_NAME, FORMAT_VERSION
+from .manifest import DATA_NAME, FORMAT_VERSION, DamagedCheckpointError, IncompleteCheckpointError, ManifestError
+from .progress import Bar
+
+EXIT_OK = 0
+EXIT_DAMAGED = 1      # checksum mismatch, truncated or missing data file
+EXIT_USAGE = 2        # bad arguments, or no readable checkpoint at the path (missing, bad or newer manifest)
+EXIT_INCOMPLETE = 3   # a save that never finished
+EXIT_PICKLE = 4       # the source needs unpickling and --allow-pickle was not given
+EXIT_EXISTS = 5       # the destination exists and --overwrite was not given
+EXIT_FAILED = 6       # anything else: I/O or MPI errors, an unsupported source, another rank's failure
+
+EXIT_CODES_HELP = f"""exit codes:
+  {EXIT_OK}  success (verify: every block matches its checksum)
+  {EXIT_DAMAGED}  the checkpoint is damaged: a checksum mismatch (the tensors and blocks are named),
+     or a truncated or missing data file
+  {EXIT_USAGE}  bad arguments, or no checkpoint at PATH (nothing there, a manifest that does not
+     parse, or one from a newer format version than {FORMAT_VERSION})
+  {EXIT_INCOMPLETE}  PATH is an incomplete checkpoint: a save that did not finish (never loaded)
+  {EXIT_PICKLE}  convert: the source holds pickles and --allow-pickle was not given
+  {EXIT_EXISTS}  the destination exists (pass --overwrite to replace it)
+  {EXIT_FAILED}  any other failure (I/O or MPI error, unsupported source format, a failure on
+     another rank)
+"""
+
+PICKLE_HELP = ("DeepSpeed writes its checkpoints with torch.save, i.e. as Python pickles, and unpickling "
+               "a file can run arbitrary code that the file's author chose. Without this flag only files "
+               "that load as plain tensors and data are read, and a real DeepSpeed checkpoint is refused. "
+               "Pass it only for checkpoints you trust (your own training runs).")
+
+
+def _fmt_size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
 
 
 def _inspect(args: argparse.Namespace) -> int:
     m = read_manifest(args.path)
     if args.json:
         print(m.to_json())
-        return 0
+        return EXIT_OK
     f = m.files[DATA_NAME]
     print(f"checkpoint {resolve(args.path)}")
     print(f"  format version {FORMAT_VERSION}, saved by {m.world_size} rank(s), "
@@ -35,42 +82,183 @@ def _inspect(args: argparse.Namespace) -> int:
         for t in m.tensors:
             print(f"  {t.kind:<8} {t.key or '-':<12} {t.dtype:<9} {t.offset:>14} {t.nbytes:>12}  "
                   f"{t.name} {list(t.shape)}")
-    return 0
+    else:
+        rows = [(p.name + (" (buffer)" if p.buffer else ""), "x".join(map(str, p.shape)) or "scalar", p.dtype,
+                 _fmt_size(_numel(p.shape) * _itemsize(p.dtype))) for p in m.params]
+        w = max([len("name")] + [len(r[0]) for r in rows])
+        ws = max([len("shape")] + [len(r[1]) for r in rows])
+        print(f"  {'name':<{w}}  {'shape':<{ws}}  {'dtype':<9} {'size':>10}")
+        for r in rows:
+            print(f"  {r[0]:<{w}}  {r[1]:<{ws}}  {r[2]:<9} {r[3]:>10}")
+        print("  (--tensors lists every stored tensor, optimizer state included; --json the manifest)")
+    return EXIT_OK
 
 
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+def _itemsize(dtype: str) -> int:
+    from .manifest import ITEMSIZE
+
+    return ITEMSIZE[dtype]
 
 
 def _verify(args: argparse.Namespace) -> int:
     m = read_manifest(args.path)
     f = m.files[DATA_NAME]
     size = int(f["nbytes"])
-    blocks = list(range(len(f["crc32"])))
-    crcs = read_blocks(os.path.join(resolve(args.path), DATA_NAME), blocks, m.block_size, size)
-    bad = [b for b, c in zip(blocks, crcs) if c != f["crc32"][b]]
+    nblocks = len(f["crc32"])
+    fname = os.path.join(resolve(args.path), DATA_NAME)
+    bar = Bar(_show_progress(args, 0))
+    bad = []
+    step = max(1, min(64, (256 << 20) // m.block_size))  # about 256 MiB between redraws
+    for lo in range(0, nblocks, step):
+        blocks = list(range(lo, min(nblocks, lo + step)))
+        crcs = read_blocks(fname, blocks, m.block_size, size)
+        bad += [b for b, c in zip(blocks, crcs) if c != f["crc32"][b]]
+        bar("verifying", blocks[-1] + 1, nblocks)
+    bar.close()
     if bad:
-        print(f"BAD: {len(bad)} of {len(blocks)} blocks fail their checksum: {bad[:20]}")
-        return 1
-    print(f"ok: {len(blocks)} blocks, {size:,} bytes")
-    return 0
+        print(f"BAD: {len(bad)} of {nblocks} blocks fail their checksum: {bad[:20]}")
+        print(f"  {fname}: {m.describe_blocks(bad, limit=20)}")
+        return EXIT_DAMAGED
+    print(f"ok: {nblocks} blocks, {size:,} bytes")
+    return EXIT_OK
+
+
+def _show_progress(args: argparse.Namespace, rank: int) -> bool:
+    if rank != 0 or args.progress is False:
+        return False
+    return bool(args.progress) or sys.stderr.isatty()
+
+
+def _comm() -> Any:
+    import mpicomm
+
+    return mpicomm.init()
+
+
+def _dest_ready(path: str, overwrite: bool) -> None:
+    if os.path.lexists(path) and not overwrite and (not os.path.isdir(path) or os.listdir(path)):
+        raise FileExistsError(f"{path} exists (pass --overwrite to replace it)")
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from .deepspeed import from_deepspeed
+
+    comm = _comm()
+    bar = Bar(_show_progress(args, comm.rank), prefix="convert: ")
+    _on_rank0_first(comm, lambda: _dest_ready(os.path.abspath(args.dst), args.overwrite))
+    m = from_deepspeed(args.src, args.dst, comm=comm, allow_pickle=args.allow_pickle, overwrite=args.overwrite,
+                       progress=bar)
+    bar.close()
+    if comm.rank == 0:
+        print(f"ok: {args.src} -> {os.path.abspath(args.dst)} ({len(m.params)} tensors, step {m.step}, "
+              f"sharded for stage {m.stage} over {m.world_size} rank(s); loads at any world size)")
+    return EXIT_OK
+
+
+def _export(args: argparse.Namespace) -> int:
+    from .deepspeed import to_deepspeed_universal
+
+    comm = _comm()
+    bar = Bar(_show_progress(args, comm.rank), prefix="export: ")
+    _on_rank0_first(comm, lambda: (resolve(args.src), _dest_ready(os.path.abspath(args.dst), args.overwrite)))
+    out = to_deepspeed_universal(args.src, args.dst, comm=comm if comm.size > 1 else None, progress=bar)
+    bar.close()
+    if comm.rank == 0:
+        print(f"ok: {resolve(args.src)} -> {out} (DeepSpeed universal checkpoint; load it with "
+              '"checkpoint": {"load_universal": true})')
+    return EXIT_OK
+
+
+def _on_rank0_first(comm: Any, fn) -> None:
+    """Checks that only rank 0 makes, raised on every rank."""
+    from .api import _on_root
+
+    _on_root(comm.mpi_comm, fn)
+
+
+def _code(exc: BaseException) -> int:
+    from .deepspeed import DeepSpeedFormatError, PickleRefusedError
+
+    if isinstance(exc, (ChecksumError, DamagedCheckpointError)):
+        return EXIT_DAMAGED
+    if isinstance(exc, IncompleteCheckpointError):
+        return EXIT_INCOMPLETE
+    if isinstance(exc, PickleRefusedError):
+        return EXIT_PICKLE
+    if isinstance(exc, FileExistsError):
+        return EXIT_EXISTS
+    if isinstance(exc, (ManifestError, FileNotFoundError)) and not isinstance(exc, DeepSpeedFormatError):
+        return EXIT_USAGE
+    return EXIT_FAILED
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m ckpt", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Inspect, verify and convert mpicomm checkpoints. convert and export run in parallel "
+                    "under mpiexec (e.g. mpiexec -n 4 python -m ckpt convert ...).",
+        epilog=EXIT_CODES_HELP)
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{inspect,verify,convert,export}")
+
+    def progress_flags(sp: argparse.ArgumentParser) -> None:
+        g = sp.add_mutually_exclusive_group()
+        g.add_argument("--progress", action="store_true", default=None,
+                       help="draw a progress bar on stderr (default: only when stderr is a terminal)")
+        g.add_argument("--no-progress", dest="progress", action="store_false", help="never draw one")
+
+    i = sub.add_parser("inspect", help="tensors, shapes, dtypes, sizes, world size, stage, step",
+                       epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    i.add_argument("path", help="checkpoint directory, or a directory with a 'latest' pointer")
+    i.add_argument("--tensors", action="store_true", help="list every stored tensor with its offset")
+    i.add_argument("--json", action="store_true", help="print the manifest (JSON) itself")
+    v = sub.add_parser("verify", help="read every block and check its CRC-32 (exit 1 on a mismatch)",
+                       epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    v.add_argument("path", help="checkpoint directory, or a directory with a 'latest' pointer")
+    progress_flags(v)
+    c = sub.add_parser("convert", help="import a DeepSpeed ZeRO checkpoint (needs --allow-pickle)",
+                       epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    c.add_argument("--from", dest="source_format", required=True, choices=["deepspeed"],
+                   help="format of SRC")
+    c.add_argument("src", help="DeepSpeed tag folder, or the save folder whose 'latest' names one")
+    c.add_argument("dst", help="new checkpoint directory")
+    c.add_argument("--allow-pickle", action="store_true", help=PICKLE_HELP)
+    c.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    progress_flags(c)
+    e = sub.add_parser("export", help="write DeepSpeed's universal checkpoint layout",
+                       epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    e.add_argument("--to", dest="target_format", required=True, choices=["deepspeed-universal"],
+                   help="format to write")
+    e.add_argument("src", help="our checkpoint directory, or a directory with a 'latest' pointer")
+    e.add_argument("dst", help="tag folder to write; its parent gets 'latest_universal'")
+    e.add_argument("--overwrite", action="store_true", help="write into DST even if it is not empty")
+    progress_flags(e)
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ckpt", description="Inspect or verify a checkpoint.")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    i = sub.add_parser("inspect", help="print the manifest's summary")
-    i.add_argument("path", help="checkpoint directory, or a directory with a 'latest' pointer")
-    i.add_argument("--tensors", action="store_true", help="list every tensor entry")
-    i.add_argument("--json", action="store_true", help="print the manifest itself")
-    v = sub.add_parser("verify", help="read every block and check its CRC-32")
-    v.add_argument("path")
-    args = p.parse_args(argv)
+    args = parser().parse_args(argv)
+    run = {"inspect": _inspect, "verify": _verify, "convert": _convert, "export": _export}[args.cmd]
     try:
-        return _inspect(args) if args.cmd == "inspect" else _verify(args)
-    except (OSError, ValueError) as exc:
-        print(f"python -m ckpt {args.cmd}: {exc}", file=sys.stderr)
-        return 2
+        return run(args)
+    except KeyboardInterrupt:
+        print(f"python -m ckpt {args.cmd}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - every failure becomes a message and an exit code
+        code = _code(exc)
+        if _is_rank0():
+            msg = str(exc) if not isinstance(exc, StateMismatchError) else exc.args[0]
+            hint = ""
+            if code == EXIT_PICKLE:
+                msg = msg.replace("Pass allow_pickle=True", "Pass --allow-pickle")
+                hint = f"\n  --allow-pickle: {PICKLE_HELP}"
+            kind = "" if isinstance(exc, (ManifestError, CollectiveError)) else f"{type(exc).__name__}: "
+            print(f"python -m ckpt {args.cmd}: {kind}{msg}{hint}", file=sys.stderr)
+        return code
+
+
+def _is_rank0() -> bool:
+    if "mpi4py.MPI" not in sys.modules:
+        return True
+    from mpi4py import MPI
+
+    return not MPI.Is_initialized() or MPI.COMM_WORLD.Get_rank() == 0

@@ -12,6 +12,7 @@ from ..api import read_manifest, resolve, save
 from ..io import read_blocks
 from ..layout import ShardLayout
 from ..manifest import Manifest, TensorEntry
+from ..progress import ProgressFn, report
 from ..zero import ZeroOptimizer
 from .reader import DeepSpeedState, read_deepspeed, split_names
 from .universal import write_universal
@@ -78,7 +79,8 @@ def _needed(state: DeepSpeedState, layouts: list[tuple[list[str], ShardLayout]],
 
 
 def from_deepspeed(ds_checkpoint_dir: str | os.PathLike, path: str | os.PathLike, comm: Any = None,
-                   allow_pickle: bool = False, overwrite: bool = False) -> Manifest:
+                   allow_pickle: bool = False, overwrite: bool = False,
+                   progress: ProgressFn | None = None) -> Manifest:
     """Import the DeepSpeed ZeRO-1/2/3 checkpoint in ``ds_checkpoint_dir`` (a tag folder, or the
     save root whose ``latest`` names one) as our checkpoint at ``path``.
 
@@ -87,7 +89,8 @@ def from_deepspeed(ds_checkpoint_dir: str | os.PathLike, path: str | os.PathLike
     optimizer's exp_avg / exp_avg_sq / step and hyperparameters, sharded like a
     ``ZeroOptimizer`` of the same stage (ZeRO-2 maps to stage 1) over ``comm``; it loads with
     ``ckpt.load`` at any world size. DeepSpeed's optimizer files are pickles, which can run
-    code when loaded: the call refuses them unless ``allow_pickle`` is true.
+    code when loaded: the call refuses them unless ``allow_pickle`` is true. ``progress`` is
+    called with (phase, done, total) for this rank's reading and the collective write.
     """
     comm = _comm(comm)
     folder = _tag_folder(os.path.abspath(os.fspath(ds_checkpoint_dir)))
@@ -96,7 +99,8 @@ def from_deepspeed(ds_checkpoint_dir: str | os.PathLike, path: str | os.PathLike
     by_group: list[list[str]] = [[n for n in meta.names if meta.group[n] == gi]
                                  for gi in range(len(meta.param_groups))]
     layouts = [(names, ShardLayout([meta.numel(n) for n in names], comm.size, stage)) for names in by_group]
-    state = read_deepspeed(folder, allow_pickle=allow_pickle, names=_needed(meta, layouts, comm.rank))
+    state = read_deepspeed(folder, allow_pickle=allow_pickle, names=_needed(meta, layouts, comm.rank),
+                           progress=progress)
 
     entries: "OrderedDict[str, tuple[torch.Tensor, bool]]" = OrderedDict()
     order = list(state.model_state) + [n for n in state.names if n not in state.model_state]
@@ -130,8 +134,10 @@ def from_deepspeed(ds_checkpoint_dir: str | os.PathLike, path: str | os.PathLike
 
     extra = {"imported_from": "deepspeed", "ds_version": state.ds_version, "ds_stage": state.stage,
              "ds_world_size": state.world_size, "source": folder}
-    return save(path, model=model, optimizer=zero, step=state.step, comm=comm, extra=extra,
-                overwrite=overwrite)
+    report(progress, "writing", 0, 1)
+    m = save(path, model=model, optimizer=zero, step=state.step, comm=comm, extra=extra, overwrite=overwrite)
+    report(progress, "writing", 1, 1)
+    return m
 
 
 def _read_entry(ckdir: str, m: Manifest, e: TensorEntry) -> torch.Tensor:
@@ -164,13 +170,15 @@ def _scalar(d: dict[str, Any] | None) -> tuple[int | None, torch.dtype | None]:
     return int(d["value"]), (_DTYPES[d["dtype"]] if d.get("dtype") else None)
 
 
-def to_deepspeed_universal(path: str | os.PathLike, out_dir: str | os.PathLike, comm: Any = None) -> str:
+def to_deepspeed_universal(path: str | os.PathLike, out_dir: str | os.PathLike, comm: Any = None,
+                           progress: ProgressFn | None = None) -> str:
     """Export our checkpoint at ``path`` as DeepSpeed's universal checkpoint in tag folder
     ``out_dir`` (``zero/<param>/{fp32,exp_avg,exp_avg_sq,step}.pt``, ``zero/optimizer_state.pt``,
     model states files) and write ``<parent of out_dir>/latest_universal``; DeepSpeed loads it
     with ``"checkpoint": {"load_universal": true}`` at any data-parallel size and ZeRO stage.
     With ``comm`` the ranks share the per-parameter files; without, one process writes all.
-    Needs the optimizer state (the universal layout is optimizer state per parameter)."""
+    Needs the optimizer state (the universal layout is optimizer state per parameter).
+    ``progress`` is called with (phase, done, total) for this rank's reading and writing."""
     ckdir = resolve(path)
     m = read_manifest(ckdir)
     if not m.optimizer:
@@ -203,6 +211,7 @@ def to_deepspeed_universal(path: str | os.PathLike, out_dir: str | os.PathLike, 
             if se is not None:
                 t[key] = _read_entry(ckdir, m, se).float()
         tensors[n] = t
+        report(progress, "reading", len(tensors), len(owned))
     buffers = OrderedDict()
     for i, p in enumerate(m.params):
         if i not in index and p.buffer:
@@ -222,4 +231,4 @@ def to_deepspeed_universal(path: str | os.PathLike, out_dir: str | os.PathLike, 
         step_dtype=step_dtype, model_state=buffers, buffer_names=list(buffers),
         optimizer_class=m.optimizer.get("class"), ds_version=extra.get("ds_version"), owned=owned,
         tensors=tensors)
-    return write_universal(state, out_dir, comm=comm)
+    return write_universal(state, out_dir, comm=comm, progress=progress)

@@ -11,6 +11,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ..progress import ProgressFn, report
 from .pickles import Loader
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
@@ -149,14 +150,15 @@ def _hyper(group: dict[str, Any]) -> dict[str, Any]:
 
 
 def read_deepspeed(folder: str | os.PathLike, allow_pickle: bool = False, comm: Any = None,
-                   names: Sequence[str] | None = None) -> DeepSpeedState:
+                   names: Sequence[str] | None = None, progress: ProgressFn | None = None) -> DeepSpeedState:
     """Read the DeepSpeed ZeRO-1/2/3 checkpoint in tag folder ``folder``.
 
     Without ``names``, each rank of ``comm`` (an mpicomm Communicator; None: this process
     alone) reads the full tensors of its share of the parameters (``owned``), a consecutive
     run of about 1/size of the elements; with ``names``, exactly those. DeepSpeed's files are
     memory-mapped, so a rank touches only the bytes of its parameters. Files that need pickle
-    (DeepSpeed's optimizer files do) are refused unless ``allow_pickle`` is true.
+    (DeepSpeed's optimizer files do) are refused unless ``allow_pickle`` is true. ``progress``
+    is called with ("reading", parameters done, parameters to read).
     """
     folder = os.fspath(folder)
     if not os.path.isdir(folder):
@@ -210,14 +212,14 @@ def read_deepspeed(folder: str | os.PathLike, allow_pickle: bool = False, comm: 
                                        f"{len(pgroups)} in the optimizer")
         group = {n: gi for gi, g in enumerate(shapes_groups) for n in g}
         step, step_dtype = _step(base["state"].get(0, {}))
-        tensors = _unflatten_zero12(optim, owned, group, shapes, module, folder)
+        tensors = _unflatten_zero12(optim, owned, group, shapes, module, folder, progress)
     else:
         inner = osd0["optimizer_state_dict"]
         pgroups = inner["param_groups"]
         sub_to_group = {int(i): gi for gi, g in enumerate(pgroups) for i in g["params"]}
         group = {n: sub_to_group.get(si, 0) for si, g in enumerate(shapes_groups) for n in g}
         step, step_dtype = _step(inner["state"].get(0, {}))
-        tensors = _unflatten_zero3(optim, owned, shapes_groups, shapes, folder)
+        tensors = _unflatten_zero3(optim, owned, shapes_groups, shapes, folder, progress)
 
     dtype = _model_dtype(module, all_names)
     buffer_names = list(model_sd.get("buffer_names") or [])
@@ -250,7 +252,7 @@ def _model_dtype(module: dict[str, torch.Tensor], names: list[str]) -> torch.dty
 
 def _unflatten_zero12(optim: list[tuple[int, dict]], owned: list[str], group: dict[str, int],
                       shapes: dict[str, tuple[int, ...]], module: dict[str, torch.Tensor],
-                      folder: str) -> dict[str, dict[str, torch.Tensor]]:
+                      folder: str, progress: ProgressFn | None = None) -> dict[str, dict[str, torch.Tensor]]:
     """ZeRO-1/2: each rank's flat partition of each group holds fragments of parameters, where
     its ``param_slice_mappings`` say; a parameter is its fragments in rank order."""
     pieces: dict[str, dict[str, list[torch.Tensor]]] = {n: {k: [] for k in TENSOR_KEYS} for n in owned}
@@ -286,11 +288,13 @@ def _unflatten_zero12(optim: list[tuple[int, dict]], owned: list[str], group: di
                 raise DeepSpeedFormatError(f"{folder}: {n!r} {k}: fragments hold {t.numel()} elements, "
                                            f"expected {numel} for shape {shape}")
         out[n] = {k: t.reshape(shape).clone() for k, t in got.items()}
+        report(progress, "reading", len(out), len(owned))
     return out
 
 
 def _unflatten_zero3(optim: list[tuple[int, dict]], owned: list[str], shapes_groups: list[dict],
-                     shapes: dict[str, tuple[int, ...]], folder: str) -> dict[str, dict[str, torch.Tensor]]:
+                     shapes: dict[str, tuple[int, ...]], folder: str,
+                     progress: ProgressFn | None = None) -> dict[str, dict[str, torch.Tensor]]:
     """ZeRO-3: every parameter is split alone into ceil(numel / P)-element pieces; rank r's flat
     sub-group holds its piece of each parameter in turn, each padded to full piece size."""
     where: dict[str, tuple[int, int]] = {}  # name -> (sub group, offset of its piece in a flat partition)
@@ -320,4 +324,8 @@ def _unflatten_zero3(optim: list[tuple[int, dict]], owned: list[str], shapes_gro
                     raise DeepSpeedFormatError(f"{folder}: rank {rank} piece of {n!r} exceeds its {k} "
                                                f"partition of {flat.numel()} elements")
                 pieces[n][k].append(flat.narrow(0, off, valid))
-    return {n: {k: torch.cat(v).reshape(shapes[n]).clone() for k, v in pieces[n].items()} for n in owned}
+    out = {}
+    for n in owned:
+        out[n] = {k: torch.cat(v).reshape(shapes[n]).clone() for k, v in pieces[n].items()}
+        report(progress, "reading", len(out), len(owned))
+    return out

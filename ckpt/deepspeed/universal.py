@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from ..progress import ProgressFn, report
 from .reader import DeepSpeedState
 
 UNIVERSAL_VERSION = 0.4          # DeepSpeed's universal_checkpoint_version that this layout matches
@@ -102,19 +103,22 @@ def model_states(state: DeepSpeedState) -> dict[str, Any]:
     }
 
 
-def write_universal(state: DeepSpeedState, out_dir: str | os.PathLike, comm: Any = None) -> str:
+def write_universal(state: DeepSpeedState, out_dir: str | os.PathLike, comm: Any = None,
+                    progress: ProgressFn | None = None) -> str:
     """Write ``state`` as a DeepSpeed universal checkpoint in tag folder ``out_dir`` and point
     ``<parent>/latest_universal`` at it; DeepSpeed loads it with ``"checkpoint":
     {"load_universal": true}`` at any data-parallel size. Under ``comm`` every rank writes the
-    parameters it holds (``state.owned``) and rank 0 the shared files. Returns ``out_dir``."""
+    parameters it holds (``state.owned``) and rank 0 the shared files; ``progress`` is called
+    with ("writing", parameters done, this rank's parameters). Returns ``out_dir``."""
     out_dir = os.path.abspath(os.fspath(out_dir))
     zero_dir = os.path.join(out_dir, "zero")
     os.makedirs(zero_dir, exist_ok=True)
     missing = [n for n in state.owned if n not in state.tensors]
     if missing:
         raise ValueError(f"write_universal: no tensors for owned parameters {missing[:5]}")
-    for name in state.owned:
+    for i, name in enumerate(state.owned):
         write_param(state, name, zero_dir)
+        report(progress, "writing", i + 1, len(state.owned))
     mpi = comm.mpi_comm if comm is not None else None
     if mpi is not None:
         mpi.Barrier()
