@@ -154,7 +154,10 @@ def _cases(ops, g, lay, world, backend, K, rng, header) -> dict:
             cases["all_reduce:1bit-new"] = (lambda: ar(t, key="new"), "mpicomm",
                                             lay.wire_bytes(), lambda: check_onebit(g, world, True))
     if "compress:fused" in ops:
-        fused = {"e": np.zeros(lay.padded, np.float32), "x": np.empty(lay.padded, np.float32),
+        import torch
+
+        # torch-allocated (64-byte aligned) like OnebitAllreduce's buffers
+        fused = {"e": torch.zeros(lay.padded).numpy(), "x": torch.empty(lay.padded).numpy(),
                  "pending": 0.0}
         msg4 = np.empty((p, lay.row_bytes), np.uint8)
 

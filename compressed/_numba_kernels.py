@@ -10,10 +10,15 @@ residual+decode pass was slower than the two separate passes.
 """
 from __future__ import annotations
 
+import platform
 import threading
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 _jit = numba.njit(cache=True, nogil=True)
 
@@ -56,11 +61,45 @@ def _encode_flat(g, e, packed):
     return ss
 
 
+# Non-temporal ("streaming") stores for x in the fused pass: x is not read again in this call,
+# and a plain store first reads each line it writes (64 MiB: 15.2 ms -> 10.5 ms, memcpy 9.3 ms).
+# x86-64 only (the closing sfence); they need 32-byte aligned tiles, checked by the caller.
+_NT_STORES = platform.machine().lower() in ("x86_64", "amd64")
+
+
+@intrinsic
+def _nt_store(typingctx, arr, idx, val):  # noqa: ARG001
+    """arr[idx] = val as a non-temporal store that claims 32-byte alignment (vectorised loops
+    over 32-byte aligned tiles only)."""
+    def codegen(context, builder, signature, args):
+        arrty = signature.args[0]
+        ary = context.make_array(arrty)(context, builder, args[0])
+        ptr = cgutils.get_item_pointer(context, builder, arrty, ary, [args[1]], wraparound=False)
+        store = builder.store(args[2], ptr, align=32)
+        store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
+        return context.get_dummy_value()
+    return types.void(arr, idx, val), codegen
+
+
+@intrinsic
+def _sfence(typingctx):  # noqa: ARG001
+    """Order the streaming stores before anything after them (x86 sfence)."""
+    def codegen(context, builder, signature, args):
+        if _NT_STORES:
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
+                                                "llvm.x86.sse.sfence")
+            builder.call(fn, [])
+        else:  # never streamed there; a full fence keeps this compilable everywhere
+            builder.fence("seq_cst")
+        return context.get_dummy_value()
+    return types.void(), codegen
+
+
 @_jitv
-def _encode_into_flat(g, e, pend, xout, packed):
+def _encode_into_flat(g, e, pend, xout, packed, stream):
     """x = (g zero-padded) + (e - pend * sign(e)) into ``xout`` (may be ``e``); pack x's signs
     into contiguous ``packed``; return sum x^2. One pass: the previous call's error update fused
-    with this call's encode."""
+    with this call's encode. ``stream``: store whole tiles of x with non-temporal stores."""
     m = g.shape[0]
     n = e.shape[0]
     s = np.float32(pend)
@@ -76,7 +115,10 @@ def _encode_into_flat(g, e, pend, xout, packed):
         for k in range(_TILE):  # vectorised: correction, x, x^2, one 0/1 byte per element
             v = et[k]
             x = gt[k] + (v - (s if v >= np.float32(0.0) else -s))
-            xt[k] = x
+            if stream:
+                _nt_store(xt, k, x)
+            else:
+                xt[k] = x
             part += x * x
             flags[k] = x >= np.float32(0.0)
         ss += part
@@ -94,6 +136,8 @@ def _encode_into_flat(g, e, pend, xout, packed):
             ss += x * x
             byte = (byte << 1) | (1 if x >= 0 else 0)
         packed[c] = byte
+    if stream:
+        _sfence()
     return ss
 
 
@@ -119,7 +163,8 @@ def encode_into(g, e, pend, xout, rows):
     """x = (g zero-padded) + (e - pend * sign(e)) into ``xout``; pack x's signs into ``rows``;
     return sum x^2."""
     packed = _packed_scratch(e.shape[0] // 8)
-    ss = _encode_into_flat(g, e, pend, xout, packed)
+    stream = _NT_STORES and xout.ctypes.data % 64 == 0 and xout.strides[0] == 4
+    ss = _encode_into_flat(g, e, pend, xout, packed, stream)
     rows[...] = packed.reshape(rows.shape)
     return ss
 

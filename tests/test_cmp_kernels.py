@@ -209,3 +209,24 @@ def test_server_accumulate_applies_pending_update(impl, p, cb):
     assert ssq == pytest.approx(float(np.dot(s, s)), rel=1e-5)
     K.correct(se, 0.25)
     np.testing.assert_allclose(se, s - 0.25 * ref_sign(s), atol=1e-5)
+
+
+@pytest.mark.parametrize("offset", [0, 1, 4])
+def test_encode_into_same_result_for_any_alignment(impl, offset):
+    """The numba kernel streams x with non-temporal stores into 64-byte aligned buffers only;
+    aligned or not, x, signs and sum are the same."""
+    m, p = 4096 * 4 + 77, 2
+    N = compressed.padded_size(m, p)
+    rng = np.random.default_rng(offset)
+    g = rng.standard_normal(m).astype(np.float32)
+    e = (rng.standard_normal(N) * 0.3).astype(np.float32)
+    base = torch.zeros(N + 16).numpy()  # torch memory is 64-byte aligned
+    xout = base[offset:offset + N]
+    rows = np.zeros((p, N // (8 * p)), np.uint8)
+    ssq = K.encode_into(g, e, 0.21, xout, rows)
+    c = ref_correct(e, 0.21)
+    want = c.copy()
+    want[:m] = (g + c[:m]).astype(np.float32)
+    np.testing.assert_array_equal(xout, want)
+    assert np.array_equal(rows.reshape(-1), ref_bits(want.astype(np.float64)))
+    assert ssq == pytest.approx(float(np.dot(want.astype(np.float64), want)), rel=1e-5)
