@@ -230,3 +230,20 @@ def test_encode_into_same_result_for_any_alignment(impl, offset):
     np.testing.assert_array_equal(xout, want)
     assert np.array_equal(rows.reshape(-1), ref_bits(want.astype(np.float64)))
     assert ssq == pytest.approx(float(np.dot(want.astype(np.float64), want)), rel=1e-5)
+
+
+@pytest.mark.parametrize("offset", [0, 1, 2, 4])
+@pytest.mark.parametrize("m", [8 * 96, 8 * 96 - 3])
+def test_decode_same_result_for_any_alignment(impl, offset, m):
+    """The numba decode streams into 16-byte aligned outputs and stores plainly otherwise."""
+    p, cb = 3, 32
+    rng = np.random.default_rng(m + offset)
+    rows = rng.integers(0, 256, (p, cb), dtype=np.uint8)
+    scales = rng.uniform(0.5, 3.0, p).astype(np.float32)
+    base = np.full(m + 8, 5.0, np.float32)
+    out = base[offset:offset + m]
+    K.decode(rows, scales, out)
+    bits = np.unpackbits(rows, axis=1).astype(np.float64) * 2 - 1
+    want = (bits * scales.astype(np.float64)[:, None]).reshape(-1)[:m]
+    np.testing.assert_array_equal(out, want.astype(np.float32))
+    assert np.all(base[:offset] == 5.0) and np.all(base[offset + m:] == 5.0)
