@@ -26,6 +26,7 @@ from .layout import Layout
 __all__ = ["MpiBackend"]
 
 _MAX_WORKSPACES = 4
+_PIECE = 1 << 20  # elements per piece of work between two MPI progress calls (multiple of 8)
 
 
 def as_communicator(comm: Any):
@@ -248,17 +249,47 @@ class MpiBackend:
         e = _host_view(we).reshape(-1)
         s = _host_view(se).reshape(-1)
         send, recv, gsend, grecv = ws["send"], ws["recv"], ws["gsend"], ws["grecv"]
-
-        if deferred is None:
-            ssq = K.encode(g, e, send[:, H:])
-        else:
+        r, m, chunk, cb = self.rank, g.shape[0], lay.chunk, lay.chunk_bytes
+        if deferred is not None:
             xbuf, wpend, spend = deferred
-            ssq = K.encode_into(g, e, wpend, _host_view(xbuf).reshape(-1), send[:, H:])
+            xbuf = _host_view(xbuf).reshape(-1)
+
+        def encode(lo: int, hi: int, rows: np.ndarray) -> float:  # elements [lo, hi) -> rows
+            gp = g[min(lo, m):min(hi, m)]
+            if deferred is None:
+                return K.encode(gp, e[lo:hi], rows)
+            return K.encode_into(gp, e[lo:hi], wpend, xbuf[lo:hi], rows)
+
+        # Phase 1, pipelined: the chunks for the other ranks are packed and put on the wire
+        # first; this rank's own chunk is packed (straight into its receive row) while they
+        # travel, with MPI progress between pieces. The scales (which need the whole sum of
+        # squares) follow in a small allgather, which also tells every rank about non-finite input.
+        mpi = self.comm.mpi_comm
+        ssq = 0.0
+        for j in range(p):
+            if j != r:
+                ssq += encode(j * chunk, (j + 1) * chunk, send[j:j + 1, H:])
+        counts = [0 if j == r else cb for j in range(p)]
+        displs = [j * lay.row_bytes + H for j in range(p)]
+        req = mpi.Ialltoallv([send, (counts, displs), MPI.BYTE], [recv, (counts, displs), MPI.BYTE])
+        for lo in range(r * chunk, (r + 1) * chunk, _PIECE):
+            hi = min(lo + _PIECE, (r + 1) * chunk)
+            ssq += encode(lo, hi, recv[r:r + 1, H + (lo - r * chunk) // 8:H + (hi - r * chunk) // 8])
+            req.Test()
         scale = np.float32(math.sqrt(ssq / lay.padded))
-        send[:, :H] = np.frombuffer(scale.tobytes(), np.uint8)
-        self.comm.all_to_all_single(recv, send)
-        wscales = recv[:, :H].copy().view(np.float32).reshape(p)
-        self._raise_if_not_finite(wscales)
+        wscales = np.empty(p, np.float32)
+        mpi.Allgather(np.array([scale], np.float32), wscales)
+        try:
+            self._raise_if_not_finite(wscales)
+        except NonFiniteError:
+            req.Wait()
+            raise
+        if deferred is None:  # the worker error update overlaps the rest of the exchange
+            for lo in range(0, lay.padded, _PIECE):
+                hi = min(lo + _PIECE, lay.padded)
+                K.worker_residual(g[min(lo, m):min(hi, m)], e[lo:hi], float(scale))
+                req.Test()
+        req.Wait()
 
         coef = (wscales.astype(np.float64) / p).astype(np.float32)
         sss = K.server_accumulate(recv[:, H:], coef, s, gsend[H:],
@@ -266,8 +297,7 @@ class MpiBackend:
         sscale = np.float32(math.sqrt(sss / lay.chunk))
         gsend[:H] = np.frombuffer(sscale.tobytes(), np.uint8)
         work = self.comm.all_gather_into_tensor(grecv, gsend, async_op=True)
-        if deferred is None:  # both residual passes overlap the second exchange
-            K.worker_residual(g, e, float(scale))
+        if deferred is None:  # overlaps the second exchange
             K.server_residual(s, float(sscale))
         work.wait()
         sscales = grecv[:, :H].copy().view(np.float32).reshape(p)

@@ -215,3 +215,38 @@ def test_results_are_never_overwritten_while_referenced(world, comm):
         assert torch.equal(kept_view, kept) and third.shape == (n,)
 
     check_all(run, world)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("deferred", [False, True])
+def test_pipelined_pieces_match_simulation(world, comm, deferred, monkeypatch):
+    """Work split in many small pieces (between MPI progress calls) gives the same results."""
+    from compressed import backend as B
+
+    monkeypatch.setattr(B, "_PIECE", 24)
+
+    def run():
+        p = comm.size
+        n = 1003
+        N = compressed.padded_size(n, p)
+        rng = np.random.default_rng(70 + comm.rank)
+        ar = compressed.OnebitAllreduce(comm)
+        be = compressed.MpiBackend(comm=comm)
+        we, se = torch.zeros(N), torch.zeros(N // p)
+        state = (np.zeros(N), np.zeros(N // p))
+        for _ in range(3):
+            g = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+            ref = simulate(g.numpy(), *state, world)
+            state = (ref["we"], ref["se"])
+            if p == 1:
+                continue
+            if deferred:
+                compare(ar(g, key="k"), ref["we"], ref["se"], ref)
+            else:
+                compare(be.compressed_allreduce(g.clone(), we, se, 0), we, se, ref)
+        if deferred and p > 1:
+            wt, st = ar.errors("k")
+            np.testing.assert_allclose(wt.numpy(), state[0], rtol=0, atol=1e-5)
+            np.testing.assert_allclose(st.numpy(), state[1], rtol=0, atol=1e-5)
+
+    check_all(run, world)
