@@ -222,6 +222,33 @@ def test_concurrent_saves_to_one_path_never_mix(tmp_path):
     assert not leftovers, leftovers
 
 
+@single_process
+def test_overwrite_with_and_without_an_atomic_swap(tmp_path, monkeypatch):
+    from ckpt import commit
+
+    for swap in (True, False):
+        if not swap:
+            monkeypatch.setattr(commit, "_RENAMEAT2", None)  # systems without renameat2: two renames
+        root = tmp_path / f"swap-{swap}"
+        save_small(root / "a", seed=1, step=1)
+        saved, _ = save_small(root / "a", seed=2, step=2, overwrite=True)
+        model = make_model(7)
+        assert ckpt.load(root, model=model, comm=MPI.COMM_SELF).step == 2 and same_state(model, saved)
+        assert sorted(os.listdir(root)) == ["a", "latest"]
+    # a directory that appears under the final name while the save writes: refused, nothing left behind
+    real = commit.publish
+
+    def racing_publish(tmp, path, overwrite):
+        os.makedirs(os.path.join(path, "someone-elses"))
+        return real(tmp, path, overwrite)
+
+    monkeypatch.setattr(commit, "publish", racing_publish)
+    with pytest.raises(FileExistsError, match="another save may have committed it"):
+        save_small(tmp_path / "race" / "a")
+    assert sorted(os.listdir(tmp_path / "race")) == ["a"]
+    assert os.listdir(tmp_path / "race" / "a") == ["someone-elses"]
+
+
 # ---------------------------------------------------------------------------------------------
 # damaged files
 
@@ -327,6 +354,15 @@ def test_load_into_a_different_model(tmp_path):
         ckpt.load(tmp_path / "c", model=other, optimizer=opt, comm=MPI.COMM_SELF, strict=False)
     full = ckpt.load(tmp_path / "c", model=make_model(9), comm=MPI.COMM_SELF)
     assert full.complete and (full.missing, full.unexpected, full.mismatched) == ([], [], {})
+
+    # strict=False with an extra buffer: the optimizer's parameters all match, so it loads too
+    grown = make_model(9)
+    grown.register_buffer("counter", torch.tensor([3]))
+    opt = ckpt.ZeroOptimizer(torch.optim.Adam, grown.parameters(), stage=3, comm=self_comm(), lr=0.5)
+    res = ckpt.load(tmp_path / "c", model=grown, optimizer=opt, comm=MPI.COMM_SELF, strict=False)
+    assert res.optimizer_loaded and res.missing == ["counter"] and not res.unexpected and not res.mismatched
+    assert same_state(torch.nn.Sequential(*list(grown.children())), saved) and int(grown.counter) == 3
+    assert opt.param_groups[0]["lr"] == 0.01
 
 
 # ---------------------------------------------------------------------------------------------
