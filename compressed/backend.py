@@ -1,11 +1,16 @@
 """MpiBackend: DeepSpeed-compatible 1-bit compressed allreduce over an mpicomm Communicator.
 
-One call runs two collectives on small byte messages (see ``layout.Layout``):
+One call runs two phases on small byte messages (see ``layout.Layout``):
 
-1. every rank packs the signs of x = input + worker_error and sends chunk j, headed by its
-   float32 worker scale, to rank j (all-to-all);
+1. every rank packs the signs of x = input + worker_error and sends chunk j to rank j
+   (all-to-all), and its float32 worker scale to all (a 4-byte allgather);
 2. every rank combines its chunk from all ranks with its server error, packs the signs and
    all-gathers them headed by its server scale; all ranks decode the same mean estimate.
+
+Host path (CPU buffers): phase 1 is pipelined. The chunks for the other ranks are packed first
+and sent with a non-blocking all-to-all; the rank's own chunk is packed while they travel, in
+pieces with MPI progress calls between them; the scale (which needs the whole sum of squares)
+follows, and the worker error update overlaps the rest of the transfer. The math is DeepSpeed's.
 """
 from __future__ import annotations
 
@@ -265,6 +270,9 @@ class MpiBackend:
         # travel, with MPI progress between pieces. The scales (which need the whole sum of
         # squares) follow in a small allgather, which also tells every rank about non-finite input.
         mpi = self.comm.mpi_comm
+        if getattr(self.comm, "check", False):  # checking mode: sizes agree, or all ranks raise
+            from mpicomm.checking import agree
+            agree(mpi, "compressed_allreduce", f"numel={lay.numel}")
         ssq = 0.0
         for j in range(p):
             if j != r:

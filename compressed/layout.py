@@ -23,10 +23,11 @@ def padded_size(numel: int, world_size: int) -> int:
 class Layout:
     """How ``numel`` elements are padded, split in ``world_size`` chunks and packed on the wire.
 
-    Both phases send messages of ``row_bytes`` bytes: a float32 scale (``HEADER_BYTES``) followed
-    by ``chunk_bytes`` bytes of signs, 8 per byte, most significant bit first, bit 1 meaning >= 0.
-    Phase 1 sends row ``j`` (chunk ``j`` of the worker's signs) to rank ``j``; phase 2 gathers every
-    rank's row of server signs.
+    Both phases send per peer ``row_bytes`` bytes: a float32 scale (``HEADER_BYTES``) and
+    ``chunk_bytes`` bytes of signs, 8 per byte, most significant bit first, bit 1 meaning >= 0.
+    Phase 1 sends chunk ``j`` of the worker's signs to rank ``j`` and the worker scale to every
+    rank (the host path in two messages, the scale after the signs; the torch path as one row
+    headed by the scale); phase 2 gathers every rank's row of server signs headed by its scale.
     """
 
     numel: int

@@ -250,3 +250,20 @@ def test_pipelined_pieces_match_simulation(world, comm, deferred, monkeypatch):
             np.testing.assert_allclose(st.numpy(), state[1], rtol=0, atol=1e-5)
 
     check_all(run, world)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_checking_mode_reports_size_mismatch(world):
+    def run():
+        import mpicomm
+
+        comm = mpicomm.Communicator(world, check=True)
+        n = 100 + 8 * comm.rank  # padded sizes differ between ranks
+        be = compressed.MpiBackend(comm=comm)
+        N = compressed.padded_size(n, comm.size)
+        with pytest.raises(mpicomm.CollectiveMismatchError if hasattr(mpicomm, "CollectiveMismatchError")
+                           else Exception, match="do not agree"):
+            be.compressed_allreduce(np.ones(n, np.float32), np.zeros(N, np.float32),
+                                    np.zeros(N // comm.size, np.float32), 0)
+
+    check_all(run, world)
