@@ -243,6 +243,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"python -m ckpt {args.cmd}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader of our output went away (e.g. "| head"): not a failure
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_OK
     except Exception as exc:  # noqa: BLE001 - every failure becomes a message and an exit code
         code = _code(exc)
         if _is_rank0():

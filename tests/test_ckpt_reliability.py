@@ -428,6 +428,8 @@ def test_pickle_bombs_are_never_unpickled(tmp_path, capsys):
         torch.save({"x": Bomb(marker)}, ds / f)  # torch's zip format too
     with pytest.raises(ckpt.PickleRefusedError):
         ckpt.from_deepspeed(ds, tmp_path / "imported", comm=self_comm())
+    code, _, err = cli("convert", "--from", "deepspeed", str(ds), str(tmp_path / "imported"), capsys=capsys)
+    assert code == ckpt_cli.EXIT_PICKLE and "--allow-pickle" in err, err
     assert not (tmp_path / "imported").exists()
     assert not os.path.exists(marker), "a pickle was executed"
 
