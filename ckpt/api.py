@@ -588,8 +588,14 @@ def load(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.op
                                 f"block(s) of {block} bytes: {m.describe_blocks(bad)}")
 
     _on_root(mpi, verify)
-    for fn in post:
-        fn()
+
+    def apply() -> None:
+        for fn in post:
+            fn()
+
+    _everywhere(mpi, apply, "load (setting state)")
+    if isinstance(optimizer, ZeroOptimizer):
+        optimizer.gather_params()  # collective: the model weights from every rank's masters
     return LoadResult(step=m.step, extra=m.extra, world_size=m.world_size, stage=m.stage,
                       optimizer_loaded=has_opt, manifest=m, path=ckdir, **report)
 
@@ -691,7 +697,6 @@ def _plan_zero_load(zero: ZeroOptimizer, m: Manifest, by_id: dict[int, int], rea
             _set_hyperparams(zero, m)
         for gi, st in enumerate(states):
             zero.set_shard_state(gi, st)
-        zero.gather_params()
 
     return finish
 

@@ -486,5 +486,17 @@ def test_failure_on_one_rank_raises_everywhere(comm, world, shared_tmp_path, mon
     monkeypatch.undo()
     want = RuntimeError if world.Get_rank() == last else ckpt.CollectiveError
     assert_all(isinstance(caught, want) and "simulated" in str(caught), f"got {type(caught).__name__}: {caught}")
+    # load: a rank that fails to take the state it read (before the collective gather of weights)
+    if world.Get_rank() == last:
+        monkeypatch.setattr(opt2, "set_shard_state", lambda *a: (_ for _ in ()).throw(ValueError("simulated")))
+    caught = None
+    try:
+        ckpt.load(shared_tmp_path, model=other, optimizer=opt2, comm=comm)
+    except Exception as exc:  # noqa: BLE001
+        caught = exc
+    monkeypatch.undo()
+    want = ValueError if world.Get_rank() == last else ckpt.CollectiveError
+    assert_all(isinstance(caught, want) and "simulated" in str(caught), f"got {type(caught).__name__}: {caught}")
+
     ckpt.load(shared_tmp_path, model=other, optimizer=opt2, comm=comm)  # and the job goes on
     assert_all(same_state(other, model))
