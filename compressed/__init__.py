@@ -7,7 +7,9 @@
 - ``padded_size(n, world_size)``: the worker error's size (n rounded up to 8 * world_size);
   the server error holds that / world_size.
 - ``OnebitAllreduce(comm)``: ``ar(tensor, key)`` returns the compressed mean as a new tensor,
-  keeping error buffers per key; identity at world size 1.
+  keeping error buffers per key; identity at world size 1. On CPU it defers each error update
+  into the next call's single fused pass (one spare worker buffer per size) and recycles the
+  memory of results nobody references any more.
 - ``OnebitAdam``: Adam, then frozen variance and compressed momentum after ``freeze_step``.
 - ``onebit_ddp_hook`` with ``OnebitDDPState``: DDP comm hook (warm-up and small buckets exact).
 
