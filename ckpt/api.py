@@ -16,7 +16,7 @@ from . import checksum, commit, plan
 from .io import DEFAULT_CHUNK_BYTES, fsync_path, read_blocks, read_items, write_items
 from .manifest import (DATA_NAME, DEFAULT_BLOCK_SIZE, INCOMPLETE_NAME, LATEST_NAME, MANIFEST_NAME, TMP_MARK,
                        DamagedCheckpointError, IncompleteCheckpointError, Manifest, ManifestError, Packer,
-                       ParamInfo, TensorEntry, jsonable, like)
+                       ParamInfo, jsonable, like)
 from .zero import ZeroOptimizer
 
 T = TypeVar("T")
