@@ -10,6 +10,8 @@ For every size (bytes of float32 input per rank) it measures, side by side in on
                            squares (the scale), signs packed, then the error update
                            e = x - scale * sign(x) (DeepSpeed's buffers: two passes);
 - ``encode`` (local)       the first of them alone: sign + sum of squares + pack;
+- ``decompress`` (local)   unpacking p chunks of signs times their scales into the output;
+- ``memcpy`` (local)       numpy copy of the same buffer, the memory-bandwidth yardstick.
 
 Opt-in rows (``--ops``; ``OnebitAllreduce``, which owns its error buffers and defers updates):
 
@@ -17,9 +19,7 @@ Opt-in rows (``--ops``; ``OnebitAllreduce``, which owns its error buffers and de
 - ``all_reduce:1bit-new``  ``compressed.OnebitAllreduce.__call__`` (returns a new tensor);
 - ``compress:fused``       its worker compression kernel, one pass: the previous call's error
                            update (x_prev - scale_prev * sign(x_prev)) + g into the spare buffer,
-                           sum of squares, signs packed (``kernels.encode_into``), buffers swapped;
-- ``decompress`` (local)   unpacking p chunks of signs times their scales into the output;
-- ``memcpy`` (local)       numpy copy of the same buffer, the memory-bandwidth yardstick.
+                           sum of squares, signs packed (``kernels.encode_into``), buffers swapped.
 
 ``x_fp32`` is each row's time over the fp32 allreduce's; ``wire(B)`` the bytes one rank sends
 (ring allreduce: 2(p-1)/p * size; compressed: both phases' messages). Correctness is checked
