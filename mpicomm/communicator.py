@@ -30,6 +30,34 @@ _FAST_REDUCE = {
     for op in (ReduceOp.SUM, ReduceOp.MAX, ReduceOp.MIN, ReduceOp.PROD)
     for key in (op, op.value)
 }
+# dtype -> MPI datatype that moves it unchanged.
+_MOVE = {dtype: dtypes.move_type(dtype) for dtype in dtypes.SUPPORTED}
+
+
+def _fast_reduce(dtype, op):
+    """(MPI datatype, MPI op) when MPI reduces ``dtype`` with ``op`` natively, else None."""
+    try:
+        return _FAST_REDUCE.get((dtype, op))
+    except TypeError:  # an unhashable op: the general path reports it
+        return None
+
+
+def _host_type(t) -> "MPI.Datatype | None":
+    """MPI datatype for a contiguous host torch tensor MPI can take as it is, else None."""
+    if type(t) is torch.Tensor and t.is_cpu and t.is_contiguous():
+        return _MOVE.get(t.dtype)
+    return None
+
+
+def _buf(t: torch.Tensor, mpi_type) -> list:
+    return [_fromaddress(t.data_ptr(), t.nbytes), mpi_type]
+
+
+def _disjoint(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """For contiguous tensors: whether their memory ranges do not overlap."""
+    a0 = a.data_ptr()
+    b0 = b.data_ptr()
+    return a0 + a.nbytes <= b0 or b0 + b.nbytes <= a0
 
 
 def _env_flag(name: str) -> bool:
@@ -132,12 +160,13 @@ class Communicator:
     def all_reduce(self, tensor, op=ReduceOp.SUM, async_op: bool = False) -> Work | None:
         """Reduce ``tensor`` across ranks, in place."""
         if not async_op and not self.check and type(tensor) is torch.Tensor:
-            # Fast path for the common case (contiguous host tensor, dtype MPI reduces natively,
-            # no AVG): what the general path below would do, minus its no-op adaptation steps.
-            fast = _FAST_REDUCE.get((tensor.dtype, op))
+            # Fast paths (here and in broadcast, all_gather_into_tensor, reduce_scatter_tensor) for
+            # contiguous host torch tensors in a dtype MPI takes as it is, no AVG, no aliasing:
+            # what the general path would do, minus its no-op adaptation steps. Anything else,
+            # including every error, takes the general path.
+            fast = _fast_reduce(tensor.dtype, op)
             if fast is not None and tensor.is_cpu and tensor.is_contiguous():
-                self.mpi_comm.Allreduce(MPI.IN_PLACE, [_fromaddress(tensor.data_ptr(), tensor.nbytes),
-                                                       fast[0]], fast[1])
+                self.mpi_comm.Allreduce(MPI.IN_PLACE, _buf(tensor, fast[0]), fast[1])
                 return None
         call = "all_reduce"
         op = parse_op(op, call)
@@ -173,6 +202,13 @@ class Communicator:
     def reduce_scatter_tensor(self, output, input, op=ReduceOp.SUM,
                               async_op: bool = False) -> Work | None:
         """Reduce ``input`` across ranks; rank r receives the r-th of ``size`` equal chunks in ``output``."""
+        if not async_op and not self.check:
+            fast = _fast_reduce(getattr(input, "dtype", None), op)
+            if (fast is not None and _host_type(input) is not None and _host_type(output) is not None
+                    and output.dtype == input.dtype and input.numel() == self.size * output.numel()
+                    and _disjoint(output, input)):
+                self.mpi_comm.Reduce_scatter_block(_buf(input, fast[0]), _buf(output, fast[0]), fast[1])
+                return None
         call = "reduce_scatter_tensor"
         op = parse_op(op, call)
         out = to_tensor(output, call, "output", writable=True)
@@ -199,6 +235,11 @@ class Communicator:
 
     def broadcast(self, tensor, src: int = 0, async_op: bool = False) -> Work | None:
         """Copy ``tensor`` from rank ``src`` into ``tensor`` on every rank."""
+        if not async_op and not self.check and type(src) is int and 0 <= src < self.size:
+            mpi_type = _host_type(tensor)
+            if mpi_type is not None:
+                self.mpi_comm.Bcast(_buf(tensor, mpi_type), src)
+                return None
         call = "broadcast"
         src = check_rank(call, "src", src, self.size)
         t = to_tensor(tensor, call, "tensor", writable=self.rank != src)
@@ -213,6 +254,14 @@ class Communicator:
     def all_gather_into_tensor(self, output_tensor, input_tensor,
                                async_op: bool = False) -> Work | None:
         """Concatenate every rank's ``input_tensor`` (in rank order) into ``output_tensor``."""
+        if not async_op and not self.check:
+            mpi_type = _host_type(input_tensor)
+            if (mpi_type is not None and _host_type(output_tensor) is not None
+                    and output_tensor.dtype == input_tensor.dtype
+                    and output_tensor.numel() == self.size * input_tensor.numel()
+                    and _disjoint(output_tensor, input_tensor)):
+                self.mpi_comm.Allgather(_buf(input_tensor, mpi_type), _buf(output_tensor, mpi_type))
+                return None
         call = "all_gather_into_tensor"
         out = to_tensor(output_tensor, call, "output_tensor", writable=True)
         inp = to_tensor(input_tensor, call, "input_tensor", writable=False)

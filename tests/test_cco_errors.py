@@ -27,6 +27,9 @@ def test_local_errors_name_what_was_expected(comm):
         _raises(ValueError, r"AVG needs a floating dtype", lambda: comm.all_reduce(torch.ones(3, dtype=torch.int32), op="avg"))
         _raises(ValueError, r"bool", lambda: comm.all_reduce(torch.ones(3, dtype=torch.bool), op="avg"))
         _raises(TypeError, r'argument "op".*expected: one of', lambda: comm.all_reduce(torch.ones(3), op="mean"))
+        _raises(TypeError, r'argument "op".*expected: one of', lambda: comm.all_reduce(torch.ones(3), op=["sum"]))
+        _raises(TypeError, r'argument "op".*expected: one of',
+                lambda: comm.reduce_scatter_tensor(torch.ones(1), torch.ones(comm.size), op=["sum"]))
         _raises(TypeError, r"unexpected dtype.*complex64", lambda: comm.all_reduce(torch.ones(3, dtype=torch.complex64)))
         _raises(TypeError, r"torch.Tensor, numpy.ndarray or cupy.ndarray.*list", lambda: comm.all_reduce([1.0, 2.0]))
         _raises(ValueError, rf"expected: {comm.size} x input_tensor.numel\(\) = {3 * comm.size} elements.*got: {3 * comm.size + 1}",
