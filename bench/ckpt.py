@@ -205,6 +205,21 @@ def _deepspeed_available() -> bool:
     return importlib.util.find_spec("deepspeed") is not None
 
 
+def _one_step(args, comm):
+    """The benchmark's model and ZeRO Adam after one step on random gradients."""
+    import torch
+
+    import ckpt
+
+    model = _model(args.layers, args.hidden, seed=0)
+    opt = ckpt.ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=args.stage, comm=comm,
+                             lr=1e-4)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    return model, opt
+
+
 def main(argv: list[str]) -> int:
     if argv and argv[0] == "--ds-worker":
         return _ds_worker(argv[1:])
@@ -266,12 +281,7 @@ def main(argv: list[str]) -> int:
         checksum_ref = None
         save_s = None
         if save_c is not None:
-            model = _model(args.layers, args.hidden, seed=0)
-            opt = ckpt.ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=args.stage,
-                                     comm=save_c, lr=1e-4)
-            for p in model.parameters():
-                p.grad = torch.randn_like(p)
-            opt.step()
+            model, opt = _one_step(args, save_c)
             checksum_ref = [float(p.detach().double().sum()) for p in model.parameters()]
             m, save_s = _timed_collective(save_c.mpi_comm, lambda: ckpt.save(
                 path, model=model, optimizer=opt, step=1, comm=save_c, sync=True))
@@ -320,12 +330,7 @@ def main(argv: list[str]) -> int:
             save_c = _sub(world, args.save_ranks)
             nosync_s = None
             if save_c is not None:
-                model = _model(args.layers, args.hidden, seed=0)
-                opt = ckpt.ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=args.stage,
-                                         comm=save_c, lr=1e-4)
-                for p in model.parameters():
-                    p.grad = torch.randn_like(p)
-                opt.step()
+                model, opt = _one_step(args, save_c)
                 _, nosync_s = _timed_collective(save_c.mpi_comm, lambda: ckpt.save(
                     path + "-nosync", model=model, optimizer=opt, step=1, comm=save_c, sync=False))
                 del model, opt
