@@ -1,8 +1,6 @@
 """onebit_ddp_hook on DDP over a gloo process group, its traffic through mpicomm."""
 from __future__ import annotations
 
-import os
-import socket
 from datetime import timedelta
 
 import numpy as np
@@ -12,7 +10,7 @@ import torch.distributed as dist
 from mpi4py import MPI
 
 import compressed
-from mpitest import check_all
+from mpitest import check_all, gloo_init_method
 
 
 @pytest.fixture(scope="module")
@@ -22,26 +20,13 @@ def gloo_group():
     if dist.is_initialized():
         yield dist.new_group(backend="gloo")
         return
-    port = None
-    if world.rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = world.bcast(port, root=0)
-    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
-        dist.init_process_group("gloo", rank=world.rank, world_size=world.size,
-                                timeout=timedelta(seconds=120))
+        dist.init_process_group("gloo", init_method=gloo_init_method(world), rank=world.rank,
+                                world_size=world.size, timeout=timedelta(seconds=120))
         yield None
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def make_model() -> torch.nn.Module:
