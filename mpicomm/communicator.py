@@ -160,10 +160,10 @@ class Communicator:
     def all_reduce(self, tensor, op=ReduceOp.SUM, async_op: bool = False) -> Work | None:
         """Reduce ``tensor`` across ranks, in place."""
         if not async_op and not self.check and type(tensor) is torch.Tensor:
-            # Fast paths (here and in broadcast, all_gather_into_tensor, reduce_scatter_tensor) for
-            # contiguous host torch tensors in a dtype MPI takes as it is, no AVG, no aliasing:
-            # what the general path would do, minus its no-op adaptation steps. Anything else,
-            # including every error, takes the general path.
+            # Fast paths (here and in broadcast, all_gather_into_tensor, reduce_scatter_tensor,
+            # all_to_all_single) for contiguous host torch tensors in a dtype MPI takes as it is,
+            # no AVG, no aliasing: what the general path would do, minus its no-op adaptation
+            # steps. Anything else, including every error, takes the general path.
             fast = _fast_reduce(tensor.dtype, op)
             if fast is not None and tensor.is_cpu and tensor.is_contiguous():
                 self.mpi_comm.Allreduce(MPI.IN_PLACE, _buf(tensor, fast[0]), fast[1])
@@ -311,6 +311,14 @@ class Communicator:
                           input_split_sizes: list[int] | None = None,
                           async_op: bool = False) -> Work | None:
         """Rank r sends its j-th chunk of ``input`` (along dim 0) to rank j, which stores it as chunk r of ``output``."""
+        if (not async_op and not self.check and output_split_sizes is None
+                and input_split_sizes is None):
+            mpi_type = _host_type(input)
+            if (mpi_type is not None and _host_type(output) is not None
+                    and output.dtype == input.dtype and output.numel() == input.numel()
+                    and input.numel() % self.size == 0 and _disjoint(output, input)):
+                self.mpi_comm.Alltoall(_buf(input, mpi_type), _buf(output, mpi_type))
+                return None
         call = "all_to_all_single"
         out = to_tensor(output, call, "output", writable=True)
         inp = to_tensor(input, call, "input", writable=False)
