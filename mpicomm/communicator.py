@@ -53,13 +53,6 @@ def _buf(t: torch.Tensor, mpi_type) -> list:
     return [_fromaddress(t.data_ptr(), t.nbytes), mpi_type]
 
 
-def _disjoint(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """For contiguous tensors: whether their memory ranges do not overlap."""
-    a0 = a.data_ptr()
-    b0 = b.data_ptr()
-    return a0 + a.nbytes <= b0 or b0 + b.nbytes <= a0
-
-
 def _env_flag(name: str) -> bool:
     value = os.environ.get(name, "").strip().lower()
     if value in ("", "0", "false", "no", "off"):
@@ -206,7 +199,7 @@ class Communicator:
             fast = _fast_reduce(getattr(input, "dtype", None), op)
             if (fast is not None and _host_type(input) is not None and _host_type(output) is not None
                     and output.dtype == input.dtype and input.numel() == self.size * output.numel()
-                    and _disjoint(output, input)):
+                    and not host_overlap(output, input)):
                 self.mpi_comm.Reduce_scatter_block(_buf(input, fast[0]), _buf(output, fast[0]), fast[1])
                 return None
         call = "reduce_scatter_tensor"
@@ -259,7 +252,7 @@ class Communicator:
             if (mpi_type is not None and _host_type(output_tensor) is not None
                     and output_tensor.dtype == input_tensor.dtype
                     and output_tensor.numel() == self.size * input_tensor.numel()
-                    and _disjoint(output_tensor, input_tensor)):
+                    and not host_overlap(output_tensor, input_tensor)):
                 self.mpi_comm.Allgather(_buf(input_tensor, mpi_type), _buf(output_tensor, mpi_type))
                 return None
         call = "all_gather_into_tensor"
@@ -316,7 +309,7 @@ class Communicator:
             mpi_type = _host_type(input)
             if (mpi_type is not None and _host_type(output) is not None
                     and output.dtype == input.dtype and output.numel() == input.numel()
-                    and input.numel() % self.size == 0 and _disjoint(output, input)):
+                    and input.numel() % self.size == 0 and not host_overlap(output, input)):
                 self.mpi_comm.Alltoall(_buf(input, mpi_type), _buf(output, mpi_type))
                 return None
         call = "all_to_all_single"
