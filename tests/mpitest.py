@@ -41,6 +41,21 @@ def assert_close_all(actual, expected, *, rtol: float = 0.0, atol: float = 0.0,
     check_all(_check, comm)
 
 
+def mpiexec_path() -> str:
+    """The mpiexec beside this Python (the venv's MPICH) or on PATH; skip the test if none."""
+    import os
+    import shutil
+    import sys
+
+    import pytest
+
+    local = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    found = local if os.path.exists(local) else shutil.which("mpiexec")
+    if found is None:
+        pytest.skip("no mpiexec")
+    return found
+
+
 def gloo_init_method(comm: MPI.Comm = MPI.COMM_WORLD) -> str:
     """A tcp:// rendezvous address on this host for a gloo group over ``comm`` (collective)."""
     import socket

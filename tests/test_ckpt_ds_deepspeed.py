@@ -15,7 +15,6 @@ import glob
 import importlib.util
 import math
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -25,6 +24,7 @@ import torch
 from mpi4py import MPI
 
 from ckpt.deepspeed import from_deepspeed, read_deepspeed, to_deepspeed_universal
+from mpitest import mpiexec_path
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed"),
@@ -41,14 +41,6 @@ CONFIGS = [("fp32", 1, 2), ("fp32", 1, 4), ("bf16", 1, 2), ("fp32", 3, 2)]
 IDS = [f"{d}-zero{s}-{n}ranks" for d, s, n in CONFIGS]
 
 
-def _mpiexec() -> str:
-    local = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    found = local if os.path.exists(local) else shutil.which("mpiexec")
-    if found is None:
-        pytest.skip("no mpiexec")
-    return found
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -61,7 +53,7 @@ def launch(n: int, *args: str, timeout: int = 300) -> None:
     env["DS_TEST_PORT"] = str(_free_port())
     env.setdefault("OMP_NUM_THREADS", "1")
     env["DS_ACCELERATOR"] = "cpu"  # gloo on the CPU even where a GPU is present
-    cmd = [_mpiexec(), "-n", str(n), sys.executable, "-m", "mpi4py", SCRIPT, *args]
+    cmd = [mpiexec_path(), "-n", str(n), sys.executable, "-m", "mpi4py", SCRIPT, *args]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired as exc:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import shutil
 import subprocess
 import sys
 import time
@@ -22,7 +21,7 @@ import ckpt
 from ckpt import api as ckpt_api
 from ckpt import cli as ckpt_cli
 from ckpt import io as ckpt_io
-from mpitest import assert_all
+from mpitest import assert_all, mpiexec_path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 single_process = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1, reason="single-process test")
@@ -131,14 +130,6 @@ elif mode == "concurrent":
 '''
 
 
-def _mpiexec() -> str:
-    local = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    found = local if os.path.exists(local) else shutil.which("mpiexec")
-    if found is None:
-        pytest.skip("no mpiexec")
-    return found
-
-
 def start_job(tmp_path, *args: str, n: int = 2) -> subprocess.Popen:
     script = tmp_path / "ckpt_child.py"
     if not script.exists():
@@ -146,7 +137,7 @@ def start_job(tmp_path, *args: str, n: int = 2) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPI_LOCAL"))}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("OMP_NUM_THREADS", "1")
-    return subprocess.Popen([_mpiexec(), "-n", str(n), sys.executable, "-m", "mpi4py", str(script), *args],
+    return subprocess.Popen([mpiexec_path(), "-n", str(n), sys.executable, "-m", "mpi4py", str(script), *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
 
 
