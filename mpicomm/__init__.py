@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from . import distributed  # registers the "mpicomm" torch.distributed backend
-from .communicator import Communicator, get_world, init, is_initialized
+from .communicator import Communicator, as_communicator, get_world, init, is_initialized
 from .errors import CollectiveMismatchError
 from .ops import ReduceOp
 from .work import Work
@@ -12,7 +12,7 @@ from .world import (all_gather, all_gather_into_tensor, all_reduce, all_to_all_s
 
 __all__ = [
     "Communicator", "ReduceOp", "Work", "CollectiveMismatchError",
-    "init", "get_world", "is_initialized", "get_rank", "get_world_size",
+    "init", "as_communicator", "get_world", "is_initialized", "get_rank", "get_world_size",
     "all_reduce", "reduce", "reduce_scatter_tensor", "broadcast", "all_gather_into_tensor",
     "all_gather", "all_to_all_single", "gather", "scatter", "send", "recv", "isend", "irecv",
     "barrier", "split",

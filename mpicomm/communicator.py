@@ -510,6 +510,24 @@ def init(check: bool | None = None) -> Communicator:
     return _world
 
 
+def as_communicator(comm: "Communicator | MPI.Comm | None" = None) -> Communicator:
+    """The Communicator for ``comm``: None is the world; an mpi4py intracommunicator is wrapped.
+
+    Wrapping an mpi4py communicator other than ``MPI.COMM_WORLD`` is collective over it (the
+    Communicator learns its node-local ranks); ``MPI.COMM_WORLD`` maps to :func:`init`'s world.
+    """
+    if comm is None:
+        return init()
+    if isinstance(comm, Communicator):
+        return comm
+    if isinstance(comm, MPI.Intracomm) and comm != MPI.COMM_NULL:
+        if comm == MPI.COMM_WORLD:
+            return init()
+        return Communicator(comm)
+    raise TypeError(f"comm: expected None (the world), an mpicomm.Communicator or an mpi4py "
+                    f"intracommunicator, got {type(comm).__name__}")
+
+
 def get_world() -> Communicator:
     """The world communicator created by init()."""
     if _world is None:
