@@ -5,8 +5,9 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+import mpicomm
+
 from .allreduce import OnebitAllreduce
-from .backend import as_communicator
 
 __all__ = ["OnebitAdam"]
 
@@ -34,7 +35,7 @@ class OnebitAdam(torch.optim.Optimizer):
         if freeze_step < 0:
             raise ValueError(f"OnebitAdam: expected freeze_step >= 0, got {freeze_step}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
-        self.comm = as_communicator(comm)
+        self.comm = mpicomm.as_communicator(comm)
         self.freeze_step = int(freeze_step)
         self.global_step = 0
         self.onebit = OnebitAllreduce(self.comm, cuda_aware=cuda_aware)

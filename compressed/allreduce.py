@@ -8,8 +8,11 @@ from typing import Any
 import numpy as np
 import torch
 
+import mpicomm
+
 from . import kernels as K
-from .backend import MpiBackend, as_communicator
+from .backend import MpiBackend
+from .engine import Deferred
 from .layout import padded_size
 
 __all__ = ["OnebitAllreduce"]
@@ -87,7 +90,7 @@ class OnebitAllreduce:
 
     def __init__(self, comm: Any = None, *, cuda_aware: bool = False,
                  kernels: str | None = None) -> None:
-        self.comm = as_communicator(comm)
+        self.comm = mpicomm.as_communicator(comm)
         self.backend = MpiBackend(cuda_aware=cuda_aware, comm=self.comm, kernels=kernels)
         self.size = self.comm.size
         self._errors: dict[str, _KeyErrors] = {}
@@ -117,7 +120,7 @@ class OnebitAllreduce:
         return tensor
 
     def _run(self, inp: torch.Tensor, out: torch.Tensor, st: _KeyErrors) -> None:
-        if inp.device.type != "cpu" or not self.backend.host_kernels_for(inp):
+        if self.backend.family_name(inp) == "torch":
             st.materialize()
             self.backend.allreduce_into(inp, out, st.we, st.se)
             return
@@ -126,8 +129,8 @@ class OnebitAllreduce:
         if spare is None:
             spare = torch.empty_like(st.we)
         try:
-            scale, sscale = self.backend.allreduce_deferred(inp, out, st.we, st.se, spare,
-                                                            st.we_pending, st.se_pending)
+            scale, sscale = self.backend.allreduce_into(
+                inp, out, st.we, st.se, Deferred(spare, st.we_pending, st.se_pending))
         except BaseException:
             self._spares[spare_key] = spare
             raise

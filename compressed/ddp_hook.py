@@ -6,8 +6,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+import mpicomm
+
 from .allreduce import OnebitAllreduce
-from .backend import as_communicator
 
 __all__ = ["OnebitDDPState", "onebit_ddp_hook"]
 
@@ -26,7 +27,7 @@ class OnebitDDPState:
         if warmup_steps < 0 or min_bucket_numel < 0:
             raise ValueError(f"OnebitDDPState: expected warmup_steps >= 0 and min_bucket_numel >= 0, "
                              f"got {warmup_steps} and {min_bucket_numel}")
-        self.comm = as_communicator(comm)
+        self.comm = mpicomm.as_communicator(comm)
         self.warmup_steps = int(warmup_steps)
         self.min_bucket_numel = int(min_bucket_numel)
         self.allreduce = OnebitAllreduce(self.comm, cuda_aware=cuda_aware)
