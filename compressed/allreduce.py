@@ -11,6 +11,7 @@ import torch
 import mpicomm
 
 from . import kernels as K
+from . import reshard
 from .backend import MpiBackend
 from .engine import Deferred
 from .layout import padded_size
@@ -21,10 +22,10 @@ __all__ = ["OnebitAllreduce"]
 class _KeyErrors:
     """One key's error buffers; ``*_pending`` are error updates not yet applied (0: none)."""
 
-    __slots__ = ("we", "se", "we_pending", "se_pending")
+    __slots__ = ("numel", "we", "se", "we_pending", "se_pending")
 
-    def __init__(self, we: torch.Tensor, se: torch.Tensor) -> None:
-        self.we, self.se = we, se
+    def __init__(self, numel: int, we: torch.Tensor, se: torch.Tensor) -> None:
+        self.numel, self.we, self.se = int(numel), we, se
         self.we_pending = 0.0
         self.se_pending = 0.0
 
@@ -151,13 +152,15 @@ class OnebitAllreduce:
             if numel is None:
                 raise KeyError(f"OnebitAllreduce: no error buffers for key {key!r}")
             n = padded_size(numel, self.size)
-            st = _KeyErrors(torch.zeros(n, dtype=torch.float32, device=device),
+            st = _KeyErrors(numel, torch.zeros(n, dtype=torch.float32, device=device),
                             torch.zeros(n // self.size, dtype=torch.float32, device=device))
             self._errors[key] = st
-        elif numel is not None and st.we.numel() != padded_size(numel, self.size):
-            raise ValueError(f"OnebitAllreduce: key {key!r} holds error buffers for "
-                             f"{st.we.numel()} padded elements, got a tensor of {numel} elements "
-                             f"(padded {padded_size(numel, self.size)}); use another key or reset()")
+        elif numel is not None and st.numel != numel:
+            raise ValueError(f"OnebitAllreduce: key {key!r} holds error buffers for {st.numel} "
+                             f"elements, got a tensor of {numel} elements; use another key or reset()")
+        elif device is not None and st.we.device != torch.device(device):
+            st.materialize()  # loaded on another device (e.g. from a checkpoint): move once
+            st.we, st.se = st.we.to(device), st.se.to(device)
         return st
 
     def errors(self, key: str, numel: int | None = None,
@@ -184,20 +187,40 @@ class OnebitAllreduce:
             self._errors.pop(key, None)
 
     def state_dict(self) -> dict:
-        """Error buffers by key (this rank's; they differ between ranks)."""
+        """This rank's error buffers by key (they differ between ranks), with sizes."""
         out = {}
         for k, st in self._errors.items():
             st.materialize()
-            out[k] = {"worker_error": st.we.clone(), "server_error": st.se.clone()}
+            out[k] = {"numel": st.numel, "worker_error": st.we.detach().cpu().clone(),
+                      "server_error": st.se.detach().cpu().clone()}
         return {"world_size": self.size, "errors": out}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore error buffers saved by ``state_dict`` at the same world size."""
+        """Restore error buffers saved by ``state_dict`` at the same world size (exactly)."""
         if int(state.get("world_size", -1)) != self.size:
             raise ValueError(f"OnebitAllreduce.load_state_dict: saved at world size "
-                             f"{state.get('world_size')}, loading at {self.size}")
+                             f"{state.get('world_size')}, loading at {self.size}; use "
+                             f"load_per_rank_state_dict with every saved rank's state to reshard")
         errors = {}
         for k, d in state["errors"].items():
-            errors[k] = _KeyErrors(d["worker_error"].detach().to(torch.float32).clone().contiguous(),
-                                   d["server_error"].detach().to(torch.float32).clone().contiguous())
+            n = int(d["numel"])
+            we = d["worker_error"].detach().to("cpu", torch.float32).clone().contiguous()
+            se = d["server_error"].detach().to("cpu", torch.float32).clone().contiguous()
+            if we.numel() != padded_size(n, self.size) or se.numel() * self.size != we.numel():
+                raise ValueError(f"OnebitAllreduce.load_state_dict: key {k!r} of {n} elements needs "
+                                 f"{padded_size(n, self.size)} and {padded_size(n, self.size) // self.size} "
+                                 f"error elements, got {we.numel()} and {se.numel()}")
+            errors[k] = _KeyErrors(n, we, se)
         self._errors = errors
+
+    def per_rank_state_dict(self) -> dict:
+        """This rank's part of a checkpoint (``ckpt``'s per-rank protocol): ``state_dict()``."""
+        return self.state_dict()
+
+    def load_per_rank_state_dict(self, saved: list[dict], rank: int, size: int) -> None:
+        """Load from every saved rank's ``per_rank_state_dict()`` (in rank order): this rank's own
+        at the same world size, else resharded by ``compressed.reshard`` (error mass kept)."""
+        if size != self.size or not 0 <= rank < size:
+            raise ValueError(f"OnebitAllreduce.load_per_rank_state_dict: rank {rank} of {size} does "
+                             f"not match this communicator (rank {self.comm.rank} of {self.size})")
+        self.load_state_dict(reshard.allreduce_state(saved, rank, size))
