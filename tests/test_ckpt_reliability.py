@@ -21,7 +21,7 @@ import ckpt
 from ckpt import api as ckpt_api
 from ckpt import cli as ckpt_cli
 from ckpt import io as ckpt_io
-from mpitest import assert_all, mpiexec_path
+from mpitest import assert_all, mpiexec_cmd
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 single_process = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1, reason="single-process test")
@@ -137,7 +137,7 @@ def start_job(tmp_path, *args: str, n: int = 2) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPI_LOCAL"))}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("OMP_NUM_THREADS", "1")
-    return subprocess.Popen([mpiexec_path(), "-n", str(n), sys.executable, "-m", "mpi4py", str(script), *args],
+    return subprocess.Popen([*mpiexec_cmd(n), sys.executable, "-m", "mpi4py", str(script), *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
 
 
