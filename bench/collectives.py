@@ -142,19 +142,9 @@ def available_peers(wanted, mpi_comm: MPI.Comm) -> tuple[list[str], dict, list[s
     peers, notes, ctx = [], [], {}
     for peer in wanted:
         if peer == "mpicomm":
-            try:
-                import mpicomm
+            import mpicomm
 
-                comm = mpicomm.init()
-                missing = [name for name in ("all_reduce", "all_gather_into_tensor",
-                                             "reduce_scatter_tensor", "all_to_all_single",
-                                             "broadcast") if not hasattr(comm, name)]
-            except Exception as exc:  # noqa: BLE001 - reported as a note
-                comm, missing = None, [f"{type(exc).__name__}: {exc}"]
-            if missing:
-                notes.append(f"peer mpicomm skipped: its collectives are not there yet "
-                             f"(missing {', '.join(missing)})")
-                continue
+            comm = mpicomm.init()
             ctx["mpicomm"] = comm
         elif peer == "gloo":
             try:
