@@ -105,7 +105,7 @@ class Communicator:
         finish.extend(extra)
         try:
             if async_op:
-                return Work(nonblocking(*args), finish, result)
+                return Work(nonblocking(*args), finish, result, keep=slots)
             blocking(*args)
         except BaseException:
             for s in slots:
