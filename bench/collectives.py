@@ -26,7 +26,7 @@ from typing import Callable
 import numpy as np
 from mpi4py import MPI
 
-from . import common, values
+from . import common, netsim, values
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 PEERS = ("mpicomm", "mpi4py", "gloo")
@@ -243,15 +243,20 @@ def measure_size(peers, op: str, size_bytes: int, name: str, device: str, mpi_co
             continue
         cases[peer] = case
     timings: dict[str, list] = {p: [] for p in cases}
+    measured: dict[str, list] = {p: [] for p in cases}
     order = list(cases)
     per_round = budget_s / rounds if budget_s else budget_s
+    meter = netsim.LinkMeter(mpi_comm)  # bytes on the simulated links (under netsim only)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         for r in range(rounds):
             for peer in order[r % len(order):] + order[:r % len(order)] if order else []:
                 c = cases[peer]
-                timings[peer].append(common.timed(c.call, nbytes, mpi_comm, iters=iters,
-                                                  warmup=warmup, budget_s=per_round, sync=c.sync))
+                meter.start()
+                timing = common.timed(c.call, nbytes, mpi_comm, iters=iters, warmup=warmup,
+                                      budget_s=per_round, sync=c.sync)
+                measured[peer].append(meter.stop(timing[1] + timing[2]))
+                timings[peer].append(timing)
         records = []
         for peer, case in cases.items():
             case.load(values.send_values(op, rank, count, per_rank, name))
@@ -267,11 +272,14 @@ def measure_size(peers, op: str, size_bytes: int, name: str, device: str, mpi_co
             _, w, it = timings[peer][mid]
             algbw, busbw = common.bandwidths(nbytes, times[1], op, n)
             wire = int(round(nbytes * common.busbw_factor(op, n) * case.wire_factor))
-            records.append(common.make_record(
+            rec = common.make_record(
                 bench=BENCH, op=op, dtype=name, size_bytes=nbytes, info=info, times_s=times,
                 algbw_gbps=algbw, busbw_gbps=busbw, wire_bytes=wire, wrong=wrong,
                 round_means_s=round_means, peer=peer, count=count, device=device, iters=it,
-                warmup=w, check=case.check))
+                warmup=w, check=case.check)
+            if meter.enabled:  # the median round's count
+                rec["wire_bytes_measured"] = measured[peer][mid]
+            records.append(rec)
     return records, notes
 
 

@@ -25,7 +25,7 @@ RECORD_FIELDS = {
 OPTIONAL_FIELDS = {
     "peer": str, "count": int, "iters": int, "warmup": int, "device": str, "network": str,
     "rounds": int, "time_us_rounds": list, "time_us_round_min": _NUM, "time_us_round_max": _NUM,
-    "wire_bytes_measured": int, "check": str,
+    "wire_bytes_measured": _NUM, "check": str,
 }
 _NULLABLE = {"wire_bytes_measured", "network"}
 DEVICES = ("cpu", "cuda")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from mpi4py import MPI
-from mpitest import assert_all, mpiexec_path
+from mpitest import assert_all, mpiexec_cmd
 
 from bench import collectives, common, values
 
@@ -131,7 +131,7 @@ def test_a_broken_collective_is_counted_wrong(monkeypatch):
 
 def _run_program(n, tmp_path, *extra, timeout=240):
     out = tmp_path / f"coll{n}.json"
-    launch = [mpiexec_path(), "-n", str(n), sys.executable, "-m", "mpi4py"] if n > 1 else \
+    launch = [*mpiexec_cmd(n), sys.executable, "-m", "mpi4py"] if n > 1 else \
         [sys.executable]
     cmd = [*launch, "-m", "bench", "collectives", "--sizes", "8,1K", "--iters", "2",
            "--warmup", "1", "--json", str(out), *extra]

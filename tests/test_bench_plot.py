@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from bench import plot, records
-from mpitest import mpiexec_path
+from mpitest import mpiexec_cmd
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HIDE = "import sys; sys.modules['matplotlib'] = None; "
@@ -116,7 +116,7 @@ def test_program_plot_option_without_matplotlib_still_measures(n, tmp_path):
     code = HIDE + ("from bench.collectives import main; sys.exit(main(['--ops', 'all_reduce', "
                    "'--sizes', '8', '--iters', '1', '--warmup', '0', '--rounds', '1', "
                    f"'--json', {str(out)!r}, '--plot', {str(png)!r}]))")
-    launch = [mpiexec_path(), "-n", str(n), sys.executable, "-m", "mpi4py"] if n > 1 else \
+    launch = [*mpiexec_cmd(n), sys.executable, "-m", "mpi4py"] if n > 1 else \
         [sys.executable]
     proc = subprocess.run([*launch, "-c", code], cwd=ROOT, capture_output=True, text=True,
                           timeout=180)
@@ -128,7 +128,7 @@ def test_program_plot_option_without_matplotlib_still_measures(n, tmp_path):
 @pytest.mark.skipif(plot.matplotlib_missing() is not None, reason="needs matplotlib")
 def test_program_plot_option_draws(tmp_path):
     png = tmp_path / "c.png"
-    proc = subprocess.run([mpiexec_path(), "-n", "2", sys.executable, "-m", "mpi4py", "-m",
+    proc = subprocess.run([*mpiexec_cmd(2), sys.executable, "-m", "mpi4py", "-m",
                            "bench", "collectives", "--ops", "all_reduce,broadcast", "--sizes",
                            "8:64", "--iters", "1", "--warmup", "0", "--rounds", "2", "--plot",
                            str(png), "--plot-y", "time"], cwd=ROOT, capture_output=True,
