@@ -53,7 +53,7 @@ def test_overrides_show_in_the_text_report():
     out = proc.stdout
     assert "accelerator:      cpu (MPICOMM_ACCELERATOR=cpu)" in out
     assert "local rank:       3 of 1 (from MPICOMM_LOCAL_RANK)" in out
-    assert "WARNING:" in out and "not below the local size 1" in out  # one process on this host
+    assert "WARNING:" in out and "not below the local size 1" in out  # one process on the node
     assert "CUDA-aware MPI:   no (source: cpu accelerator)" in out
     assert "MPI CUDA support:" in out
 
