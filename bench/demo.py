@@ -188,8 +188,8 @@ def part_network(mpi_comm, out, rates: list[str], size_bytes: int, timeout_s: fl
     records: list[dict] = []
     if mpi_comm.Get_rank() == 0:
         problem = netsim.preflight()
-        if problem is None and MPI.get_vendor()[0] != "MPICH":
-            problem = f"netsim launches with MPICH's Hydra; this MPI is {MPI.get_vendor()[0]}"
+        if problem is None and MPI.get_vendor()[0] not in ("MPICH", "Open MPI"):
+            problem = f"netsim launches with MPICH or Open MPI; this MPI is {MPI.get_vendor()[0]}"
         if problem:
             out(f"   skipped: {problem}")
         for rate in rates if not problem else []:

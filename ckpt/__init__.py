@@ -12,7 +12,7 @@ offsets, optimizer class and param_groups, per-block CRC-32, step, extras) and `
 time per parent directory); unfinished saves are refused by name. ``python -m ckpt inspect|verify
 PATH`` reads a checkpoint without MPI; ``convert`` and ``export`` move to and from DeepSpeed.
 
-DeepSpeed: ``ckpt.from_deepspeed(tag_dir, path, allow_pickle=True)`` imports a ZeRO checkpoint;
+DeepSpeed: ``ckpt.from_deepspeed(tag_dir, path)`` imports a ZeRO checkpoint;
 ``ckpt.to_deepspeed_universal(path, out_dir)`` writes DeepSpeed's universal layout.
 """
 from __future__ import annotations

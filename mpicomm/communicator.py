@@ -8,6 +8,7 @@ primitive, and put results back into the caller's buffers when the call complete
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Callable, Sequence
 
 import torch
@@ -33,6 +34,32 @@ def _env_flag(name: str) -> bool:
     raise ValueError(f"{name}: expected 0 or 1, got {value!r}")
 
 
+def _node_rank(mpi_comm: MPI.Intracomm) -> tuple[int, int]:
+    """(local rank, ranks of ``mpi_comm`` on this node), local rank as the accelerator layer says.
+
+    Launcher variable first, the shared-memory split as the fallback (collective over
+    ``mpi_comm``); on the world, a warning when the node's local ranks are not each of 0..n-1.
+    """
+    from accelerators import LocalRankWarning, detect_local_rank, get_accelerator
+    from accelerators.local_rank import numbering_problem
+
+    node = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        acc = get_accelerator()
+        if MPI.Comm.Compare(mpi_comm, MPI.COMM_WORLD) in (MPI.IDENT, MPI.CONGRUENT):
+            local = acc.local_rank()
+            problem = numbering_problem(node.allgather(local.rank), local.source)
+            if problem is not None:
+                warnings.warn(problem, LocalRankWarning, stacklevel=3)
+        else:  # the launcher's answer (per process) when there is one, else this split, never
+               # a collective over the world (not every world rank is here)
+            local = detect_local_rank(explicit=acc._explicit_local_rank,
+                                      shared_split=lambda: (node.Get_rank(), node.Get_size()))
+        return local.rank, node.Get_size()
+    finally:
+        node.Free()
+
+
 def _sig(t: torch.Tensor) -> str:
     return f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}"
 
@@ -43,6 +70,10 @@ class Communicator:
     ``check=True`` (or ``MPICOMM_CHECK=1``) makes the ranks agree on each collective's op,
     shapes, dtypes and root before calling MPI, so a mismatch raises on every rank instead of
     hanging or corrupting data.
+
+    ``local_rank`` is this process's rank on its node as the accelerator layer numbers it
+    (launcher variable first, shared-memory split as the fallback; it picks the device);
+    ``local_size`` counts this communicator's ranks on the node.
     """
 
     def __init__(self, mpi_comm: MPI.Comm = MPI.COMM_WORLD, check: bool | None = None) -> None:
@@ -51,10 +82,7 @@ class Communicator:
         self.mpi_comm = mpi_comm
         self.rank: int = mpi_comm.Get_rank()
         self.size: int = mpi_comm.Get_size()
-        node = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED)
-        self.local_rank: int = node.Get_rank()
-        self.local_size: int = node.Get_size()
-        node.Free()
+        self.local_rank, self.local_size = _node_rank(mpi_comm)
         self.check: bool = _env_flag("MPICOMM_CHECK") if check is None else bool(check)
         self._policy: DevicePolicy | None = None
         self._tag_ub: int = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)

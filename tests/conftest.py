@@ -18,7 +18,7 @@ def pytest_report_header(config):
     import torch
 
     vendor, vver = MPI.get_vendor()
-    lib = MPI.Get_library_version().splitlines()[0].strip()
+    lib = MPI.Get_library_version().replace("\x00", "").splitlines()[0].strip()  # Open MPI: NUL
     return [
         f"MPI: {vendor} {'.'.join(map(str, vver))} (standard {'.'.join(map(str, MPI.Get_version()))}; {lib})",
         f"mpi4py {mpi4py.__version__}, torch {torch.__version__}, numpy {numpy.__version__}",

@@ -10,14 +10,14 @@ import pytest
 from mpi4py import MPI
 
 from bench import common, demo, netsim
-from mpitest import assert_all, mpiexec_path
+from mpitest import assert_all, mpiexec_cmd
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _demo(n, tmp_path, *args, timeout=240):
     out = tmp_path / f"demo{n}.json"
-    launch = [mpiexec_path(), "-n", str(n), sys.executable, "-m", "mpi4py"] if n > 1 else [sys.executable]
+    launch = [*mpiexec_cmd(n), sys.executable, "-m", "mpi4py"] if n > 1 else [sys.executable]
     proc = subprocess.run([*launch, "-m", "bench", "demo", *args, "--json", str(out)], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr}"

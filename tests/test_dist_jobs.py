@@ -8,9 +8,8 @@ import sys
 import time
 
 import pytest
-from mpi4py import MPI
 
-from mpitest import mpiexec_path
+from mpitest import mpiexec_cmd
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "HYDRA_", "HYDI_", "OMPI_", "MPI_LOCAL", "PRTE_")
@@ -27,10 +26,7 @@ def _env(**extra) -> dict:
 
 
 def _mpiexec(n: int) -> list[str]:
-    cmd = [mpiexec_path(), "-n", str(n)]
-    if MPI.get_vendor()[0] == "Open MPI":
-        cmd.insert(1, "--oversubscribe")
-    return cmd
+    return mpiexec_cmd(n)
 
 
 _SKIP_JOB = r"""

@@ -88,19 +88,20 @@ def from_deepspeed(ds_checkpoint_dir: str | os.PathLike, path: str | os.PathLike
     its own shard. The result holds the model weights (DeepSpeed's dtype), fp32 masters, the
     optimizer's exp_avg / exp_avg_sq / step and hyperparameters, sharded like a
     ``ZeroOptimizer`` of the same stage (ZeRO-2 maps to stage 1) over ``comm``; it loads with
-    ``ckpt.load`` at any world size. DeepSpeed's optimizer files are pickles, which can run
-    code when loaded: the call refuses them unless ``allow_pickle`` is true. ``progress`` is
+    ``ckpt.load`` at any world size. DeepSpeed's files are pickles: they are loaded weights-only
+    with an allowlist of DeepSpeed's classes (as inert stand-ins), so no code runs and any other
+    global is refused; ``allow_pickle`` is accepted for compatibility and unnecessary. Every zip
+    entry's CRC-32 is checked before use. ``progress`` is
     called with (phase, done, total) for this rank's reading and the collective write.
     """
     comm = _comm(comm)
     folder = _tag_folder(os.path.abspath(os.fspath(ds_checkpoint_dir)))
-    meta = read_deepspeed(folder, allow_pickle=allow_pickle, names=[])
+    meta = read_deepspeed(folder, names=[], comm=comm)  # checks every zip entry, shared among the ranks
     stage = 3 if meta.stage == 3 else 1
     by_group: list[list[str]] = [[n for n in meta.names if meta.group[n] == gi]
                                  for gi in range(len(meta.param_groups))]
     layouts = [(names, ShardLayout([meta.numel(n) for n in names], comm.size, stage)) for names in by_group]
-    state = read_deepspeed(folder, allow_pickle=allow_pickle, names=_needed(meta, layouts, comm.rank),
-                           progress=progress)
+    state = read_deepspeed(folder, names=_needed(meta, layouts, comm.rank), progress=progress, verify=False)
 
     entries: "OrderedDict[str, tuple[torch.Tensor, bool]]" = OrderedDict()
     order = list(state.model_state) + [n for n in state.names if n not in state.model_state]
