@@ -6,6 +6,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+import mpicomm
+
 from .layout import STAGES, ShardLayout
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -18,12 +20,6 @@ class _Group:
     master: torch.Tensor                     # this rank's fp32 shard, local_numel elements
     dtype: torch.dtype                       # the model weights' dtype in this group
     buckets: list | None = None              # see ZeroOptimizer._buckets
-
-
-def _default_comm():
-    import mpicomm
-
-    return mpicomm.init()
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -45,7 +41,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise ValueError(f"ZeroOptimizer: expected stage in {STAGES}, got {stage!r}")
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise TypeError(f"ZeroOptimizer: expected a torch.optim.Optimizer subclass, got {optimizer_class!r}")
-        self.comm = _default_comm() if comm is None else comm
+        self.comm = mpicomm.as_communicator(comm)
         self.stage = stage
         self.optimizer_class = optimizer_class
         self.world_size = int(self.comm.size)

@@ -10,9 +10,13 @@ from typing import Any
 
 import torch
 
+from ..errors import EXIT_PICKLE, CheckpointError
 
-class PickleRefusedError(ValueError):
+
+class PickleRefusedError(CheckpointError, ValueError):
     """A DeepSpeed file needs full pickle loading (which can run code) and it was not allowed."""
+
+    exit_code = EXIT_PICKLE
 
 
 class Stub:
