@@ -113,15 +113,29 @@ def detect_local_rank(
         return LocalRank(0, None, "default", tuple(notes))
 
     source, rank, size = found[0]
+    split = next(((r, s) for src, r, s in found[1:] if src == SHARED_SPLIT_SOURCE), None)
     if size is None:  # take the size from the first lower-priority source that agrees on the rank
-        for _, other_rank, other_size in found[1:]:
-            if other_size is not None and other_rank == rank:
+        for other_source, other_rank, other_size in found[1:]:
+            if other_size is not None and (other_rank == rank or other_source == SHARED_SPLIT_SOURCE):
                 size = other_size
                 break
     for other_source, other_rank, _ in found[1:]:
-        if other_rank != rank:
+        # The split numbers a node's ranks in world-rank order; a launcher may number them in
+        # another (Open MPI's by-core mapping gives world 0-3 local 0, 2, 1, 3): both are valid.
+        if other_rank != rank and other_source != SHARED_SPLIT_SOURCE:
             notes.append(f"{other_source} says local rank {other_rank} but {source} says {rank}; "
                          f"using {source}")
+    if split is not None and size is not None and split[1] != size:
+        notes.append(f"{source} says {size} ranks on this node but {SHARED_SPLIT_SOURCE} counts "
+                     f"{split[1]}")
     if size is not None and rank >= size:
         notes.append(f"local rank {rank} from {source} is not below the local size {size}")
     return LocalRank(rank, size, source, tuple(notes))
+
+
+def numbering_problem(ranks: Sequence[int], source: str) -> Optional[str]:
+    """A warning when the local ranks of one node's processes (in world-rank order) are not 0..n-1."""
+    if sorted(ranks) == list(range(len(ranks))):
+        return None
+    return (f"the {len(ranks)} processes on this node have local ranks {list(ranks)} (from "
+            f"{source}), not each of 0..{len(ranks) - 1} once: two processes may share a device")

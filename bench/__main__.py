@@ -32,15 +32,7 @@ def main(argv=None) -> int:
         print(f"bench: unknown program {name!r}; expected one of: {', '.join(PROGRAMS)}",
               file=sys.stderr)
         return 2
-    module_name = PROGRAMS[name][0]
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name != module_name:
-            raise
-        print(f"bench: program {name!r} is not available in this build ({module_name} is missing)",
-              file=sys.stderr)
-        return 2
+    module = importlib.import_module(PROGRAMS[name][0])
     return int(module.main(rest) or 0)
 
 

@@ -19,7 +19,7 @@ from typing import Callable
 import numpy as np
 from mpi4py import MPI
 
-from . import common
+from . import common, netsim
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 PEERS = ("mpicomm", "mpi4py", "gloo")
@@ -142,19 +142,9 @@ def available_peers(wanted, mpi_comm: MPI.Comm) -> tuple[list[str], dict, list[s
     peers, notes, ctx = [], [], {}
     for peer in wanted:
         if peer == "mpicomm":
-            try:
-                import mpicomm
+            import mpicomm
 
-                comm = mpicomm.init()
-                missing = [name for name in ("all_reduce", "all_gather_into_tensor",
-                                             "reduce_scatter_tensor", "all_to_all_single",
-                                             "broadcast") if not hasattr(comm, name)]
-            except Exception as exc:  # noqa: BLE001 - reported as a note
-                comm, missing = None, [f"{type(exc).__name__}: {exc}"]
-            if missing:
-                notes.append(f"peer mpicomm skipped: its collectives are not there yet "
-                             f"(missing {', '.join(missing)})")
-                continue
+            comm = mpicomm.init()
             ctx["mpicomm"] = comm
         elif peer == "gloo":
             try:
@@ -188,8 +178,11 @@ def measure(peer: str, op: str, size_bytes: int, dtype_name: str, mpi_comm: MPI.
     case = make_case(peer, op, count, per_rank, dtype, mpi_comm, ctx.get("mpicomm"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
+        meter = netsim.LinkMeter(mpi_comm)  # bytes on the simulated links (netsim only)
+        meter.start()
         times, w, it = common.timed(case.call, nbytes, mpi_comm, iters=iters, warmup=warmup,
                                     budget_s=budget_s)
+        measured = meter.stop(w + it)
         # correctness, outside the timed loop
         case.send[:] = send_values(op, rank, count, per_rank, dtype)
         case.recv[:] = 0
@@ -199,11 +192,14 @@ def measure(peer: str, op: str, size_bytes: int, dtype_name: str, mpi_comm: MPI.
     local_wrong = int(np.count_nonzero(got != want)) if got.shape == want.shape else int(want.size)
     wrong = mpi_comm.allreduce(local_wrong, op=MPI.SUM)
     algbw, busbw = common.bandwidths(nbytes, times[1], op, n)
-    return common.make_record(
+    rec = common.make_record(
         bench=BENCH, op=op, dtype=dtype_name, size_bytes=nbytes, info=info, times_s=times,
         algbw_gbps=algbw, busbw_gbps=busbw,
         wire_bytes=int(round(nbytes * common.busbw_factor(op, n))), wrong=wrong,
         peer=peer, count=count, iters=it, warmup=w)
+    if measured is not None:
+        rec["wire_bytes_measured"] = measured
+    return rec
 
 
 def summary_lines(records: list[dict], baseline: str = "mpi4py") -> list[str]:

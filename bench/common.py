@@ -35,7 +35,7 @@ __all__ = [
     "schedule_text", "PLOT_Y",
     "environment_info", "header_lines", "time_loop", "across_ranks", "busbw_factor",
     "bandwidths", "make_record", "validate_record", "plot_records", "matplotlib_missing",
-    "free_port", "init_gloo",
+    "free_port", "init_gloo", "clean_env",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -570,6 +570,14 @@ class Reporter:
 
 # ---------------------------------------------------------------------------------------------
 # torch.distributed gloo peer
+
+_LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "MPI_", "MPIR_", "HYDRA_", "HYDI_", "OMPI_", "I_MPI_")
+
+
+def clean_env() -> dict:
+    """This process's environment without the MPI launcher's variables (for a fresh launch)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_PREFIXES)}
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that is free right now."""

@@ -36,7 +36,7 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-from . import common
+from . import common, netsim
 
 BENCH = "compressed"
 
@@ -234,10 +234,13 @@ def _run(args, compressed, K) -> int:
         g = rng.standard_normal(n).astype(np.float32)
         cases = _cases(ops, g, lay, world, backend, K, rng, HEADER_BYTES)
         best: dict[str, tuple[float, float, float]] = {}
+        meter, sent = netsim.LinkMeter(world), {}  # bytes on the simulated links (netsim only)
         for _ in range(args.rounds):  # interleaved rounds: every op sees the same machine load
             for op, (fn, _, _, _) in cases.items():
-                secs, _, _ = common.timed(fn, nbytes, world, iters=args.iters, warmup=args.warmup,
-                                          budget_s=args.budget)
+                meter.start()
+                secs, w, it = common.timed(fn, nbytes, world, iters=args.iters, warmup=args.warmup,
+                                           budget_s=args.budget)
+                sent.setdefault(op, []).append(meter.stop(w + it))
                 if op not in best or secs[1] < best[op][1]:
                     best[op] = secs
         times = {op: secs[1] for op, secs in best.items()}
@@ -253,6 +256,8 @@ def _run(args, compressed, K) -> int:
                                      busbw_gbps=busbw, wire_bytes=wire, wrong=wrong, peer=peer,
                                      count=n, kernels=impl, rounds=args.rounds)
             rec["x_fp32"] = secs[1] / base_time if base_time else None
+            if meter.enabled and not local:
+                rec["wire_bytes_measured"] = sum(sent[op]) / len(sent[op])
             rep.emit(rec)
         parts = [f"{common.format_size(nbytes)}:"]
         if "all_reduce" in times and "all_reduce:1bit" in times:
@@ -260,6 +265,9 @@ def _run(args, compressed, K) -> int:
                          f"(goal <= 1.0x)")
             parts.append(f"wire fp32/1-bit {fp32_allreduce_wire_bytes(n, p) / max(1, lay.wire_bytes()):.1f}x "
                          f"(goal >= 30x)")
+            if meter.enabled:
+                counted = sum(sent["all_reduce"]) / max(1e-9, sum(sent["all_reduce:1bit"]))
+                parts.append(f"counted on the links fp32/1-bit {counted:.1f}x")
         for op in ("all_reduce:1bit-ar", "all_reduce:1bit-new"):
             if op in times and "all_reduce" in times:
                 parts.append(f"{op[11:]}/fp32 {times[op] / times['all_reduce']:.2f}x")

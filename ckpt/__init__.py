@@ -14,7 +14,7 @@ time per parent directory); unfinished saves are refused by name. ``python -m ck
 PATH`` reads a checkpoint without MPI; ``convert`` and ``export`` move to and from DeepSpeed.
 Every problem with a checkpoint raises a ``CheckpointError`` (its ``exit_code`` is the CLI's).
 
-DeepSpeed: ``ckpt.from_deepspeed(tag_dir, path, allow_pickle=True)`` imports a ZeRO checkpoint;
+DeepSpeed: ``ckpt.from_deepspeed(tag_dir, path)`` imports a ZeRO checkpoint;
 ``ckpt.to_deepspeed_universal(path, out_dir)`` writes DeepSpeed's universal layout.
 
 What lives where:

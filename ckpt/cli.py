@@ -27,16 +27,16 @@ EXIT_CODES_HELP = f"""exit codes:
   {EXIT_USAGE}  bad arguments, or no checkpoint at PATH (nothing there, a manifest that does not
      parse, or one from a newer format version than {FORMAT_VERSION})
   {EXIT_INCOMPLETE}  PATH is an incomplete checkpoint: a save that did not finish (never loaded)
-  {EXIT_PICKLE}  convert: the source holds pickles and --allow-pickle was not given
+  {EXIT_PICKLE}  convert: the source holds a pickled Python global that DeepSpeed checkpoints
+     never contain (refused, never unpickled, with or without --allow-pickle)
   {EXIT_EXISTS}  the destination exists (pass --overwrite to replace it)
   {EXIT_FAILED}  any other failure (I/O or MPI error, unsupported source format, a failure on
      another rank)
 """
 
-PICKLE_HELP = ("DeepSpeed writes its checkpoints with torch.save, i.e. as Python pickles, and unpickling "
-               "a file can run arbitrary code that the file's author chose. Without this flag only files "
-               "that load as plain tensors and data are read, and a real DeepSpeed checkpoint is refused. "
-               "Pass it only for checkpoints you trust (your own training runs).")
+PICKLE_HELP = ("unnecessary, accepted for compatibility: DeepSpeed's files are pickles, and they are "
+               "always loaded weights-only, with DeepSpeed's own classes as inert stand-ins, so no code "
+               "in them can run; a file holding any other Python global is refused with or without it.")
 
 
 def _fmt_size(n: int) -> str:
@@ -178,7 +178,7 @@ def parser() -> argparse.ArgumentParser:
                        epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     v.add_argument("path", help="checkpoint directory, or a directory with a 'latest' pointer")
     progress_flags(v)
-    c = sub.add_parser("convert", help="import a DeepSpeed ZeRO checkpoint (needs --allow-pickle)",
+    c = sub.add_parser("convert", help="import a DeepSpeed ZeRO checkpoint",
                        epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     c.add_argument("--from", dest="source_format", required=True, choices=["deepspeed"],
                    help="format of SRC")
@@ -215,12 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         code = exc.exit_code if isinstance(exc, CheckpointError) else EXIT_FAILED
         if _is_rank0():
             msg = str(exc) if not isinstance(exc, StateMismatchError) else exc.args[0]
-            hint = ""
-            if code == EXIT_PICKLE:
-                msg = msg.replace("Pass allow_pickle=True", "Pass --allow-pickle")
-                hint = f"\n  --allow-pickle: {PICKLE_HELP}"
             kind = "" if isinstance(exc, (ManifestError, CollectiveError)) else f"{type(exc).__name__}: "
-            print(f"python -m ckpt {args.cmd}: {kind}{msg}{hint}", file=sys.stderr)
+            print(f"python -m ckpt {args.cmd}: {kind}{msg}", file=sys.stderr)
         return code
 
 

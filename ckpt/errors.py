@@ -12,7 +12,7 @@ EXIT_OK = 0
 EXIT_DAMAGED = 1      # checksum mismatch, truncated or missing data file
 EXIT_USAGE = 2        # bad arguments, or no readable checkpoint at the path (missing, bad or newer manifest)
 EXIT_INCOMPLETE = 3   # a save that never finished
-EXIT_PICKLE = 4       # the source needs unpickling and --allow-pickle was not given
+EXIT_PICKLE = 4       # the source holds a pickled Python global outside DeepSpeed's allowlist
 EXIT_EXISTS = 5       # the destination exists and --overwrite was not given
 EXIT_FAILED = 6       # anything else: I/O or MPI errors, an unsupported source, another rank's failure
 

@@ -1,16 +1,30 @@
 """ZeRO-style optimizer: fp32 master weights and optimizer state sharded across ranks."""
 from __future__ import annotations
 
+import contextlib
+import logging
+import math
+import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-import mpicomm
-
 from .layout import STAGES, ShardLayout
+from .zero_buckets import GradReducer
+from .zero_inner import check_inner, is_onebit
+from .zero_onebit import ShardedOnebitAdam
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+log = logging.getLogger("ckpt.zero")
+
+_MODIFIED = (
+    "ZeroOptimizer: the gradients of {n} parameter(s) were modified in place after backward and "
+    "before step() (on ranks {ranks}). With a ZeroOptimizer each rank holds its local, unaveraged "
+    "gradient until step() averages it, so torch.nn.utils.clip_grad_norm_(model.parameters(), ...) "
+    "clips with a rank-local norm and torch.amp.GradScaler.unscale_ unscales rank-local gradients: "
+    "both are wrong here. Clip with opt.clip_grad_norm_(max_norm) (the norm of the averaged "
+    "gradient), scale the loss instead of the gradients, and call opt.zero_grad() before backward.")
 
 
 @dataclass
@@ -19,34 +33,47 @@ class _Group:
     layout: ShardLayout
     master: torch.Tensor                     # this rank's fp32 shard, local_numel elements
     dtype: torch.dtype                       # the model weights' dtype in this group
-    buckets: list | None = None              # see ZeroOptimizer._buckets
+    buckets: list | None = None              # column ranges for gather_params
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
     """Shard fp32 master weights and the state of ``optimizer_class`` over the ranks of ``comm``.
 
-    ``step()`` averages the model's gradients with a reduce-scatter (each rank receives the
-    mean gradient of its own shard), runs the wrapped optimizer on the shard, and all-gathers
-    the updated weights back into the model (cast to the model's dtype). Stage 1 shards each
-    parameter group as one flat padded buffer; stage 3 splits every parameter on its own (the
-    model keeps full weights on every rank either way). A parameter whose ``grad`` is None
-    counts as a zero gradient. Collectives go through buffers of at most ``bucket_bytes``.
-    Save and load with ``ckpt.save`` / ``ckpt.load``.
+    The model's gradients are averaged onto their shard owners (stage 1: each parameter group
+    as one flat padded buffer split evenly; stage 3: every parameter split on its own) in buckets
+    of at most ``bucket_bytes``, launched from gradient hooks as backward produces them when
+    ``overlap`` (the default), so ``step()`` mostly waits. ``step()`` then runs the wrapped
+    optimizer on the shard and all-gathers the weights back into the model (cast to its dtype;
+    the model keeps full weights on every rank). A parameter whose ``grad`` is None counts as a
+    zero gradient. Under ``with opt.no_sync():`` backward only accumulates locally (use it for
+    all micro-batches but the last). ``clip_grad_norm_`` clips the averaged gradient;
+    ``skip_nonfinite=True`` skips a step on every rank when any averaged gradient is inf/NaN
+    (counted in ``skipped_steps``). ``compressed.OnebitAdam`` as ``optimizer_class`` gives 1-bit
+    Adam on the shards. Save and load with ``ckpt.save`` / ``ckpt.load``.
     """
 
     def __init__(self, optimizer_class: type[torch.optim.Optimizer], params: Iterable[Any],
-                 stage: int = 1, comm: Any = None, bucket_bytes: int = 32 << 20,
-                 **optimizer_kwargs: Any) -> None:
+                 stage: int = 1, comm: Any = None, bucket_bytes: int = 32 << 20, *,
+                 overlap: bool = True, skip_nonfinite: bool = False, **optimizer_kwargs: Any) -> None:
+        import mpicomm
+
         if stage not in STAGES:
             raise ValueError(f"ZeroOptimizer: expected stage in {STAGES}, got {stage!r}")
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise TypeError(f"ZeroOptimizer: expected a torch.optim.Optimizer subclass, got {optimizer_class!r}")
+        check_inner(optimizer_class)
+        if int(bucket_bytes) < 1:
+            raise ValueError(f"ZeroOptimizer: expected bucket_bytes >= 1, got {bucket_bytes!r}")
         self.comm = mpicomm.as_communicator(comm)
         self.stage = stage
         self.optimizer_class = optimizer_class
         self.world_size = int(self.comm.size)
         self.rank = int(self.comm.rank)
         self.bucket_bytes = int(bucket_bytes)
+        self.overlap = bool(overlap)
+        self.skip_nonfinite = bool(skip_nonfinite)
+        self.skipped_steps = 0
+        self.last_step_skipped = False
         self._scratch_bufs: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
         groups = list(params)
@@ -79,11 +106,28 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._groups.append(_Group(ps, layout, master, ps[0].dtype if ps else torch.float32))
             opts = {k: v for k, v in g.items() if k != "params"}
             inner_groups.append({"params": [master], **opts})
-        self.optimizer = optimizer_class(inner_groups, **optimizer_kwargs)
+        if is_onebit(optimizer_class):
+            self.optimizer: torch.optim.Optimizer = ShardedOnebitAdam(inner_groups, **optimizer_kwargs)
+        else:
+            self.optimizer = optimizer_class(inner_groups, **optimizer_kwargs)
         outer = []
         for grp, inner in zip(self._groups, self.optimizer.param_groups):
             outer.append({**{k: v for k, v in inner.items() if k != "params"}, "params": grp.params})
         super().__init__(outer, dict(self.optimizer.defaults))
+        # gradient traffic on a communicator of its own: buckets launched from hooks at different
+        # times on different ranks can never be matched with the caller's collectives on ``comm``
+        self._grad_comm = self.comm.dup() if self.world_size > 1 else self.comm
+        self._reducer = GradReducer(self._groups, self._grad_comm, stage, self.bucket_bytes)
+        self._accumulating = False
+        self._seen: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}   # grad and its version at hook time
+        self._synced: tuple[float, float] | None = None                     # (norm_type, norm) once reduced
+        self._finite: bool | None = None                                    # all averaged gradients finite
+        self._hooks = []
+        me = weakref.ref(self)
+        for gi, g in enumerate(self._groups):
+            for pi, p in enumerate(g.params):
+                if p.requires_grad:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(_make_hook(me, gi, pi)))
         self._built = True
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -91,9 +135,138 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise NotImplementedError("ZeroOptimizer: parameter groups are fixed at construction")
         super().add_param_group(param_group)
 
+    def close(self) -> None:
+        """Remove the gradient hooks and release the gradient communicator (collective)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self._reducer.drain()
+        if self._grad_comm is not self.comm:
+            self._grad_comm.free()
+            self._grad_comm = self.comm
+
+    # -- gradient hooks and accumulation --------------------------------------------------------
+
+    def _on_grad(self, gi: int, pi: int, p: torch.Tensor) -> None:
+        if p.grad is not None:
+            self._seen[(gi, pi)] = (p.grad, p.grad._version)
+        if self._accumulating or not self._averages_grads():
+            return
+        self._synced = None
+        self._finite = None
+        self._reducer.mark_ready(gi, pi, launch=self.overlap)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Within this block backward only accumulates gradients locally (no communication)."""
+        prev, self._accumulating = self._accumulating, True
+        try:
+            yield
+        finally:
+            self._accumulating = prev
+
+    def _averages_grads(self) -> bool:
+        return not (isinstance(self.optimizer, ShardedOnebitAdam) and self.optimizer.frozen)
+
+    # -- the one small allreduce per step ---------------------------------------------------------
+
+    def _local_power(self, norm_type: float) -> tuple[float, bool]:
+        grads = ([g.master.grad for g in self._groups if g.master.grad is not None]
+                 if self._averages_grads() else
+                 [p.grad for g in self._groups for p in g.params if p.grad is not None])
+        acc, finite = 0.0, True
+        for t in grads:
+            if t.numel() == 0:
+                continue
+            t = t.detach().float()
+            if math.isinf(norm_type):
+                v = float(t.abs().max())
+                acc = max(acc, v)
+            else:
+                v = float(torch.linalg.vector_norm(t, norm_type, dtype=torch.float64) ** norm_type)
+                acc += v
+            finite = finite and math.isfinite(v)
+        return acc, finite
+
+    def _modified(self) -> int:
+        n = 0
+        for (gi, pi), (t, version) in self._seen.items():
+            p = self._groups[gi].params[pi]
+            if p.grad is not t or t._version != version:
+                n += 1
+        return n
+
+    def _sync(self, norm_type: float) -> tuple[float, bool]:
+        """Reduce the gradients (if not yet), then agree over all ranks, in one small allreduce, on
+        the gradient norm, non-finite values and modified gradients; return (norm, finite)."""
+        if self._synced is not None and self._synced[0] == norm_type:
+            return self._synced[1], bool(self._finite)
+        averaging = self._averages_grads()
+        for attempt in range(2):
+            if averaging:
+                self._reducer.finish()
+            acc, finite = self._local_power(norm_type)
+            modified = self._modified()
+            stale = self._reducer.stale if averaging else False
+            by_max = math.isinf(norm_type)
+            # [norm power, non-finite, modified count, stale, which ranks modified (bit mask)]
+            vec = torch.tensor([acc if finite else math.inf, float(not finite), float(modified), float(stale),
+                                float(modified > 0) * (1.0 if by_max else 2.0 ** min(self.rank, 52))],
+                               dtype=torch.float64)
+            if self.world_size > 1:
+                self.comm.all_reduce(vec, op="max" if by_max else "sum")
+            if vec[2] > 0:
+                self._end_cycle()
+                ranks = "unknown (inf norm)" if by_max else \
+                    [r for r in range(min(self.world_size, 53)) if int(vec[4]) >> r & 1]
+                raise RuntimeError(_MODIFIED.format(n=int(vec[2]), ranks=ranks))
+            if vec[3] > 0 and attempt == 0:
+                # a bucket's gradient grew after it was sent (backward again without no_sync):
+                # every rank sends all buckets again, now that all gradients are final
+                self._reducer.reset()
+                continue
+            break
+        finite = bool(vec[1] == 0)
+        norm = float(vec[0]) if by_max else float(vec[0]) ** (1.0 / norm_type)
+        if not finite:
+            norm = math.nan
+        self._synced = (norm_type, norm)
+        self._finite = finite
+        return norm, finite
+
+    # -- clipping --------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip the averaged gradient (all parameters, all ranks) to ``max_norm``; return its norm.
+
+        Collective. Like ``torch.nn.utils.clip_grad_norm_`` on the averaged gradient: the norm is
+        taken over all parameters together (``inf``: the largest magnitude) and the shards are
+        scaled by ``max_norm / (norm + 1e-6)`` when that is below 1, before ``step()`` (left
+        as they are when the norm is not finite: see ``skip_nonfinite``).
+        """
+        norm_type = float(norm_type)
+        if not (norm_type > 0):
+            raise ValueError(f"clip_grad_norm_: expected norm_type > 0 or inf, got {norm_type}")
+        if not self._averages_grads():
+            raise RuntimeError("clip_grad_norm_: after freeze_step 1-bit Adam averages compressed momenta, "
+                               "not gradients; there is no averaged gradient to clip")
+        norm, finite = self._sync(norm_type)
+        if not finite and error_if_nonfinite:
+            raise RuntimeError(f"clip_grad_norm_: the total norm of order {norm_type} of the averaged "
+                               "gradients is non-finite; set error_if_nonfinite=False to clip anyway")
+        coef = float(max_norm) / (norm + 1e-6) if finite else 1.0   # non-finite: left as they are
+        if coef < 1.0:
+            for g in self._groups:
+                if g.master.grad is not None:
+                    g.master.grad.mul_(coef)
+            self._synced = None
+        return torch.tensor(norm, dtype=torch.float32)
+
     # -- training -------------------------------------------------------------------------------
 
-    def _buckets(self, g: _Group) -> list[tuple[int, int, list[tuple[int, int, int, int]]]]:
+    def _buckets(self, g: _Group) -> list[tuple[int, int, list[tuple[int, int, int, int, int]]]]:
         """Column ranges [c0, c1) of the (world, local) padded buffer, at most ``bucket_bytes``
         of fp32 per range, with the pieces (rank, param, param start, column, length) in each."""
         if g.buckets is None:
@@ -120,31 +293,35 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Average gradients (reduce-scatter), update the local shard, all-gather the weights."""
+        """Finish averaging the gradients, update the local shard, all-gather the weights."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        world = self.world_size
-        for g in self._groups:
-            flat = [None if p.grad is None else p.grad.reshape(-1) for p in g.params]
-            grad = g.master.grad
-            if grad is None:
-                grad = torch.empty_like(g.master)
-            for c0, c1, pieces in self._buckets(g):
-                buf = self._scratch(world * (c1 - c0), torch.float32, g.master.device).view(world, c1 - c0)
-                covered = sum(n for r, pi, st, col, n in pieces if flat[pi] is not None)
-                if covered < buf.numel():
-                    buf.zero_()
-                for r, pi, st, col, n in pieces:
-                    if flat[pi] is not None:
-                        buf[r, col:col + n].copy_(flat[pi][st:st + n])
-                self.comm.reduce_scatter_tensor(grad[c0:c1], buf.reshape(-1), op="avg")
-            g.master.grad = grad
+        if self._finite is None:
+            self._sync(2.0)
+        finite = bool(self._finite)
+        self._end_cycle()
+        self.last_step_skipped = self.skip_nonfinite and not finite
+        if self.last_step_skipped:
+            self.skipped_steps += 1
+            if self.rank == 0:
+                log.warning("ZeroOptimizer: step skipped on every rank, non-finite gradient "
+                            "(%d skipped so far)", self.skipped_steps)
+            return loss
         self._sync_hyperparams()
-        self.optimizer.step()
+        if isinstance(self.optimizer, ShardedOnebitAdam) and self.optimizer.frozen:
+            self.optimizer.frozen_step(self._groups, self._grad_comm)
+        else:
+            self.optimizer.step()
         self.gather_params()
         return loss
+
+    def _end_cycle(self) -> None:
+        self._synced = None
+        self._finite = None
+        self._seen.clear()
+        self._reducer.reset()
 
     @torch.no_grad()
     def gather_params(self) -> None:
@@ -157,7 +334,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 shard = g.master[c0:c1]
                 if g.dtype != torch.float32:
                     shard = shard.to(g.dtype)
-                self.comm.all_gather_into_tensor(buf.reshape(-1), shard)
+                self._grad_comm.all_gather_into_tensor(buf.reshape(-1), shard)
                 for r, pi, st, col, n in pieces:
                     g.params[pi].view(-1)[st:st + n].copy_(buf[r, col:col + n])
 
@@ -175,12 +352,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return self._groups
 
     def shard_state(self, gi: int) -> dict[str, Any]:
-        """The wrapped optimizer's state for group ``gi``'s master shard (may be empty)."""
+        """The wrapped optimizer's state for group ``gi``'s master shard (may be empty).
+
+        Collective (call it on every rank, for the groups in the same order, as ``ckpt.save``
+        does) for ``OnebitAdam`` after ``freeze_step``: the exact mean of the ranks' local
+        momenta is computed for ``exp_avg``."""
+        if isinstance(self.optimizer, ShardedOnebitAdam):
+            return self.optimizer.saved_state(gi, self._groups[gi], self._grad_comm)
         return self.optimizer.state.get(self._groups[gi].master, {})
 
     def set_shard_state(self, gi: int, state: dict[str, Any]) -> None:
         """Replace the wrapped optimizer's state for group ``gi``'s master shard."""
         self.optimizer.state[self._groups[gi].master] = dict(state)
+        if isinstance(self.optimizer, ShardedOnebitAdam):
+            self.optimizer.restart_local()
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         raise NotImplementedError("ZeroOptimizer holds a shard of the state; save it with ckpt.save(...)")
@@ -191,3 +376,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         return (f"ZeroOptimizer({self.optimizer_class.__name__}, stage={self.stage}, "
                 f"rank={self.rank}/{self.world_size}, groups={len(self._groups)})")
+
+
+def _make_hook(me: "weakref.ref[ZeroOptimizer]", gi: int, pi: int) -> Callable[[torch.Tensor], None]:
+    def hook(p: torch.Tensor) -> None:
+        opt = me()
+        if opt is not None:
+            opt._on_grad(gi, pi, p)
+    return hook
+
+
+__all__ = ["ZeroOptimizer"]

@@ -8,13 +8,14 @@ primitive, and put results back into the caller's buffers when the call complete
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Callable, Sequence
 
 import torch
 from mpi4py import MPI
 
-from . import dtypes
-from .buffers import IN, INOUT, OUT, Slot, host_overlap, prepare, spec, to_tensor
+from . import dtypes, fastpath
+from .buffers import IN, INOUT, OUT, Slot, host_overlap, prepare, to_tensor
 from .checking import agree
 from .device_paths import DevicePolicy
 from .errors import check_rank, check_type, describe, fail_value
@@ -22,35 +23,6 @@ from .ops import MPI_BOOL_OPS, MPI_OPS, ReduceOp, parse_op
 from .work import Work
 
 _world: "Communicator | None" = None
-_fromaddress = MPI.buffer.fromaddress
-# (dtype, op) -> (MPI datatype, MPI op) for reductions MPI performs natively on host memory.
-_FAST_REDUCE = {
-    (dtype, key): (mpi_type, MPI_OPS[op])
-    for dtype, mpi_type in dtypes.NATIVE.items() if dtype != torch.bool
-    for op in (ReduceOp.SUM, ReduceOp.MAX, ReduceOp.MIN, ReduceOp.PROD)
-    for key in (op, op.value)
-}
-# dtype -> MPI datatype that moves it unchanged.
-_MOVE = {dtype: dtypes.move_type(dtype) for dtype in dtypes.SUPPORTED}
-
-
-def _fast_reduce(dtype, op):
-    """(MPI datatype, MPI op) when MPI reduces ``dtype`` with ``op`` natively, else None."""
-    try:
-        return _FAST_REDUCE.get((dtype, op))
-    except TypeError:  # an unhashable op: the general path reports it
-        return None
-
-
-def _host_type(t) -> "MPI.Datatype | None":
-    """MPI datatype for a contiguous host torch tensor MPI can take as it is, else None."""
-    if type(t) is torch.Tensor and t.is_cpu and t.is_contiguous():
-        return _MOVE.get(t.dtype)
-    return None
-
-
-def _buf(t: torch.Tensor, mpi_type) -> list:
-    return [_fromaddress(t.data_ptr(), t.nbytes), mpi_type]
 
 
 def _env_flag(name: str) -> bool:
@@ -60,6 +32,32 @@ def _env_flag(name: str) -> bool:
     if value in ("1", "true", "yes", "on"):
         return True
     raise ValueError(f"{name}: expected 0 or 1, got {value!r}")
+
+
+def _node_rank(mpi_comm: MPI.Intracomm) -> tuple[int, int]:
+    """(local rank, ranks of ``mpi_comm`` on this node), local rank as the accelerator layer says.
+
+    Launcher variable first, the shared-memory split as the fallback (collective over
+    ``mpi_comm``); on the world, a warning when the node's local ranks are not each of 0..n-1.
+    """
+    from accelerators import LocalRankWarning, detect_local_rank, get_accelerator
+    from accelerators.local_rank import numbering_problem
+
+    node = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        acc = get_accelerator()
+        if MPI.Comm.Compare(mpi_comm, MPI.COMM_WORLD) in (MPI.IDENT, MPI.CONGRUENT):
+            local = acc.local_rank()
+            problem = numbering_problem(node.allgather(local.rank), local.source)
+            if problem is not None:
+                warnings.warn(problem, LocalRankWarning, stacklevel=3)
+        else:  # the launcher's answer (per process) when there is one, else this split, never
+               # a collective over the world (not every world rank is here)
+            local = detect_local_rank(explicit=acc._explicit_local_rank,
+                                      shared_split=lambda: (node.Get_rank(), node.Get_size()))
+        return local.rank, node.Get_size()
+    finally:
+        node.Free()
 
 
 def _sig(t: torch.Tensor) -> str:
@@ -72,6 +70,10 @@ class Communicator:
     ``check=True`` (or ``MPICOMM_CHECK=1``) makes the ranks agree on each collective's op,
     shapes, dtypes and root before calling MPI, so a mismatch raises on every rank instead of
     hanging or corrupting data.
+
+    ``local_rank`` is this process's rank on its node as the accelerator layer numbers it
+    (launcher variable first, shared-memory split as the fallback; it picks the device);
+    ``local_size`` counts this communicator's ranks on the node.
     """
 
     def __init__(self, mpi_comm: MPI.Comm = MPI.COMM_WORLD, check: bool | None = None) -> None:
@@ -80,10 +82,7 @@ class Communicator:
         self.mpi_comm = mpi_comm
         self.rank: int = mpi_comm.Get_rank()
         self.size: int = mpi_comm.Get_size()
-        node = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED)
-        self.local_rank: int = node.Get_rank()
-        self.local_size: int = node.Get_size()
-        node.Free()
+        self.local_rank, self.local_size = _node_rank(mpi_comm)
         self.check: bool = _env_flag("MPICOMM_CHECK") if check is None else bool(check)
         self._policy: DevicePolicy | None = None
         self._tag_ub: int = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
@@ -106,7 +105,7 @@ class Communicator:
         finish.extend(extra)
         try:
             if async_op:
-                return Work(nonblocking(*args), finish, result)
+                return Work(nonblocking(*args), finish, result, keep=slots)
             blocking(*args)
         except BaseException:
             for s in slots:
@@ -152,15 +151,8 @@ class Communicator:
 
     def all_reduce(self, tensor, op=ReduceOp.SUM, async_op: bool = False) -> Work | None:
         """Reduce ``tensor`` across ranks, in place."""
-        if not async_op and not self.check and type(tensor) is torch.Tensor:
-            # Fast paths (here and in broadcast, all_gather_into_tensor, reduce_scatter_tensor,
-            # all_to_all_single) for contiguous host torch tensors in a dtype MPI takes as it is,
-            # no AVG, no aliasing: what the general path would do, minus its no-op adaptation
-            # steps. Anything else, including every error, takes the general path.
-            fast = _fast_reduce(tensor.dtype, op)
-            if fast is not None and tensor.is_cpu and tensor.is_contiguous():
-                self.mpi_comm.Allreduce(MPI.IN_PLACE, _buf(tensor, fast[0]), fast[1])
-                return None
+        if not async_op and not self.check and fastpath.run(self, "all_reduce", tensor, op=op):
+            return None
         call = "all_reduce"
         op = parse_op(op, call)
         t = to_tensor(tensor, call, "tensor", writable=True)
@@ -195,13 +187,9 @@ class Communicator:
     def reduce_scatter_tensor(self, output, input, op=ReduceOp.SUM,
                               async_op: bool = False) -> Work | None:
         """Reduce ``input`` across ranks; rank r receives the r-th of ``size`` equal chunks in ``output``."""
-        if not async_op and not self.check:
-            fast = _fast_reduce(getattr(input, "dtype", None), op)
-            if (fast is not None and _host_type(input) is not None and _host_type(output) is not None
-                    and output.dtype == input.dtype and input.numel() == self.size * output.numel()
-                    and not host_overlap(output, input)):
-                self.mpi_comm.Reduce_scatter_block(_buf(input, fast[0]), _buf(output, fast[0]), fast[1])
-                return None
+        if (not async_op and not self.check
+                and fastpath.run(self, "reduce_scatter_tensor", output, input, op=op)):
+            return None
         call = "reduce_scatter_tensor"
         op = parse_op(op, call)
         out = to_tensor(output, call, "output", writable=True)
@@ -228,11 +216,8 @@ class Communicator:
 
     def broadcast(self, tensor, src: int = 0, async_op: bool = False) -> Work | None:
         """Copy ``tensor`` from rank ``src`` into ``tensor`` on every rank."""
-        if not async_op and not self.check and type(src) is int and 0 <= src < self.size:
-            mpi_type = _host_type(tensor)
-            if mpi_type is not None:
-                self.mpi_comm.Bcast(_buf(tensor, mpi_type), src)
-                return None
+        if not async_op and not self.check and fastpath.run(self, "broadcast", tensor, root=src):
+            return None
         call = "broadcast"
         src = check_rank(call, "src", src, self.size)
         t = to_tensor(tensor, call, "tensor", writable=self.rank != src)
@@ -247,14 +232,9 @@ class Communicator:
     def all_gather_into_tensor(self, output_tensor, input_tensor,
                                async_op: bool = False) -> Work | None:
         """Concatenate every rank's ``input_tensor`` (in rank order) into ``output_tensor``."""
-        if not async_op and not self.check:
-            mpi_type = _host_type(input_tensor)
-            if (mpi_type is not None and _host_type(output_tensor) is not None
-                    and output_tensor.dtype == input_tensor.dtype
-                    and output_tensor.numel() == self.size * input_tensor.numel()
-                    and not host_overlap(output_tensor, input_tensor)):
-                self.mpi_comm.Allgather(_buf(input_tensor, mpi_type), _buf(output_tensor, mpi_type))
-                return None
+        if (not async_op and not self.check
+                and fastpath.run(self, "all_gather_into_tensor", output_tensor, input_tensor)):
+            return None
         call = "all_gather_into_tensor"
         out = to_tensor(output_tensor, call, "output_tensor", writable=True)
         inp = to_tensor(input_tensor, call, "input_tensor", writable=False)
@@ -305,13 +285,9 @@ class Communicator:
                           async_op: bool = False) -> Work | None:
         """Rank r sends its j-th chunk of ``input`` (along dim 0) to rank j, which stores it as chunk r of ``output``."""
         if (not async_op and not self.check and output_split_sizes is None
-                and input_split_sizes is None):
-            mpi_type = _host_type(input)
-            if (mpi_type is not None and _host_type(output) is not None
-                    and output.dtype == input.dtype and output.numel() == input.numel()
-                    and input.numel() % self.size == 0 and not host_overlap(output, input)):
-                self.mpi_comm.Alltoall(_buf(input, mpi_type), _buf(output, mpi_type))
-                return None
+                and input_split_sizes is None
+                and fastpath.run(self, "all_to_all_single", output, input)):
+            return None
         call = "all_to_all_single"
         out = to_tensor(output, call, "output", writable=True)
         inp = to_tensor(input, call, "input", writable=False)

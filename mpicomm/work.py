@@ -7,6 +7,8 @@ from typing import Callable, Sequence
 import torch
 from mpi4py import MPI
 
+from . import progress
+
 
 class Work:
     """A pending (or finished) operation: ``wait()``, ``is_completed()``, ``get_future()``.
@@ -16,14 +18,16 @@ class Work:
     """
 
     def __init__(self, request: MPI.Request | None, finish: Sequence[Callable[[], None]] = (),
-                 result: Sequence = ()) -> None:
+                 result: Sequence = (), keep: Sequence = ()) -> None:
         self._request = request
+        self._keep = list(keep)  # buffers MPI reads or writes until completion (e.g. temporaries)
         self._finish = list(finish)
         self._result = list(result)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._done = request is None
         self._error: BaseException | None = None
         self._future: torch.futures.Future | None = None
+        self._status = MPI.Status()
         if self._done:
             self._complete()
 
@@ -34,6 +38,7 @@ class Work:
         except BaseException as exc:  # keep it for wait() and the future
             self._error = exc
         self._finish = []
+        self._keep = []
         self._done = True
         fut = self._future
         if fut is not None and not fut.done():
@@ -49,7 +54,7 @@ class Work:
                                       "poll is_completed() instead")
         with self._lock:
             if not self._done:
-                self._request.Wait()
+                self._request.Wait(self._status)
                 self._complete()
         if self._error is not None:
             raise self._error
@@ -58,7 +63,7 @@ class Work:
     def is_completed(self) -> bool:
         """Whether the operation has finished (its results then are in place)."""
         with self._lock:
-            if not self._done and self._request.Test():
+            if not self._done and self._request.Test(self._status):
                 self._complete()
             return self._done
 
@@ -85,37 +90,27 @@ class Work:
                         self._future.set_exception(self._error)
                     else:
                         self._future.set_result(self._result)
-                elif MPI.Query_thread() == MPI.THREAD_MULTIPLE:
-                    threading.Thread(target=self._wait_quietly, daemon=True,
-                                     name="mpicomm-future").start()
+                elif progress.enabled():
+                    progress.add(self)
             return self._future
 
-    def _wait_quietly(self) -> None:
+    def source_rank(self) -> int:
+        """The rank a completed receive came from (what ``irecv(src=None)`` matched)."""
+        self.wait()
+        if self._request is None:
+            raise RuntimeError("source_rank(): this operation was not a receive")
+        return self._status.Get_source()
+
+    def _poll(self, now: float) -> bool:
+        """Progress-engine hook: test once; True when complete (the future is then set)."""
+        if not self._lock.acquire(blocking=False):
+            return False  # a caller is in wait(): it completes the operation and the future
         try:
-            self.wait()
-        except BaseException:  # noqa: BLE001 - delivered through the future
-            pass
+            if not self._done and self._request.Test(self._status):
+                self._complete()
+            return self._done
+        finally:
+            self._lock.release()
 
     def __repr__(self) -> str:
         return f"<mpicomm.Work {'completed' if self._done else 'pending'}>"
-
-
-class WorkList(Work):
-    """Several requests completed together (e.g. a fallback built from point-to-point calls)."""
-
-    def __init__(self, requests: list[MPI.Request], finish=(), result=()) -> None:
-        self._requests = requests
-        super().__init__(_AllOf(requests) if requests else None, finish, result)
-
-
-class _AllOf:
-    """Duck-typed request over several MPI requests."""
-
-    def __init__(self, requests: list[MPI.Request]) -> None:
-        self.requests = requests
-
-    def Wait(self) -> None:  # noqa: N802 - mirrors MPI.Request
-        MPI.Request.Waitall(self.requests)
-
-    def Test(self) -> bool:  # noqa: N802
-        return MPI.Request.Testall(self.requests)

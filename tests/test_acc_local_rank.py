@@ -124,14 +124,34 @@ def test_mpi_split_is_the_fallback():
     assert split.calls == 1
 
 
-def test_cross_check_fills_size_and_reports_disagreement():
+def test_cross_check_fills_size_and_accepts_another_numbering():
     agree = detect_local_rank(env={"SLURM_LOCALID": "1"}, shared_split=FakeSplit(1, 2),
                               cross_check=True)
     assert (agree.rank, agree.size, agree.source, agree.warnings) == (1, 2, "SLURM_LOCALID", ())
-    differ = detect_local_rank(env={"SLURM_LOCALID": "0"}, shared_split=FakeSplit(1, 2),
-                               cross_check=True)
-    assert differ.rank == 0 and differ.size is None
-    assert any("Split_type" in w and "says local rank 1" in w for w in differ.warnings)
+    # Open MPI's by-core mapping numbers a node's ranks 0, 2, 1, 3 where the split (world-rank
+    # order) says 0, 1, 2, 3: the launcher wins and that is no disagreement.
+    other = detect_local_rank(env={"OMPI_COMM_WORLD_LOCAL_RANK": "2"}, shared_split=FakeSplit(1, 4),
+                              cross_check=True)
+    assert (other.rank, other.size, other.source, other.warnings) == (
+        2, 4, "OMPI_COMM_WORLD_LOCAL_RANK", ())
+
+
+def test_cross_check_reports_a_different_node_size():
+    got = detect_local_rank(env={"MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "4"},
+                            shared_split=FakeSplit(0, 2), cross_check=True)
+    assert got.rank == 0 and got.size == 4
+    assert any("4 ranks on this node" in w and "counts 2" in w for w in got.warnings), got.warnings
+
+
+@pytest.mark.parametrize("ranks,ok", [([0, 2, 1, 3], True), ([0], True), ([1, 0], True),
+                                      ([0, 0], False), ([1, 2], False), ([0, 1, 3], False)])
+def test_numbering_problem(ranks, ok):
+    from accelerators.local_rank import numbering_problem
+
+    problem = numbering_problem(ranks, "X")
+    assert (problem is None) == ok
+    if not ok:
+        assert str(ranks) in problem and "X" in problem
 
 
 def test_failing_split_falls_back_to_zero_and_says_why():

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 from mpi4py import MPI
-from mpitest import assert_all
+from mpitest import assert_all, mpiexec_cmd
 
 from bench import collectives, common
 
@@ -95,7 +95,7 @@ def test_a_broken_collective_is_counted_wrong(monkeypatch):
 
 def _run_program(n, tmp_path, *extra, timeout=180):
     out = tmp_path / f"coll{n}.json"
-    cmd = ["mpiexec", "-n", str(n), sys.executable, "-m", "mpi4py", "-m", "bench", "collectives",
+    cmd = [*mpiexec_cmd(n), sys.executable, "-m", "mpi4py", "-m", "bench", "collectives",
            "--sizes", "8:1K", "--iters", "3", "--warmup", "1", "--json", str(out), *extra]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr}"

@@ -5,20 +5,19 @@ import json
 import os
 import subprocess
 import sys
-import types
 
 import pytest
 from mpi4py import MPI
 
 from bench import common, demo, netsim
-from mpitest import assert_all
+from mpitest import assert_all, mpiexec_cmd
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _demo(n, tmp_path, *args, timeout=240):
     out = tmp_path / f"demo{n}.json"
-    launch = ["mpiexec", "-n", str(n), sys.executable, "-m", "mpi4py"] if n > 1 else [sys.executable]
+    launch = [*mpiexec_cmd(n), sys.executable, "-m", "mpi4py"] if n > 1 else [sys.executable]
     proc = subprocess.run([*launch, "-m", "bench", "demo", *args, "--json", str(out)], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr}"
@@ -38,8 +37,8 @@ def test_demo_collectives_and_compressed_parts(n, tmp_path):
     peers = {r["peer"] for r in recs}
     assert {"mpi4py", "gloo"} <= peers
     assert any(p.startswith("fp32-") for p in peers)
-    # 1-bit runs when the compressed package offers it, else the demo says why not
-    assert "onebit" in peers or "1-bit compressed allreduce: skipped" in stdout
+    # the 1-bit row is always there: a compressed package that fails to import fails the demo
+    assert "onebit" in peers and "1-bit compressed allreduce (compressed.OnebitAllreduce)" in stdout
 
 
 def test_demo_rejects_unknown_parts():
@@ -60,15 +59,14 @@ def test_network_part_says_why_it_is_skipped(monkeypatch):
         assert_all(True)
 
 
-@pytest.mark.mpi(min_size=1)
-def test_compressed_part_says_why_it_is_skipped(monkeypatch):
-    monkeypatch.setitem(sys.modules, "compressed", types.ModuleType("compressed"))
-    lines: list[str] = []
-    world = MPI.COMM_WORLD
-    info = common.environment_info(world)
-    recs = demo.part_compressed(world, info, lines.append, 4096, iters=2, warmup=1, title="t")
-    assert_all(len(recs) == 1 and recs[0]["wrong"] == 0, f"records {recs}")
-    assert_all(any("skipped (compressed offers neither" in x for x in lines), str(lines))
+def test_demo_fails_when_compressed_does_not_import():
+    """A compressed package that does not import is an error, not a skipped part."""
+    code = ("import sys; sys.modules['compressed'] = None; from bench.__main__ import main; "
+            "sys.exit(main(['demo', '--parts', 'compressed', '--compressed-size', '4K']))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert "ModuleNotFoundError" in proc.stderr and "compressed" in proc.stderr, proc.stderr
 
 
 def _netsim_ready():

@@ -16,7 +16,7 @@ from mpi4py import MPI
 import ckpt
 from ckpt import cli as ckpt_cli
 from test_ckpt_ds_format import SHAPES, Net, make
-from mpitest import mpiexec_path
+from mpitest import mpiexec_cmd
 from test_ckpt_reliability import ROOT
 
 pytestmark = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1, reason="single-process test (runs its own jobs)")
@@ -48,17 +48,13 @@ def test_help_documents_every_exit_code():
     for c in codes:
         assert f"\n  {c}  " in out.stdout, f"exit code {c} undocumented"
     help_convert = ckpt_cli.parser()._subparsers._group_actions[0].choices["convert"].format_help()
-    assert "--allow-pickle" in help_convert and "arbitrary code" in help_convert
+    assert "--allow-pickle" in help_convert and "unnecessary" in help_convert
 
 
-def test_convert_needs_consent_then_round_trips(tmp_path, capsys):
+def test_convert_needs_no_consent_then_round_trips(tmp_path, capsys):
     t = make(str(tmp_path / "ds"), 1, 3)
     dst = tmp_path / "ours"
     code, out, err = cli(capsys, "convert", "--from", "deepspeed", str(tmp_path / "ds"), str(dst))
-    assert code == ckpt_cli.EXIT_PICKLE and "--allow-pickle" in err and "arbitrary code" in err, err
-    assert not dst.exists()
-
-    code, out, err = cli(capsys, "convert", "--from", "deepspeed", str(tmp_path / "ds"), str(dst), "--allow-pickle")
     assert code == 0 and out.startswith("ok: "), err
     assert err == "", "no progress bar when stderr is not a terminal"
     net = loaded_net(dst)
@@ -117,7 +113,7 @@ def test_convert_and_export_in_parallel_under_mpiexec(tmp_path):
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
 
     def run(*args):
-        cmd = [mpiexec_path(), "-n", "2", sys.executable, "-m", "ckpt", *args]
+        cmd = [*mpiexec_cmd(2), sys.executable, "-m", "ckpt", *args]
         out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180, env=env)
         assert out.returncode == 0, f"{' '.join(cmd)}: {out.returncode}\n{out.stdout}\n{out.stderr[-3000:]}"
         return out

@@ -15,6 +15,7 @@ import glob
 import importlib.util
 import math
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -24,7 +25,7 @@ import torch
 from mpi4py import MPI
 
 from ckpt.deepspeed import from_deepspeed, read_deepspeed, to_deepspeed_universal
-from mpitest import mpiexec_path
+from mpitest import mpiexec_cmd
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed"),
@@ -39,6 +40,9 @@ KEYS = ("fp32", "exp_avg", "exp_avg_sq")
 # (dtype, ZeRO stage, ranks that save)
 CONFIGS = [("fp32", 1, 2), ("fp32", 1, 4), ("bf16", 1, 2), ("fp32", 3, 2)]
 IDS = [f"{d}-zero{s}-{n}ranks" for d, s, n in CONFIGS]
+# every ZeRO stage in both dtypes DeepSpeed saves on the CPU: each imports with no flag
+IMPORTS = CONFIGS + [("fp32", 2, 2), ("bf16", 2, 2), ("bf16", 3, 2)]
+IMPORT_IDS = [f"{d}-zero{s}-{n}ranks" for d, s, n in IMPORTS]
 
 
 def _free_port() -> int:
@@ -53,7 +57,7 @@ def launch(n: int, *args: str, timeout: int = 300) -> None:
     env["DS_TEST_PORT"] = str(_free_port())
     env.setdefault("OMP_NUM_THREADS", "1")
     env["DS_ACCELERATOR"] = "cpu"  # gloo on the CPU even where a GPU is present
-    cmd = [mpiexec_path(), "-n", str(n), sys.executable, "-m", "mpi4py", SCRIPT, *args]
+    cmd = [*mpiexec_cmd(n), sys.executable, "-m", "mpi4py", SCRIPT, *args]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired as exc:
@@ -90,7 +94,7 @@ def our_export(ds_checkpoint, tmp_path_factory):
             root = ds_checkpoint(cfg)
             base = tmp_path_factory.mktemp("ours")
             ours, out = str(base / "ckpt"), str(base / "export" / "tag")
-            from_deepspeed(os.path.join(root, TAG), ours, comm=mpicomm.init(), allow_pickle=True)
+            from_deepspeed(os.path.join(root, TAG), ours, comm=mpicomm.init())
             to_deepspeed_universal(ours, out)
             made[cfg] = (ours, out)
         return made[cfg]
@@ -104,11 +108,11 @@ def _same(a, b) -> bool:
     return type(a) is type(b) and a == b
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
-def test_import_equals_deepspeeds_own_view(ds_checkpoint, cfg):
+@pytest.mark.parametrize("cfg", IMPORTS, ids=IMPORT_IDS)
+def test_import_equals_deepspeeds_own_view(ds_checkpoint, tmp_path, cfg):
     root = ds_checkpoint(cfg)
     truth = torch.load(os.path.join(root, f"{TAG}.truth.pt"), weights_only=False)
-    st = read_deepspeed(os.path.join(root, TAG), allow_pickle=True)
+    st = read_deepspeed(os.path.join(root, TAG))  # no flag: DeepSpeed's own classes are allowlisted
     assert st.world_size == cfg[2] and st.stage == cfg[1] and str(st.dtype) == truth["dtype"]
     assert st.step == truth["step"] == 3
     assert set(st.names) == set(truth["params"]) and st.optimizer_class == "torch.optim.AdamW"
@@ -117,6 +121,34 @@ def test_import_equals_deepspeeds_own_view(ds_checkpoint, cfg):
             assert _same(st.tensors[name][k], ref[k]), (name, k)
     for name, buf in truth["buffers"].items():
         assert _same(st.model_state[name], buf)
+    # and through our format, with no flag either
+    import mpicomm
+
+    import ckpt
+    from ds_make_checkpoint import TinyNet
+
+    from_deepspeed(os.path.join(root, TAG), tmp_path / "ours", comm=mpicomm.init())
+    net = TinyNet().to(getattr(torch, truth["dtype"].split(".")[-1]))
+    ckpt.load(tmp_path / "ours", model=net, comm=mpicomm.init())
+    for name, p in net.named_parameters():
+        assert _same(p.detach(), truth["params"][name]["fp32"].to(p.dtype)), name
+
+
+def test_damaged_entry_of_a_real_checkpoint_is_refused(ds_checkpoint, tmp_path):
+    """64 zeroed bytes inside a tensor entry: refused, naming the file and the entry."""
+    import mpicomm
+    from test_ckpt_ds_safety import zero_inside_largest_tensor
+
+    from ckpt.deepspeed.pickles import ZipEntryError
+
+    src = tmp_path / "t"
+    shutil.copytree(os.path.join(ds_checkpoint(("fp32", 1, 2)), TAG), src)
+    fname = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    entry = zero_inside_largest_tensor(str(src / fname))
+    with pytest.raises(ZipEntryError) as info:
+        from_deepspeed(src, tmp_path / "ours", comm=mpicomm.init())
+    assert fname in str(info.value) and entry in str(info.value) and "CRC" in str(info.value)
+    assert not (tmp_path / "ours").exists()
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)

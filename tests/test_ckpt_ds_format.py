@@ -186,7 +186,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
                                                (3, 4, torch.bfloat16)])
 def test_reader_unflattens_partitions(tmp_path, stage, world, dtype):
     t = make(str(tmp_path), stage, world, dtype)
-    st = read_deepspeed(tmp_path, allow_pickle=True)
+    st = read_deepspeed(tmp_path)
     assert st.stage == (3 if stage == 3 else 1) and st.world_size == world and st.dtype == dtype
     assert st.names == [n for g in GROUPS for n in g]
     assert st.group == {n: gi for gi, g in enumerate(GROUPS) for n in g}
@@ -200,20 +200,10 @@ def test_reader_unflattens_partitions(tmp_path, stage, world, dtype):
         assert _same(st.weight(n), t[n]["fp32"].to(dtype)), n
 
 
-def test_reader_refuses_pickle_without_consent(tmp_path):
-    make(str(tmp_path / "ds"), 1, 2)
-    with pytest.raises(PickleRefusedError, match=r"allow_pickle=True") as info:
-        read_deepspeed(tmp_path / "ds")
-    assert "LossScaler" in str(info.value) and "arbitrary code" in str(info.value)
-    with pytest.raises(PickleRefusedError):
-        from_deepspeed(tmp_path / "ds", tmp_path / "ours")
-    assert not (tmp_path / "ours").exists()
-
-
 def test_reader_does_not_import_deepspeed(tmp_path):
     make(str(tmp_path), 3, 2)
     code = ("import sys; from ckpt.deepspeed import read_deepspeed; "
-            f"s = read_deepspeed({str(tmp_path)!r}, allow_pickle=True); "
+            f"s = read_deepspeed({str(tmp_path)!r}); "
             "print(s.stage, 'deepspeed' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -223,18 +213,18 @@ def test_reader_does_not_import_deepspeed(tmp_path):
 
 def test_reader_names_and_rank_shares(tmp_path):
     t = make(str(tmp_path), 1, 3)
-    only = read_deepspeed(tmp_path, allow_pickle=True, names=["head.w"])
+    only = read_deepspeed(tmp_path, names=["head.w"])
     assert list(only.tensors) == ["head.w"] and _same(only.tensors["head.w"]["exp_avg"], t["head.w"]["exp_avg"])
     seen = []
     for rank in range(3):
-        part = read_deepspeed(tmp_path, allow_pickle=True, comm=types.SimpleNamespace(rank=rank, size=3))
+        part = read_deepspeed(tmp_path, comm=types.SimpleNamespace(rank=rank, size=3))
         assert list(part.tensors) == part.owned
         seen += part.owned
         for n in part.owned:
             assert _same(part.tensors[n]["fp32"], t[n]["fp32"])
-    assert seen == list(read_deepspeed(tmp_path, allow_pickle=True, names=[]).names)
+    assert seen == list(read_deepspeed(tmp_path, names=[]).names)
     with pytest.raises(KeyError, match="nope"):
-        read_deepspeed(tmp_path, allow_pickle=True, names=["nope"])
+        read_deepspeed(tmp_path, names=["nope"])
 
 
 @pytest.mark.parametrize("numels,parts", [([5, 5, 5, 5], 2), ([100, 1, 1, 1], 3), ([1, 2, 3], 5), ([], 2),
@@ -251,20 +241,20 @@ def test_split_names_is_an_ordered_balanced_cover(numels, parts):
 
 def test_reader_format_errors(tmp_path):
     with pytest.raises(FileNotFoundError):
-        read_deepspeed(tmp_path / "missing", allow_pickle=True)
+        read_deepspeed(tmp_path / "missing")
     make(str(tmp_path / "a"), 1, 3)
     os.remove(tmp_path / "a" / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
     with pytest.raises(DeepSpeedFormatError, match=r"ranks 0\.\.1, found ranks \[0, 2\]"):
-        read_deepspeed(tmp_path / "a", allow_pickle=True)
+        read_deepspeed(tmp_path / "a")
     make(str(tmp_path / "b"), 1, 2)
     os.rename(tmp_path / "b" / "zero_pp_rank_1_mp_rank_00_optim_states.pt",
               tmp_path / "b" / "zero_pp_rank_0_mp_rank_01_optim_states.pt")
     with pytest.raises(DeepSpeedFormatError, match="mp_rank > 0"):
-        read_deepspeed(tmp_path / "b", allow_pickle=True)
+        read_deepspeed(tmp_path / "b")
     os.makedirs(tmp_path / "c")
     torch.save({}, tmp_path / "c" / "mp_rank_00_model_states.pt")
     with pytest.raises(DeepSpeedFormatError, match="no ZeRO optimizer files"):
-        read_deepspeed(tmp_path / "c", allow_pickle=True)
+        read_deepspeed(tmp_path / "c")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -273,7 +263,7 @@ def test_reader_format_errors(tmp_path):
 
 def test_write_universal_layout(tmp_path):
     t = make(str(tmp_path / "ds"), 3, 2, torch.bfloat16)
-    out = write_universal(read_deepspeed(tmp_path / "ds", allow_pickle=True), tmp_path / "root" / "tag")
+    out = write_universal(read_deepspeed(tmp_path / "ds"), tmp_path / "root" / "tag")
     assert (tmp_path / "root" / "latest_universal").read_text() == "tag"
     for n in SHAPES:
         for k in ("fp32", "exp_avg", "exp_avg_sq"):
@@ -321,7 +311,7 @@ def test_from_deepspeed_loads_into_plain_and_zero_optimizers(comm, world, shared
         make(src, stage, ds_world, dtype)
     world.Barrier()
     t = truth()
-    m = from_deepspeed(src, ours, comm=comm, allow_pickle=True)
+    m = from_deepspeed(src, ours, comm=comm)
     assert m.stage == (3 if stage == 3 else 1) and m.world_size == comm.size and m.step == STEP
 
     # a plain optimizer gets the full state on every rank
@@ -381,19 +371,19 @@ def test_from_deepspeed_follows_latest_and_rejects_non_adam_state(comm, world, t
         pytest.skip("single-process test")
     make(str(tmp_path / "root" / "step5"), 1, 2)
     (tmp_path / "root" / "latest").write_text("step5")
-    m = from_deepspeed(tmp_path / "root", tmp_path / "ours", comm=comm, allow_pickle=True)
+    m = from_deepspeed(tmp_path / "root", tmp_path / "ours", comm=comm)
     assert m.step == STEP and m.extra["source"].endswith("step5") and m.extra["ds_world_size"] == 2
 
     make(str(tmp_path / "sgd"), 1, 2)
     path = tmp_path / "sgd" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
-    sd = Loader(allow_pickle=True).load(str(path))
+    sd = Loader().load(str(path))
     for st in sd["optimizer_state_dict"]["base_optimizer_state"]["state"].values():
         st["momentum_buffer"] = st.pop("exp_avg").clone()
     _ds_save(sd, str(path) + ".new")
     os.replace(str(path) + ".new", path)
     with pytest.raises(DeepSpeedFormatError, match=r"Adam-style optimizer state .* found \['exp_avg_sq', "
                                                     r"'momentum_buffer', 'step'\]"):
-        read_deepspeed(tmp_path / "sgd", allow_pickle=True)
+        read_deepspeed(tmp_path / "sgd")
 
 
 def test_to_deepspeed_universal_from_a_plain_torch_checkpoint(comm, world, tmp_path):

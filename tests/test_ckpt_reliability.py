@@ -22,7 +22,7 @@ import mpicomm
 from ckpt import cli as ckpt_cli
 from ckpt import io as ckpt_io
 from ckpt.planner_zero import ZeroPlanner
-from mpitest import assert_all, mpiexec_path
+from mpitest import assert_all, mpiexec_cmd
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 single_process = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1, reason="single-process test")
@@ -138,7 +138,7 @@ def start_job(tmp_path, *args: str, n: int = 2) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPI_LOCAL"))}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("OMP_NUM_THREADS", "1")
-    return subprocess.Popen([mpiexec_path(), "-n", str(n), sys.executable, "-m", "mpi4py", str(script), *args],
+    return subprocess.Popen([*mpiexec_cmd(n), sys.executable, "-m", "mpi4py", str(script), *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
 
 
@@ -410,7 +410,7 @@ def test_pickle_bombs_are_never_unpickled(tmp_path, capsys):
     assert same_state(model, saved)
     assert cli("verify", str(root), capsys=capsys)[0] == 0
     assert cli("inspect", str(root), "--tensors", capsys=capsys)[0] == 0
-    # a DeepSpeed folder made of bombs, without allow_pickle
+    # a DeepSpeed folder made of bombs, with and without allow_pickle
     ds = tmp_path / "ds"
     ds.mkdir()
     for f in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
@@ -421,8 +421,12 @@ def test_pickle_bombs_are_never_unpickled(tmp_path, capsys):
         torch.save({"x": Bomb(marker)}, ds / f)  # torch's zip format too
     with pytest.raises(ckpt.PickleRefusedError):
         ckpt.from_deepspeed(ds, tmp_path / "imported", comm=self_comm())
-    code, _, err = cli("convert", "--from", "deepspeed", str(ds), str(tmp_path / "imported"), capsys=capsys)
-    assert code == ckpt_cli.EXIT_PICKLE and "--allow-pickle" in err, err
+    with pytest.raises(ckpt.PickleRefusedError):
+        ckpt.from_deepspeed(ds, tmp_path / "imported", comm=self_comm(), allow_pickle=True)
+    for flag in ([], ["--allow-pickle"]):
+        code, _, err = cli("convert", "--from", "deepspeed", str(ds), str(tmp_path / "imported"), *flag,
+                           capsys=capsys)
+        assert code == ckpt_cli.EXIT_PICKLE and "arbitrary code" in err, err
     assert not (tmp_path / "imported").exists()
     assert not os.path.exists(marker), "a pickle was executed"
 

@@ -21,7 +21,7 @@ from mpi4py import MPI
 
 import ckpt
 from ckpt.tree import decode, encode
-from mpitest import assert_all, mpiexec_path
+from mpitest import assert_all, mpiexec_cmd
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 single_process = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1, reason="single-process test")
@@ -246,8 +246,7 @@ def _job(*args: str, n: int) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPI_LOCAL"))}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("OMP_NUM_THREADS", "1")
-    cmd = [mpiexec_path(), "-n", str(n), sys.executable, "-m", "mpi4py", os.path.join(ROOT, "tests",
-                                                                                       "ckpt_resume_job.py"), *args]
+    cmd = [*mpiexec_cmd(n), sys.executable, "-m", "mpi4py", os.path.join(ROOT, "tests", "ckpt_resume_job.py"), *args]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert out.returncode == 0, f"{out.returncode}\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
     return json.loads(out.stdout.split("LOSSES ", 1)[1])

@@ -85,31 +85,32 @@ def from_deepspeed(ds_checkpoint_dir: str | os.PathLike, path: str | os.PathLike
     its own shard. The result holds the model weights (DeepSpeed's dtype), fp32 masters, the
     optimizer's exp_avg / exp_avg_sq / step and hyperparameters, sharded like a
     ``ZeroOptimizer`` of the same stage (ZeRO-2 maps to stage 1) over ``comm``; it loads with
-    ``ckpt.load`` at any world size. DeepSpeed's optimizer files are pickles, which can run
-    code when loaded: the call refuses them unless ``allow_pickle`` is true. ``progress`` is
+    ``ckpt.load`` at any world size. DeepSpeed's files are pickles: they are loaded weights-only
+    with an allowlist of DeepSpeed's classes (as inert stand-ins), so no code runs and any other
+    global is refused; ``allow_pickle`` is accepted for compatibility and unnecessary. Every zip
+    entry's CRC-32 is checked before use. ``progress`` is
     called with (phase, done, total) for this rank's reading and the collective write.
     """
     comm = mpicomm.as_communicator(comm)
     run = Collective(comm, "from_deepspeed")
     folder = os.path.abspath(os.fspath(ds_checkpoint_dir))
-    zero, model, step, extra = run.everywhere("reading", lambda: _read(folder, comm, allow_pickle, progress))
+    # every zip entry is checked first, the work shared among the ranks (a collective step itself)
+    meta = run.everywhere("checking", lambda: read_deepspeed(_tag_folder(folder), names=[], comm=comm))
+    zero, model, step, extra = run.everywhere("reading", lambda: _read(_tag_folder(folder), meta, comm, progress))
     report(progress, "writing", 0, 1)
     m = save(path, model=model, optimizer=zero, step=step, comm=comm, extra=extra, overwrite=overwrite)
     report(progress, "writing", 1, 1)
     return m
 
 
-def _read(folder: str, comm: mpicomm.Communicator, allow_pickle: bool,
-          progress: ProgressFn | None) -> tuple[ZeroOptimizer, torch.nn.Module, int | None, dict[str, Any]]:
+def _read(folder: str, meta: DeepSpeedState, comm: mpicomm.Communicator, progress: ProgressFn | None
+          ) -> tuple[ZeroOptimizer, torch.nn.Module, int | None, dict[str, Any]]:
     """This rank's part of the DeepSpeed checkpoint as a model and a ZeroOptimizer over ``comm``."""
-    folder = _tag_folder(folder)
-    meta = read_deepspeed(folder, allow_pickle=allow_pickle, names=[])
     stage = 3 if meta.stage == 3 else 1
     by_group: list[list[str]] = [[n for n in meta.names if meta.group[n] == gi]
                                  for gi in range(len(meta.param_groups))]
     layouts = [(names, ShardLayout([meta.numel(n) for n in names], comm.size, stage)) for names in by_group]
-    state = read_deepspeed(folder, allow_pickle=allow_pickle, names=_needed(meta, layouts, comm.rank),
-                           progress=progress)
+    state = read_deepspeed(folder, names=_needed(meta, layouts, comm.rank), progress=progress, verify=False)
 
     entries: "OrderedDict[str, tuple[torch.Tensor, bool]]" = OrderedDict()
     order = list(state.model_state) + [n for n in state.names if n not in state.model_state]

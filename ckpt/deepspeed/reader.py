@@ -13,7 +13,7 @@ import torch
 
 from ..errors import CheckpointError, CheckpointNotFoundError
 from ..progress import ProgressFn, report
-from .pickles import Loader
+from .pickles import Loader, check_files
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
 TENSOR_KEYS = ("fp32",) + STATE_KEYS
@@ -151,23 +151,34 @@ def _hyper(group: dict[str, Any]) -> dict[str, Any]:
 
 
 def read_deepspeed(folder: str | os.PathLike, allow_pickle: bool = False, comm: Any = None,
-                   names: Sequence[str] | None = None, progress: ProgressFn | None = None) -> DeepSpeedState:
+                   names: Sequence[str] | None = None, progress: ProgressFn | None = None,
+                   verify: bool = True) -> DeepSpeedState:
     """Read the DeepSpeed ZeRO-1/2/3 checkpoint in tag folder ``folder``.
 
     Without ``names``, each rank of ``comm`` (an mpicomm Communicator; None: this process
     alone) reads the full tensors of its share of the parameters (``owned``), a consecutive
     run of about 1/size of the elements; with ``names``, exactly those. DeepSpeed's files are
-    memory-mapped, so a rank touches only the bytes of its parameters. Files that need pickle
-    (DeepSpeed's optimizer files do) are refused unless ``allow_pickle`` is true. ``progress``
-    is called with ("reading", parameters done, parameters to read).
+    memory-mapped, so a rank touches only the bytes of its parameters. Files are unpickled
+    weights-only: DeepSpeed's own classes become inert stand-ins and any other Python global
+    is refused (PickleRefusedError), so no flag is needed and ``allow_pickle`` (accepted for
+    compatibility) changes nothing. With ``verify`` every zip entry's CRC-32 and size is
+    checked first (shared among the ranks of ``comm``; a damaged entry raises ZipEntryError on
+    every rank). ``progress`` is called with ("reading", parameters done, parameters to read).
     """
     folder = os.fspath(folder)
     if not os.path.isdir(folder):
         raise CheckpointNotFoundError(f"no DeepSpeed checkpoint folder at {folder}")
-    loader = Loader(allow_pickle)
+    loader = Loader(verify=False)
     model_path = _model_file(folder)
+    optim_files = _optim_files(folder)
+    if verify:
+        mpi = getattr(comm, "mpi_comm", None)
+        if mpi is not None and mpi.Get_size() > 1:
+            check_files([model_path] + [p for _, p in optim_files], mpi.Get_rank(), mpi.Get_size(), mpi.allgather)
+        else:
+            check_files([model_path] + [p for _, p in optim_files])
     model_sd = loader.load(model_path)
-    optim = [(r, loader.load(p)) for r, p in _optim_files(folder)]
+    optim = [(r, loader.load(p)) for r, p in optim_files]
     world = len(optim)
     osd0 = optim[0][1].get("optimizer_state_dict")
     if not isinstance(osd0, dict):

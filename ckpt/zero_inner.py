@@ -1,0 +1,58 @@
+"""Which optimizers a ZeroOptimizer can run on flat fp32 shards, and which it must refuse."""
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import torch
+
+#: torch optimizers whose update of each element reads only that element's gradient and state
+#: (plus scalars): running them on a flat shard gives the unsharded result.
+ELEMENTWISE = tuple(getattr(torch.optim, n) for n in (
+    "SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "RMSprop", "Rprop", "NAdam", "RAdam", "ASGD")
+    if hasattr(torch.optim, n))
+
+#: optimizers that need a parameter's shape or the whole model, with the reason
+REFUSED = {
+    "LBFGS": "it re-evaluates the loss through a closure over the whole model and keeps "
+             "history across all parameters",
+    "Adafactor": "it factors the second moment over the rows and columns of each matrix, "
+                 "which a flat shard does not have",
+    "Muon": "it orthogonalises whole 2-D weight matrices, which a flat shard does not have",
+    "SparseAdam": "it needs sparse gradients; the averaged shard gradient is dense",
+}
+
+
+def is_onebit(cls: type) -> bool:
+    """Whether ``cls`` is compressed.OnebitAdam (or a subclass): run by ZeroOptimizer itself."""
+    try:
+        from compressed import OnebitAdam
+    except ImportError:  # pragma: no cover - compressed ships with this package
+        return False
+    return issubclass(cls, OnebitAdam)
+
+
+def check_inner(cls: type) -> None:
+    """Raise for an optimizer class that cannot run correctly on ZeroOptimizer's flat shards."""
+    if is_onebit(cls):
+        if cls.__name__ != "OnebitAdam":
+            warnings.warn(f"ZeroOptimizer: {cls.__name__} subclasses OnebitAdam; ZeroOptimizer runs "
+                          "OnebitAdam's own algorithm on the shards and ignores the subclass's step()",
+                          UserWarning, stacklevel=3)
+        return
+    for base in cls.__mro__:
+        if base.__module__.startswith("torch.optim") and base.__name__ in REFUSED:
+            raise TypeError(f"ZeroOptimizer: cannot shard {cls.__name__}: {REFUSED[base.__name__]}; "
+                            "use an elementwise optimizer (e.g. torch.optim.AdamW) or no ZeroOptimizer")
+    try:
+        params = inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):  # pragma: no cover - builtins without a signature
+        params = {}
+    if "comm" in params or "process_group" in params or "group" in params:
+        raise TypeError(f"ZeroOptimizer: cannot shard {cls.__name__}: it communicates by itself "
+                        "(it takes a communicator), so it would average different ranks' different "
+                        "shards with each other")
+    if not issubclass(cls, ELEMENTWISE):
+        warnings.warn(f"ZeroOptimizer: {cls.__name__} is not a known elementwise optimizer; sharding "
+                      "is exact only if its update of each element reads that element's gradient and "
+                      "state alone (no per-tensor norms or shapes)", UserWarning, stacklevel=3)

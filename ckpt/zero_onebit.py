@@ -1,0 +1,201 @@
+"""1-bit Adam on ZeRO shards: Adam on the shard in warm-up, then a compressed momentum reduce-scatter.
+
+Warm-up (steps 1..freeze_step): Adam exactly as ``compressed.OnebitAdam`` (= ``torch.optim.Adam``
+with L2 weight decay) on the fp32 master shard, fed the averaged gradient shard.
+
+After ``freeze_step`` the variance is frozen and gradients are no longer averaged. Each rank keeps
+a local momentum over the whole model (fp32, the (world, chunk) padded layout of the shards,
+started from the averaged momentum gathered once at the first frozen step) and folds its own
+gradient into it. That momentum plus the rank's worker error is sent as signs and one scale
+(phase 1 of the 1-bit allreduce alone: an all-to-all of packed signs onto each chunk's owner,
+error feedback kept by the sender); the owner averages the decoded chunks in fp32 and updates
+its shard. Since the mean of the local momenta is the momentum of the averaged gradient, the
+owner follows 1-bit Adam's update with a bounded compression error; no fp32 gradient or momentum
+travels, only the weights' all-gather that ZeRO always does.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from .layout import ceil_div
+
+
+class ShardedOnebitAdam(torch.optim.Optimizer):
+    """The wrapped optimizer of ``ZeroOptimizer(compressed.OnebitAdam, ...)`` (see the module doc)."""
+
+    def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, freeze_step: int = 100000,
+                 comm: Any = None, cuda_aware: bool = False) -> None:
+        if lr < 0 or eps < 0 or weight_decay < 0:
+            raise ValueError(f"OnebitAdam: expected lr, eps, weight_decay >= 0, got {lr}, {eps}, {weight_decay}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"OnebitAdam: expected betas in [0, 1), got {betas}")
+        if freeze_step < 0:
+            raise ValueError(f"OnebitAdam: expected freeze_step >= 0, got {freeze_step}")
+        if comm is not None:
+            raise ValueError("ZeroOptimizer(OnebitAdam, ...): pass comm= to ZeroOptimizer, not to OnebitAdam")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        self.freeze_step = int(freeze_step)
+        self._local: dict[int, dict[str, Any]] = {}     # per group: momentum, worker error, buffers
+
+    @property
+    def global_step(self) -> int:
+        """Steps taken (the ``step`` of the shard state)."""
+        for g in self.param_groups:
+            st = self.state.get(g["params"][0], {})
+            if "step" in st:
+                return int(st["step"])
+        return 0
+
+    @property
+    def frozen(self) -> bool:
+        """Whether the next step uses compressed momentum."""
+        return self.global_step >= self.freeze_step
+
+    def _state(self, m: torch.Tensor) -> dict[str, Any]:
+        st = self.state[m]
+        if not st:
+            st["step"] = torch.tensor(0.0)
+            st["exp_avg"] = torch.zeros_like(m)
+            st["exp_avg_sq"] = torch.zeros_like(m)
+        return st
+
+    def _update(self, group: dict, m: torch.Tensor, st: dict, t: int) -> None:
+        beta1, beta2 = group["betas"]
+        bc1 = 1 - beta1 ** t
+        bc2 = 1 - beta2 ** min(t, self.freeze_step) if self.freeze_step > 0 else 1.0
+        denom = (st["exp_avg_sq"].sqrt() / (bc2 ** 0.5 if bc2 > 0 else 1.0)).add_(group["eps"])
+        m.addcdiv_(st["exp_avg"], denom, value=-group["lr"] / bc1)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """Warm-up step: Adam on each master shard with its averaged gradient ``grad``."""
+        if self.frozen:
+            raise RuntimeError("ShardedOnebitAdam: after freeze_step the ZeroOptimizer calls frozen_step()")
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for m in group["params"]:
+                g = m.grad if m.grad is not None else torch.zeros_like(m)
+                st = self._state(m)
+                if group["weight_decay"]:
+                    g = g.add(m, alpha=group["weight_decay"])
+                st["exp_avg"].lerp_(g, 1 - beta1)
+                st["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
+                st["step"] += 1
+                self._update(group, m, st, int(st["step"]))
+        return None
+
+    # -- frozen phase ------------------------------------------------------------------------
+
+    def restart_local(self) -> None:
+        """Drop the local momenta and errors: the next frozen step restarts them from the shards."""
+        self._local.clear()
+
+    def saved_state(self, gi: int, g: Any, comm: Any) -> dict[str, Any]:
+        """The state of group ``gi``'s shard to save. After freeze_step this is collective: the
+        local momenta are averaged exactly (one fp32 reduce-scatter) into ``exp_avg``, which a
+        resumed run starts every rank's local momentum from (error feedback restarts at zero)."""
+        st = self.state.get(g.master, {})
+        loc = self._local.get(gi)
+        if loc is None or g.layout.world_size == 1:
+            return st
+        exact = torch.empty(loc["chunk"], dtype=torch.float32, device=g.master.device)
+        comm.reduce_scatter_tensor(exact, loc["mom"].view(-1), op="avg")
+        L = g.layout.local_numel
+        return {**st, "exp_avg": exact[:L].mul_(loc["mask"])}
+
+    def _locals(self, gi: int, g: Any, comm: Any) -> dict[str, Any]:
+        loc = self._local.get(gi)
+        if loc is not None:
+            return loc
+        world, L = g.layout.world_size, g.layout.local_numel
+        chunk = ceil_div(max(L, 1), 8) * 8
+        dev = g.master.device
+        full = torch.empty(world * L, dtype=torch.float32, device=dev)
+        comm.all_gather_into_tensor(full, self._state(g.master)["exp_avg"])   # once per run
+        mom = torch.zeros(world, chunk, dtype=torch.float32, device=dev)
+        mom[:, :L].copy_(full.view(world, L))
+        mask = torch.zeros(L, dtype=torch.bool, device=dev)
+        for s in g.layout.segments(comm.rank):
+            mask[s.local:s.local + s.length] = True
+        loc = {"chunk": chunk, "mom": mom, "err": torch.zeros_like(mom), "grad": torch.zeros_like(mom),
+               "rows": torch.empty(world, chunk // 8, dtype=torch.uint8, device=dev),
+               "recv": torch.empty(world, chunk // 8, dtype=torch.uint8, device=dev), "mask": mask}
+        self._local[gi] = loc
+        return loc
+
+    @torch.no_grad()
+    def frozen_step(self, groups: list, comm: Any) -> None:
+        """One frozen step for every group: local momentum, compressed reduce-scatter, shard update."""
+        for gi, (g, group) in enumerate(zip(groups, self.param_groups)):
+            beta1 = group["betas"][0]
+            loc = self._locals(gi, g, comm)
+            world, L = g.layout.world_size, g.layout.local_numel
+            grad = loc["grad"]
+            grad.zero_()
+            wd = group["weight_decay"]
+            for r, s in g.layout.all_segments():
+                p = g.params[s.param]
+                dst = grad[r, s.local:s.local + s.length]
+                if p.grad is not None:
+                    dst.copy_(p.grad.detach().reshape(-1)[s.start:s.start + s.length])
+                if wd:
+                    dst.add_(p.detach().reshape(-1)[s.start:s.start + s.length].float(), alpha=wd)
+            mom, err = loc["mom"], loc["err"]
+            mom.lerp_(grad, 1 - beta1)
+            if world == 1:     # nothing travels: no compression (as compressed.OnebitAllreduce)
+                avg = mom[0]
+            else:
+                scale = self._encode(mom, err, loc["rows"])
+                scales = torch.empty(world, dtype=torch.float32, device=mom.device)
+                comm.all_gather_into_tensor(scales, torch.tensor([scale], dtype=torch.float32, device=mom.device))
+                comm.all_to_all_single(loc["recv"].view(-1), loc["rows"].view(-1))
+                avg = self._decode_mean(loc["recv"], scales / world, loc["chunk"])
+            st = self._state(g.master)
+            st["exp_avg"].copy_(avg[:L]).mul_(loc["mask"])
+            st["step"] += 1
+            self._update(group, g.master, st, int(st["step"]))
+
+    @staticmethod
+    def _encode(mom: torch.Tensor, err: torch.Tensor, rows: torch.Tensor) -> float:
+        """Pack the signs of x = mom + err into ``rows``, set err = x - scale * sign(x); return scale."""
+        n = mom.numel()
+        if mom.device.type == "cpu":
+            from compressed import kernels as K
+
+            m, e = mom.view(-1).numpy(), err.view(-1).numpy()
+            ssq = K.encode(m, e, rows.numpy())
+            scale = float(np.float32(math.sqrt(ssq / n))) if math.isfinite(ssq) else math.nan
+            if math.isfinite(scale):
+                K.worker_residual(m, e, scale)
+        else:
+            from compressed import torch_kernels as TK
+
+            x = mom.view(-1) + err.view(-1)
+            ssq = float(TK.sumsq(x))
+            scale = float(np.float32(math.sqrt(ssq / n))) if math.isfinite(ssq) else math.nan
+            rows.view(-1).copy_(TK.pack(x))
+            TK.residual_(x, torch.tensor(scale, dtype=torch.float32, device=x.device), err.view(-1))
+        if not math.isfinite(scale):
+            raise FloatingPointError("ZeroOptimizer(OnebitAdam): the local momentum is not finite; "
+                                     "use skip_nonfinite=True to skip steps with inf/NaN gradients")
+        return scale
+
+    @staticmethod
+    def _decode_mean(recv: torch.Tensor, coef: torch.Tensor, chunk: int) -> torch.Tensor:
+        """Sum over senders of coef[i] * sign(recv[i]) (the mean of the decoded chunks)."""
+        se = torch.zeros(chunk, dtype=torch.float32, device=recv.device)
+        if recv.device.type == "cpu":
+            from compressed import kernels as K
+
+            out = np.empty(chunk // 8, dtype=np.uint8)
+            K.server_accumulate(recv.numpy(), coef.numpy(), se.numpy(), out)
+        else:
+            from compressed import torch_kernels as TK
+
+            TK.server_accumulate(recv, coef, se)
+        return se

@@ -1,0 +1,27 @@
+"""torch.distributed integration: the "mpicomm" process-group backend and a DDP comm hook.
+
+``import mpicomm`` registers the backend. Under ``mpiexec``/``mpirun``/``srun``::
+
+    dist.init_process_group("mpicomm")      # or mpicomm.distributed.init_process_group()
+
+takes rank and world size from MPI and gives all ranks one TCPStore (hosted by rank 0). The
+process group runs every call as a non-blocking MPI operation: ``async_op=True`` returns at
+once and mpicomm's progress thread completes the work; every call fails past the group's
+timeout. DDP, DeviceMesh, DTensor and FSDP2 run on it; :func:`allreduce_hook` routes only
+DDP's gradient buckets through mpicomm when DDP runs on another process group.
+
+Modules: ``_rendezvous`` (ranks and store from MPI), ``_backend`` (registration, constructor),
+``_pg`` (the process group), ``_work`` (work handles, timeouts), ``_ops`` (ReduceOp mapping),
+``_hook`` (the DDP comm hook).
+"""
+from __future__ import annotations
+
+from ._backend import init_process_group, register
+from ._hook import allreduce_hook
+from ._pg import BACKEND_NAME, MpicommProcessGroup
+from ._work import CollectiveTimeoutError, MpicommWork
+
+__all__ = ["BACKEND_NAME", "CollectiveTimeoutError", "MpicommProcessGroup", "MpicommWork",
+           "allreduce_hook", "init_process_group", "register"]
+
+register()

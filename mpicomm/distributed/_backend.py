@@ -1,0 +1,54 @@
+"""The "mpicomm" backend's registration and constructor, and the short init form."""
+from __future__ import annotations
+
+import datetime
+
+import torch.distributed as dist
+from mpi4py import MPI
+
+from ..communicator import Communicator, init
+from ._pg import BACKEND_NAME, MpicommProcessGroup
+from ._rendezvous import install, launcher_hint, under_torchrun
+
+
+def _create(backend_opts, pg_options=None) -> MpicommProcessGroup:
+    """torch.distributed backend constructor (extended API): the MPI ranks of the new group."""
+    world = MPI.COMM_WORLD
+    size, me = world.Get_size(), world.Get_rank()
+    ranks = list(backend_opts.global_ranks_in_group) or list(range(size))
+    default = not dist.is_initialized()
+    torch_rank = backend_opts.group_rank if default else dist.get_rank()
+    torch_size = backend_opts.group_size if default else dist.get_world_size()
+    if torch_rank != me or torch_size != size:
+        hint = f"; {launcher_hint(torch_size)}" if under_torchrun() else (
+            "; call dist.init_process_group('mpicomm') without rank/world_size, or "
+            "mpicomm.distributed.init_process_group()")
+        raise RuntimeError(
+            f"mpicomm process group: torch.distributed rank {torch_rank} of {torch_size} does "
+            f"not match the MPI world (rank {me} of {size}){hint}")
+    if me not in ranks or ranks.index(me) != backend_opts.group_rank:
+        raise RuntimeError(f"mpicomm process group: rank {me} expected at group rank "
+                           f"{backend_opts.group_rank} of ranks {ranks}")
+    base = init()
+    if ranks == list(range(size)):
+        mpi_comm = world.Dup()
+    else:
+        mpi_comm = world.Create_group(world.Get_group().Incl(ranks))
+    return MpicommProcessGroup(Communicator(mpi_comm, check=base.check),
+                               timeout=backend_opts.timeout, store=backend_opts.store)
+
+
+def register() -> None:
+    """Register the "mpicomm" backend and the MPI fallback of env:// (idempotent)."""
+    install()
+    if BACKEND_NAME.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True,
+                                      devices=["cpu", "cuda"])
+
+
+def init_process_group(timeout: datetime.timedelta | None = None, **kwargs) -> None:
+    """``dist.init_process_group("mpicomm")``: rank and size from MPI, one TCPStore for all ranks."""
+    register()
+    if timeout is not None:
+        kwargs["timeout"] = timeout
+    dist.init_process_group(BACKEND_NAME, **kwargs)

@@ -1,0 +1,98 @@
+"""The fast-path rule: plain host tensors go straight to MPI, skipping the general path's no-op steps.
+
+A blocking, unchecked collective takes the fast path when every buffer is a contiguous host
+``torch.Tensor`` of one dtype MPI takes as it is, the buffers do not overlap, their sizes are what
+the operation requires, the count fits the MPI library and (for reductions) MPI reduces that dtype
+with that op natively. That is exactly when the general path would hand the user's memory to MPI
+unchanged. Anything else, including every error, takes the general path.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from mpi4py import MPI
+
+from . import dtypes, large
+from .buffers import host_overlap
+from .ops import MPI_OPS, ReduceOp
+
+#: Set to False to send every call through the general path (tests compare the two).
+ENABLED = True
+
+_fromaddress = MPI.buffer.fromaddress
+# (dtype, op) -> (MPI datatype, MPI op) for reductions MPI performs natively on host memory.
+_REDUCE = {
+    (dtype, key): (mpi_type, MPI_OPS[op])
+    for dtype, mpi_type in dtypes.NATIVE.items() if dtype != torch.bool
+    for op in (ReduceOp.SUM, ReduceOp.MAX, ReduceOp.MIN, ReduceOp.PROD)
+    for key in (op, op.value)
+}
+# dtype -> MPI datatype that moves it unchanged.
+_MOVE = {dtype: dtypes.move_type(dtype) for dtype in dtypes.SUPPORTED}
+
+
+@dataclass(frozen=True)
+class Rule:
+    """How one collective goes straight to MPI."""
+
+    mpi: str                                   # the mpi4py Comm method
+    reduces: bool = False                      # takes a reduction op
+    sizes: Callable[[int, int, int], bool] | None = None  # (ranks, out numel, in numel) -> ok
+
+
+RULES = {
+    "all_reduce": Rule("Allreduce", reduces=True),
+    "broadcast": Rule("Bcast"),
+    "all_gather_into_tensor": Rule("Allgather", sizes=lambda n, o, i: o == n * i),
+    "reduce_scatter_tensor": Rule("Reduce_scatter_block", reduces=True,
+                                  sizes=lambda n, o, i: i == n * o),
+    "all_to_all_single": Rule("Alltoall", sizes=lambda n, o, i: o == i and i % n == 0),
+}
+
+
+def _buf(t: torch.Tensor, mpi_type) -> list:
+    return [_fromaddress(t.data_ptr(), t.nbytes), mpi_type]
+
+
+def run(comm, call: str, out, inp=None, op=None, root=None) -> bool:
+    """Run ``call`` straight on MPI if the rule allows it; return whether it did.
+
+    ``out`` is the buffer written (the only buffer of in-place calls), ``inp`` the separate input,
+    ``root`` the root rank of rooted calls.
+    """
+    if not ENABLED or type(out) is not torch.Tensor or not out.is_cpu or not out.is_contiguous():
+        return False
+    rule = RULES[call]
+    if rule.reduces:
+        try:
+            found = _REDUCE.get((out.dtype, op))
+        except TypeError:  # an unhashable op: the general path reports it
+            return False
+        if found is None:
+            return False
+        mpi_type, mpi_op = found
+    else:
+        mpi_type = _MOVE.get(out.dtype)
+        if mpi_type is None:
+            return False
+    if root is not None and (type(root) is not int or not 0 <= root < comm.size):
+        return False
+    if inp is None:
+        if out.numel() > large.MAX_COUNT:
+            return False
+        args = [MPI.IN_PLACE, _buf(out, mpi_type)] if rule.reduces else [_buf(out, mpi_type)]
+    else:
+        if (type(inp) is not torch.Tensor or not inp.is_cpu or not inp.is_contiguous()
+                or inp.dtype != out.dtype or not rule.sizes(comm.size, out.numel(), inp.numel())
+                or max(out.numel(), inp.numel()) // comm.size > large.MAX_COUNT
+                or host_overlap(out, inp)):
+            return False
+        args = [_buf(inp, mpi_type), _buf(out, mpi_type)]
+    if rule.reduces:
+        args.append(mpi_op)
+    if root is not None:
+        args.append(root)
+    getattr(comm.mpi_comm, rule.mpi)(*args)
+    return True

@@ -1,0 +1,107 @@
+"""The fast-path rule: every dtype x op x layout gives the same bits with the fast paths on and off,
+both equal to numpy, and the fast path is taken exactly where the rule says."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from cco_data import FLOAT_TORCH, TORCH_DTYPES, reduce_ref, to_f64, tolerance, values
+from mpicomm import fastpath
+from mpitest import assert_all, assert_close_all
+
+pytestmark = pytest.mark.mpi(min_size=1)
+
+REDUCING = ["all_reduce", "reduce_scatter_tensor"]
+MOVING = ["broadcast", "all_gather_into_tensor", "all_to_all_single"]
+CASES = ([(c, op) for c in REDUCING for op in ("sum", "avg", "max", "min", "prod")]
+         + [(c, None) for c in MOVING])
+IDS = [f"{c}-{op}" if op else c for c, op in CASES]
+NATIVE_REDUCE = {torch.float64, torch.float32, torch.int64, torch.int32, torch.int16, torch.int8,
+                 torch.uint8}
+
+
+def _layout(data: np.ndarray, dtype, strided: bool) -> torch.Tensor:
+    t = torch.from_numpy(data.copy()).to(dtype)
+    if not strided:
+        return t
+    wide = torch.zeros(2 * t.numel(), dtype=dtype)
+    wide[::2] = t
+    return wide[::2]  # same values, not contiguous
+
+
+def _run(comm, call, op, dtype, strided):
+    """Run ``call`` once; return (result tensor, float64 numpy reference)."""
+    n, k = comm.size, 3
+    world = comm.mpi_comm
+    if call == "all_reduce":
+        x = _layout(values(comm.rank, 9, dtype, positive=op == "prod"), dtype, strided)
+        ref = reduce_ref(np.stack(world.allgather(to_f64(x))), op, dtype == torch.bool)
+        comm.all_reduce(x, op=op)
+        return x, ref
+    if call == "reduce_scatter_tensor":
+        x = _layout(values(comm.rank, k * n, dtype, positive=op == "prod"), dtype, strided)
+        out = _layout(np.zeros(k), dtype, strided)
+        ref = reduce_ref(np.stack(world.allgather(to_f64(x))), op, dtype == torch.bool)
+        comm.reduce_scatter_tensor(out, x, op=op)
+        return out, ref[comm.rank * k:(comm.rank + 1) * k]
+    if call == "broadcast":
+        x = _layout(values(comm.rank, 7, dtype, seed=2), dtype, strided)
+        ref = world.bcast(to_f64(x), root=n - 1)
+        comm.broadcast(x, src=n - 1)
+        return x, ref
+    if call == "all_gather_into_tensor":
+        x = _layout(values(comm.rank, k, dtype, seed=3), dtype, strided)
+        out = _layout(np.zeros(k * n), dtype, strided)
+        ref = np.concatenate(world.allgather(to_f64(x)))
+        comm.all_gather_into_tensor(out, x)
+        return out, ref
+    x = _layout(values(comm.rank, k * n, dtype, seed=4), dtype, strided)
+    out = _layout(np.zeros(k * n), dtype, strided)
+    everyone = world.allgather(to_f64(x))
+    comm.all_to_all_single(out, x)
+    return out, np.concatenate([e[comm.rank * k:(comm.rank + 1) * k] for e in everyone])
+
+
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
+@pytest.mark.parametrize("call,op", CASES, ids=IDS)
+@pytest.mark.parametrize("dtype", TORCH_DTYPES, ids=[str(d)[6:] for d in TORCH_DTYPES])
+def test_fast_and_general_paths_agree(comm, monkeypatch, dtype, call, op, strided):
+    if op == "avg" and dtype not in FLOAT_TORCH:
+        pytest.skip("AVG on integers is an error (test_cco_errors)")
+    taken = []
+    real_run = fastpath.run
+
+    def spy(*args, **kwargs):
+        done = real_run(*args, **kwargs)
+        taken.append(done)
+        return done
+
+    monkeypatch.setattr(fastpath, "run", spy)
+    fast, ref = _run(comm, call, op, dtype, strided)
+    monkeypatch.setattr(fastpath, "ENABLED", False)
+    general, _ = _run(comm, call, op, dtype, strided)
+
+    expect_fast = not strided and (dtype in NATIVE_REDUCE and op != "avg" if op else True)
+    assert_all(taken == [expect_fast, False],
+               f"fast path taken {taken}, expected [{expect_fast}, False]")
+    assert_all(torch.equal(fast, general), f"fast {fast} != general {general}")
+    assert_close_all(to_f64(fast), ref, rtol=tolerance(dtype), what=f"{call} {op}")
+
+
+def test_fast_path_declines_what_it_cannot_do(comm, monkeypatch):
+    # overlapping buffers, numpy arrays, mismatched sizes and invalid roots all go the general way
+    taken = []
+    real_run = fastpath.run
+    monkeypatch.setattr(fastpath, "run", lambda *a, **k: taken.append(real_run(*a, **k)) or taken[-1])
+    buf = torch.full((2 * comm.size,), float(comm.rank))
+    comm.all_gather_into_tensor(buf, buf[2 * comm.rank:2 * comm.rank + 2])  # in place: overlaps
+    x = np.ones(3, dtype=np.float32)
+    comm.all_reduce(x)
+    with pytest.raises(ValueError, match="a rank in"):
+        comm.broadcast(torch.ones(2), src=comm.size)
+    with pytest.raises(ValueError, match="x output.numel"):
+        comm.reduce_scatter_tensor(torch.empty(2), torch.ones(2 * comm.size + 1))
+    assert_all(taken == [False] * 4, f"fast path taken {taken}")
+    assert_all(x.tolist() == [comm.size] * 3, f"numpy all_reduce gave {x}")
+    assert_all(buf.tolist() == [float(r) for r in range(comm.size) for _ in range(2)], str(buf))

@@ -1,0 +1,122 @@
+"""Whole jobs on the "mpicomm" backend: timeouts end the job, bad launches get clear errors."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from mpi4py import MPI
+
+from mpitest import mpiexec_path
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "HYDRA_", "HYDI_", "OMPI_", "MPI_LOCAL", "PRTE_")
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_PREFIXES)}
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        env.pop(k, None)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+def _mpiexec(n: int) -> list[str]:
+    cmd = [mpiexec_path(), "-n", str(n)]
+    if MPI.get_vendor()[0] == "Open MPI":
+        cmd.insert(1, "--oversubscribe")
+    return cmd
+
+
+_SKIP_JOB = r"""
+import datetime, pathlib, sys, time
+import torch, torch.distributed as dist, mpicomm
+kind, timeout, stamp = sys.argv[1], float(sys.argv[2]), pathlib.Path(sys.argv[3])
+dist.init_process_group("mpicomm", timeout=datetime.timedelta(seconds=timeout))
+t = torch.ones(1 << 18)
+if dist.get_rank() == 0:
+    stamp.write_text(repr(time.time()))
+    if kind == "blocking":
+        dist.all_reduce(t)
+    elif kind == "async":
+        dist.all_reduce(t, async_op=True).wait()
+    else:
+        dist.recv(t, src=1)
+else:
+    time.sleep(20 * timeout)  # this rank skips the call
+print("rank", dist.get_rank(), "got past the skipped call", flush=True)
+"""
+
+
+@pytest.mark.parametrize("kind,op", [("blocking", "all_reduce"), ("async", "all_reduce"),
+                                     ("recv", "recv")])
+def test_a_skipped_call_ends_the_job_with_its_description(tmp_path, kind, op):
+    timeout = 4.0
+    script = tmp_path / "skip.py"
+    script.write_text(_SKIP_JOB)
+    stamp = tmp_path / "stamp"
+    # The blocking case runs without mpi4py's abort-on-exception: mpicomm itself ends the job.
+    runner = [] if kind == "blocking" else ["-m", "mpi4py"]
+    proc = subprocess.run([*_mpiexec(2), sys.executable, *runner, str(script), kind,
+                           str(timeout), str(stamp)], cwd=ROOT, env=_env(), capture_output=True,
+                          text=True, timeout=120)
+    ended = time.time()
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert "got past the skipped call" not in out
+    assert stamp.exists(), out
+    assert ended - float(stamp.read_text()) < 2 * timeout + 3, f"took {ended - float(stamp.read_text()):.1f} s"
+    assert f"{op} (float32[262144]; 1.0 MiB)" in out, out
+    assert "within the process group's timeout of 4 s" in out, out
+    assert "rank 1: did not arrive" in out, out
+    if kind == "blocking":
+        assert "mpicomm: aborting the MPI job after a timeout" in out, out
+
+
+_INIT_JOB = r"""
+import torch, torch.distributed as dist, mpicomm
+dist.init_process_group("mpicomm")
+print("initialised", dist.get_rank(), flush=True)
+"""
+
+
+def test_launcher_rank_that_disagrees_with_mpi_is_an_error_on_every_rank(tmp_path):
+    script = tmp_path / "init.py"
+    script.write_text(_INIT_JOB)
+    proc = subprocess.run([*_mpiexec(2), sys.executable, "-m", "mpi4py", str(script)], cwd=ROOT,
+                          env=_env(RANK="1", WORLD_SIZE="2"), capture_output=True, text=True,
+                          timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert "initialised" not in out, out
+    assert "RANK=1 (set by the launcher or passed as an argument) disagrees with MPI (rank 0 of 2" in out, out
+
+
+def test_plain_init_under_mpiexec_at_4_ranks(tmp_path):
+    script = tmp_path / "init.py"
+    script.write_text(_INIT_JOB + "t = torch.ones(1); dist.all_reduce(t); assert t.item() == 4\n")
+    proc = subprocess.run([*_mpiexec(4), sys.executable, "-m", "mpi4py", str(script)], cwd=ROOT,
+                          env=_env(), capture_output=True, text=True, timeout=180)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert sorted(line for line in out.splitlines() if line.startswith("initialised")) == [
+        f"initialised {r}" for r in range(4)], out
+
+
+def test_torchrun_gets_told_to_use_mpiexec(tmp_path):
+    script = tmp_path / "init.py"
+    script.write_text(_INIT_JOB)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-addr", "127.0.0.1", "--master-port", str(port), str(script)],
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=180)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert "initialised" not in out, out
+    assert "launch the script with `mpiexec -n 2 python script.py`" in out, out

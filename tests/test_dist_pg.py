@@ -1,0 +1,203 @@
+"""The "mpicomm" backend on torch.distributed's main roads: plain init, one store, ops, async work."""
+from __future__ import annotations
+
+import datetime
+import threading
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+import mpicomm  # noqa: F401 - registers the backend
+import mpicomm.distributed as md
+from mpitest import assert_all, assert_close_all, check_all
+
+pytestmark = pytest.mark.mpi(min_size=1)
+
+
+@pytest.fixture
+def plain():
+    """The default group from a plain dist.init_process_group("mpicomm") (no rank, size, store)."""
+    dist.init_process_group("mpicomm", timeout=datetime.timedelta(seconds=60))
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def test_plain_init_takes_rank_and_size_from_mpi(plain, world):
+    assert_all(dist.get_backend() == "mpicomm", dist.get_backend())
+    assert_all(dist.get_rank() == world.rank and dist.get_world_size() == world.size,
+               f"{dist.get_rank()}/{dist.get_world_size()}")
+    assert_all(isinstance(plain, md.MpicommProcessGroup), type(plain).__name__)
+    assert_all(plain.group_name != "", "the default group has a name")
+
+
+def test_short_form_still_works(world):
+    md.init_process_group(timeout=datetime.timedelta(seconds=30))
+    try:
+        t = torch.ones(3)
+        dist.all_reduce(t)
+        assert_close_all(t, np.full(3, float(world.size)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_default_store_is_shared_by_all_ranks(plain, world):
+    store = dist.distributed_c10d._get_default_store()
+    r, n = world.rank, world.size
+    store.set(f"from/{r}", f"rank {r}")
+    for peer in range(n):
+        store.wait([f"from/{peer}"])
+        assert_all(store.get(f"from/{peer}") == f"rank {peer}".encode(), f"key from/{peer}")
+    total = store.add("counter", r + 1)
+    world.Barrier()
+    assert_all(store.add("counter", 0) == n * (n + 1) // 2, f"counter after {total}")
+    assert_all(store.timeout == datetime.timedelta(seconds=60), str(store.timeout))
+    missing_ok = True
+    try:
+        store.wait(["never-set"], datetime.timedelta(milliseconds=200))
+        missing_ok = False
+    except (dist.DistStoreError, RuntimeError):
+        pass
+    assert_all(missing_ok, "wait on a key nobody set must time out")
+
+
+def test_collectives_match_numpy(plain, world):
+    r, n = world.rank, world.size
+    t = torch.full((3,), float(r + 1))
+    dist.all_reduce(t)
+    assert_close_all(t, np.full(3, n * (n + 1) / 2))
+    t = torch.full((2,), float(r + 1))
+    dist.all_reduce(t, op=dist.ReduceOp.AVG)
+    assert_close_all(t, np.full(2, (n + 1) / 2), rtol=1e-6)
+    out = torch.empty(2 * n)
+    dist.all_gather_into_tensor(out, torch.full((2,), float(r)))
+    assert_close_all(out, np.repeat(np.arange(n, dtype=float), 2))
+    rs = torch.empty(2)
+    dist.reduce_scatter_tensor(rs, torch.arange(2.0 * n) + r)
+    assert_close_all(rs, (np.arange(2.0 * n) * n + n * (n - 1) / 2)[2 * r:2 * r + 2])
+    outs = [torch.empty(2) for _ in range(n)]
+    dist.all_to_all(outs, [torch.full((2,), float(10 * r + j)) for j in range(n)])
+    assert_close_all(torch.cat(outs), np.repeat(np.arange(n) * 10.0 + r, 2))
+    g = [torch.empty(1) for _ in range(n)] if r == 0 else None
+    dist.gather(torch.tensor([float(r)]), g, dst=0)
+    if r == 0:
+        assert_close_all(torch.cat(g), np.arange(n, dtype=float), comm=dist_comm_self())
+    s = torch.empty(1)
+    dist.scatter(s, [torch.tensor([float(7 * j)]) for j in range(n)] if r == n - 1 else None,
+                 src=n - 1)
+    assert_close_all(s, np.array([7.0 * r]))
+
+
+def dist_comm_self():
+    from mpi4py import MPI
+    return MPI.COMM_SELF
+
+
+def test_premul_sum_scales_then_sums(plain, world):
+    n = world.size
+    t = torch.full((4,), float(world.rank + 1))
+    dist.all_reduce(t, op=dist._make_nccl_premul_sum(0.5))
+    assert_close_all(t, np.full(4, 0.5 * n * (n + 1) / 2), rtol=1e-6)
+    out = torch.empty(2)
+    inp = torch.arange(2.0 * n) + world.rank
+    keep = inp.clone()
+    dist.reduce_scatter_tensor(out, inp, op=dist._make_nccl_premul_sum(2.0))
+    ref = 2.0 * (np.arange(2.0 * n) * n + n * (n - 1) / 2)
+    assert_close_all(out, ref[2 * world.rank:2 * world.rank + 2], rtol=1e-6)
+    assert_close_all(inp, keep.numpy(), what="PREMUL_SUM must not change the input")
+
+
+@pytest.mark.parametrize("name", ["BAND", "BOR", "BXOR"])
+def test_bitwise_ops(plain, world, name):
+    if not hasattr(mpicomm.ReduceOp, name):
+        pytest.skip(f"mpicomm.ReduceOp.{name} is not available yet")
+    vals = [(0b1011 << r) | r for r in range(world.size)]
+    t = torch.tensor([vals[world.rank], 0xFF ^ world.rank], dtype=torch.int32)
+    dist.all_reduce(t, op=getattr(dist.ReduceOp, name))
+    fn = {"BAND": np.bitwise_and, "BOR": np.bitwise_or, "BXOR": np.bitwise_xor}[name]
+    ref = [fn.reduce(np.array(vals, dtype=np.int32)),
+           fn.reduce(np.array([0xFF ^ r for r in range(world.size)], dtype=np.int32))]
+    assert_close_all(t, np.array(ref, dtype=np.int32))
+
+
+def test_unsupported_op_error_names_it(plain):
+    def check():
+        with pytest.raises(ValueError, match=r"ReduceOp\.AVG") as info:
+            dist.all_reduce(torch.ones(2, dtype=torch.int32), op=dist.ReduceOp.AVG)
+        assert "object at 0x" not in str(info.value)
+    check_all(check)
+
+
+def test_recv_from_any_source_reports_the_sender(plain, world):
+    if world.size == 1:
+        pytest.skip("needs 2 ranks")
+    r, n = world.rank, world.size
+    if r == 0:
+        seen = set()
+        for _ in range(n - 1):
+            t = torch.empty(3)
+            src = dist.recv(t)
+            assert_close_all(t, np.full(3, float(src)), comm=dist_comm_self())
+            seen.add(src)
+        ok = seen == set(range(1, n))
+    else:
+        dist.send(torch.full((3,), float(r)), dst=0)
+        ok = True
+    assert_all(ok, "recv(src=None) must return every sender once")
+    if r == 0:
+        t = torch.empty(1)
+        work = dist.irecv(t)
+        work.wait()
+        ok = work._source_rank() == n - 1 and t.item() == 5.0
+    elif r == n - 1:
+        dist.send(torch.tensor([5.0]), dst=0)
+        ok = True
+    assert_all(ok, "irecv(src=None)._source_rank()")
+
+
+def test_async_work_is_pending_until_the_peer_joins(plain, world):
+    """Launch returns before the last rank joins; the progress thread completes it unpolled."""
+    if world.size == 1:
+        pytest.skip("needs 2 ranks")
+    store = dist.distributed_c10d._get_default_store()
+    late = world.size - 1
+    t = torch.full((1 << 22,), float(world.rank + 1))  # 16 MiB
+    if world.rank == late:
+        store.wait(["launched/0"])  # rank 0 has launched (and returned) before this rank joins
+        work = dist.all_reduce(t, async_op=True)
+        ok, pending_at_launch, fired = work.wait(), None, None
+    else:
+        done = threading.Event()
+        work = dist.all_reduce(t, async_op=True)
+        fut = work.get_future().then(lambda f: done.set())
+        pending_at_launch = not work.is_completed()
+        if world.rank == 0:
+            store.set("launched/0", "1")
+        fired = done.wait(60)  # no wait()/is_completed() in between: the progress thread did it
+        ok = pending_at_launch and fired and fut.wait() is None and work.is_completed()
+    assert_all(ok, f"pending at launch {pending_at_launch}, callback fired {fired}")
+    assert_close_all(t[:4], np.full(4, world.size * (world.size + 1) / 2))
+
+
+def test_ddp_with_async_buckets_matches_gloo(plain, world):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    gloo = dist.new_group(backend="gloo")
+
+    def train(group):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(10, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+        ddp = DDP(model, process_group=group, bucket_cap_mb=0.001)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        gen = torch.Generator().manual_seed(10 + world.rank)
+        for _ in range(5):
+            x = torch.randn(8, 10, generator=gen)
+            loss = (ddp(x) - x[:, :1]).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    ref = train(gloo)
+    ours = train(plain)
+    assert_close_all(ours, ref.numpy(), atol=1e-6, what="DDP on mpicomm (async buckets) vs gloo")
