@@ -114,6 +114,39 @@ def test_optimizer_state_dict_comes_back_whole(comm, world, shared_tmp_path, nam
     assert_all(same(opt2.state_dict(), saved), f"{name}: {opt2.state_dict()} != {saved}")
 
 
+class LocalAdam(torch.optim.Adam):
+    """Adam with per-rank state of its own (like error feedback): the per-rank protocol."""
+
+    def __init__(self, params, rank: int) -> None:
+        super().__init__(params, lr=0.01)
+        self.local = torch.full((3,), float(rank))
+        self.seen = None
+
+    def per_rank_state_dict(self):
+        return {"local": self.local, "ticks": int(self.local.sum())}
+
+    def load_per_rank_state_dict(self, saved, rank, size) -> None:
+        self.seen = [int(s["ticks"]) for s in saved]
+        self.local = saved[rank]["local"].clone()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_optimizer_with_per_rank_state(comm, world, shared_tmp_path):
+    rank, size = world.Get_rank(), world.Get_size()
+    model = small_model(0)
+    opt = LocalAdam(model.parameters(), rank)
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    saved = opt.state_dict()
+    ckpt.save(shared_tmp_path / "p", model=model, optimizer=opt, comm=comm)
+    model2 = small_model(1)
+    opt2 = LocalAdam(model2.parameters(), -1)
+    ckpt.load(shared_tmp_path / "p", model=model2, optimizer=opt2, comm=comm)
+    assert_all(torch.equal(opt2.local, torch.full((3,), float(rank))) and opt2.seen == [3 * r for r in range(size)],
+               f"{opt2.local} {opt2.seen}")
+    assert_all(same(opt2.state_dict(), saved))
+
+
 @pytest.mark.mpi(min_size=1)
 def test_zero_refuses_optimizer_state_it_cannot_store(comm, shared_tmp_path):
     model = small_model(0)
