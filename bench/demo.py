@@ -53,20 +53,18 @@ def part_collectives(mpi_comm, info, out, sizes, budget_s) -> list[dict]:
     """Time a few collectives on every peer that works; print one row per op and size."""
     peers, ctx, notes = collectives.available_peers(list(collectives.PEERS), mpi_comm)
     out(f"== 1. Collectives: {' vs '.join(peers)} ({info['ranks']} ranks, float32, "
-        f"mean time per call, busbw in GB/s) ==")
+        f"median of 3 interleaved rounds per call, busbw in GB/s) ==")
     for note in notes:
         out(f"   note: {note}")
     out("   " + f"{'op':<15}{'size':>6}" + "".join(f"{p:>24}" for p in peers) + f"{'#wrong':>8}")
     records = []
     for op in ("all_reduce", "all_gather", "broadcast"):
         for size in sizes:
-            row = []
-            for peer in peers:
-                rec = collectives.measure(peer, op, size, "float32", mpi_comm, info, ctx,
-                                          budget_s=budget_s)
+            row, _ = collectives.measure_size(peers, op, size, "float32", "cpu", mpi_comm, info,
+                                              ctx, rounds=3, budget_s=budget_s)
+            for rec in row:
                 rec["bench"] = BENCH
-                records.append(rec)
-                row.append(rec)
+            records += row
             cells = "".join(f"{_ms(r['time_us_mean']) + ' (%.2f)' % r['busbw_gbps']:>24}"
                             for r in row)
             out(f"   {op:<15}{common.format_size(size):>6}{cells}{sum(r['wrong'] for r in row):>8}")
@@ -309,7 +307,7 @@ def main(argv=None) -> int:
             rates = [r.strip() for r in args.rates.split(",") if r.strip()]
             records += part_network(mpi_comm, out, rates, args.compressed_size, timeout_s=120)
             out()
-    collectives._close_gloo()
+    collectives.close_gloo()
     wrong = sum(r.get("wrong", 0) for r in records)
     if mpi_comm.Get_rank() == 0 and args.json:
         with open(args.json, "w") as f:
