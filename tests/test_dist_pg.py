@@ -119,6 +119,11 @@ def test_bitwise_ops(plain, world, name):
     ref = [fn.reduce(np.array(vals, dtype=np.int32)),
            fn.reduce(np.array([0xFF ^ r for r in range(world.size)], dtype=np.int32))]
     assert_close_all(t, np.array(ref, dtype=np.int32))
+    flags = [[True, r % 2 == 0, False, r == 0] for r in range(world.size)]
+    b = torch.tensor(flags[world.rank])
+    dist.all_reduce(b, op=getattr(dist.ReduceOp, name))
+    bool_fn = {"BAND": np.logical_and, "BOR": np.logical_or, "BXOR": np.logical_xor}[name]
+    assert_close_all(b, bool_fn.reduce(np.array(flags), axis=0), what=f"{name} on bool")
 
 
 def test_unsupported_op_error_names_it(plain):
