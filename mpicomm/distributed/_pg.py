@@ -20,8 +20,9 @@ class MpicommProcessGroup(dist.ProcessGroup):
     """A process group whose calls run as non-blocking MPI operations through mpicomm.
 
     ``async_op=True`` returns at once (mpicomm's progress thread completes the work); blocking
-    calls wait on the caller's thread. Every call fails with ``CollectiveTimeoutError`` past
-    ``timeout``. ``store`` (the process group's store) carries progress reports for timeouts.
+    calls run MPI's blocking primitive under the watchdog. Past ``timeout`` a work fails with
+    ``CollectiveTimeoutError`` and the job is aborted. ``store`` (the process group's store)
+    carries the ranks' progress reports for timeout messages.
     """
 
     def __init__(self, comm: Communicator, timeout: datetime.timedelta = DEFAULT_TIMEOUT,
