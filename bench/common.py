@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence, TextIO
 
+from accelerators.mpi_lib import library_version
 from mpi4py import MPI
 
 from .env import clean_env, free_port, init_gloo
@@ -194,7 +195,7 @@ def environment_info(mpi_comm: MPI.Comm) -> dict:
     info = {
         "mpi_vendor": vendor,
         "mpi_version": ".".join(map(str, vver)),
-        "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
+        "mpi_library": library_version().splitlines()[0].strip(),
         "mpi4py_version": mpi4py.__version__,
         "ranks": mpi_comm.Get_size(),
         "hosts": len(hosts),
