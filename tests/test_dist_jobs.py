@@ -11,13 +11,13 @@ import pytest
 
 from mpitest import mpiexec_cmd
 
+from mpicomm._util import clean_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "HYDRA_", "HYDI_", "OMPI_", "MPI_LOCAL", "PRTE_")
 
 
 def _env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(_LAUNCHER_PREFIXES) or k.startswith("OMPI_ALLOW_RUN_AS_ROOT")}
+    env = clean_env()
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         env.pop(k, None)
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from mpi4py import MPI
 
 from .. import progress
+from .._util import format_bytes
 from ..work import Work
 
 _log = logging.getLogger("mpicomm")
@@ -59,10 +60,7 @@ def _describe(tensors: Sequence) -> str:
 
 
 def _size(nbytes: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes} B"
+    return format_bytes(nbytes)
 
 
 def expire(pg, call: str, seq: int, described, timeout: datetime.timedelta, elapsed: float,
