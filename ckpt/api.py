@@ -12,7 +12,7 @@ from typing import Any, Callable, TypeVar
 
 import torch
 
-from . import checksum, commit, plan
+from . import checksum, commit, plan, safetensors_header
 from .io import DEFAULT_CHUNK_BYTES, fsync_path, read_blocks, read_items, write_items
 from .manifest import (DATA_NAME, DEFAULT_BLOCK_SIZE, INCOMPLETE_NAME, LATEST_NAME, MANIFEST_NAME, TMP_MARK,
                        DamagedCheckpointError, IncompleteCheckpointError, Manifest, ManifestError, Packer,
@@ -308,6 +308,11 @@ def _plan_save(mpi: Any, model: torch.nn.Module, optimizer: torch.optim.Optimize
         opt_meta, items = _plan_plain_save(optimizer, index, names, tensors, packer, add_buffer)
         replicated.extend(items)
 
+    # data.bin is a safetensors file: its header goes in front of the tensors (written by whoever's share it is)
+    head = safetensors_header.seal(packer, {"format": "pt"})
+    replicated = [plan.IOItem(0, len(head), add_buffer(torch.frombuffer(bytearray(head), dtype=torch.uint8)), 0)]\
+        + plan.shift(replicated, len(head))
+    sharded = plan.shift(sharded, len(head))
     mine = plan.share_items(sorted(replicated, key=lambda it: it.offset), size, rank, block_size) + sharded
     manifest = Manifest(world_size=size, stage=zero.stage if zero is not None else None,
                         step=step, params=params, tensors=packer.entries,

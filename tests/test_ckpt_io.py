@@ -172,15 +172,18 @@ def test_format_is_canonical_json_and_raw_bytes(comm, world, shared_tmp_path):
         with open(d / "manifest.json") as f:
             m = json.load(f)  # plain JSON
         data = (d / "data.bin").read_bytes()
-        assert m["format"] == "mpicomm-ckpt" and m["version"] == 1
+        assert m["format"] == "mpicomm-ckpt" and m["version"] == 2
         assert (m["world_size"], m["stage"], m["step"], m["extra"]) == (comm.size, 3, 3, {"note": "hi"})
         sd = model.state_dict()
         assert [(p["name"], p["shape"], p["dtype"]) for p in m["params"]] == \
             [(k, list(v.shape), "bfloat16") for k, v in sd.items()]
         assert m["optimizer"]["class"] == "torch.optim.adam.Adam"
-        # every byte belongs to exactly one tensor: no padding, no gaps
+        # a safetensors header (8-byte length, JSON padded to 8), then every byte belongs to
+        # exactly one tensor: no padding, no gaps
+        head = int.from_bytes(data[:8], "little")
+        assert head % 8 == 0 and json.loads(data[8:8 + head])["__metadata__"] == {"format": "pt"}
         spans = sorted({(t["offset"], t["nbytes"]) for t in m["tensors"]})
-        pos = 0
+        pos = 8 + head
         for off, n in spans:
             assert off == pos, f"gap or overlap at {pos}"
             pos += n

@@ -209,7 +209,7 @@ def test_manifest_round_trip_and_validation():
     with pytest.raises(ManifestError, match="expected 12 bytes"):
         Manifest.from_json(bad)
     with pytest.raises(ManifestError, match="version"):
-        Manifest.from_json(m.to_json().replace('"version": 1', '"version": 99'))
+        Manifest.from_json(m.to_json().replace('"version": 2', '"version": 99'))
     with pytest.raises(ManifestError, match="format"):
         Manifest.from_json('{"format": "other"}')
 
