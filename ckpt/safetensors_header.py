@@ -8,6 +8,8 @@ header, in order, without gaps or overlaps. Tensor names in the header:
 - model state (parameters and buffers): its ``model.state_dict()`` name;
 - fp32 master weights that are not also the model weights: ``optimizer/master/<name>``;
 - optimizer state tensors: ``optimizer/state/<name>/<key>`` (e.g. ``.../exp_avg``);
+- tensors of state items (``save(state=...)``): their manifest key, ``items/<name>/<i>``
+  (``items/<name>@<rank>/<i>`` per rank; ``optimizer/optimizer/<i>`` for an optimizer's extras);
 - any other kind of entry: ``<kind>/<name>`` (``/<key>`` appended when it has one).
 
 Bytes stored once for two entries (fp32 model weights that are the ZeRO masters) appear once,
@@ -23,7 +25,7 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 from .manifest import TensorEntry
 
 if TYPE_CHECKING:
-    from .manifest import Packer
+    from .planner import SavePlan
 
 DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
           "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
@@ -44,6 +46,8 @@ def tensor_key(e: TensorEntry) -> str:
         return f"optimizer/master/{e.name}"
     if e.kind == "state":
         return f"optimizer/state/{e.name}/{e.key}"
+    if e.kind == "item" and e.key:
+        return e.key
     return f"{e.kind}/{e.name}" + (f"/{e.key}" if e.key else "")
 
 
@@ -114,9 +118,17 @@ def read_header(path: str) -> tuple[dict[str, dict], dict[str, str], int]:
     return decode(first, os.path.getsize(path))
 
 
-def seal(packer: "Packer", metadata: dict[str, str] | None = None) -> bytes:
-    """Put the safetensors header in front of everything ``packer`` placed (every entry moves
-    up by its size); return the header's bytes, which go at offset 0 of the file."""
-    head = encode(packer.entries, metadata)
-    packer.prepend(len(head))
+def add_header(sp: "SavePlan", metadata: dict[str, str] | None = None) -> bytes:
+    """Put the safetensors header in front of everything save plan ``sp`` packed: every entry
+    and write moves up by the header's size, and the header itself is written at offset 0 as
+    replicated data (an even share, like the model weights). Returns the header."""
+    import torch
+
+    from .plan import IOItem, shift
+
+    head = encode(sp.packer.entries, metadata)
+    sp.packer.prepend(len(head))
+    sp.replicated = [IOItem(0, len(head), sp.buffer(torch.frombuffer(bytearray(head), dtype=torch.uint8)), 0)] \
+        + shift(sp.replicated, len(head))
+    sp.own = shift(sp.own, len(head))
     return head

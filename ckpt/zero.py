@@ -352,9 +352,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return self._groups
 
     def shard_state(self, gi: int) -> dict[str, Any]:
-        """The wrapped optimizer's state for group ``gi``'s master shard (may be empty)."""
+        """The wrapped optimizer's state for group ``gi``'s master shard (may be empty).
+
+        Collective (call it on every rank, for the groups in the same order, as ``ckpt.save``
+        does) for ``OnebitAdam`` after ``freeze_step``: the exact mean of the ranks' local
+        momenta is computed for ``exp_avg``."""
         if isinstance(self.optimizer, ShardedOnebitAdam):
-            self.optimizer.note_saved()
+            return self.optimizer.saved_state(gi, self._groups[gi], self._grad_comm)
         return self.optimizer.state.get(self._groups[gi].master, {})
 
     def set_shard_state(self, gi: int, state: dict[str, Any]) -> None:

@@ -16,7 +16,6 @@ travels, only the weights' all-gather that ZeRO always does.
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any
 
 import numpy as np
@@ -42,7 +41,6 @@ class ShardedOnebitAdam(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.freeze_step = int(freeze_step)
         self._local: dict[int, dict[str, Any]] = {}     # per group: momentum, worker error, buffers
-        self._saved_frozen = False
 
     @property
     def global_step(self) -> int:
@@ -97,14 +95,18 @@ class ShardedOnebitAdam(torch.optim.Optimizer):
         """Drop the local momenta and errors: the next frozen step restarts them from the shards."""
         self._local.clear()
 
-    def note_saved(self) -> None:
-        """Warn once that a checkpoint keeps the averaged momentum but not the local ones."""
-        if self._local and not self._saved_frozen:
-            self._saved_frozen = True
-            warnings.warn("ZeroOptimizer(OnebitAdam): the checkpoint keeps the shards' averaged momentum "
-                          "and frozen variance, not each rank's local momentum and error feedback; a run "
-                          "resumed from it restarts them from the averaged momentum (not bit-identical)",
-                          UserWarning, stacklevel=4)
+    def saved_state(self, gi: int, g: Any, comm: Any) -> dict[str, Any]:
+        """The state of group ``gi``'s shard to save. After freeze_step this is collective: the
+        local momenta are averaged exactly (one fp32 reduce-scatter) into ``exp_avg``, which a
+        resumed run starts every rank's local momentum from (error feedback restarts at zero)."""
+        st = self.state.get(g.master, {})
+        loc = self._local.get(gi)
+        if loc is None or g.layout.world_size == 1:
+            return st
+        exact = torch.empty(loc["chunk"], dtype=torch.float32, device=g.master.device)
+        comm.reduce_scatter_tensor(exact, loc["mom"].view(-1), op="avg")
+        L = g.layout.local_numel
+        return {**st, "exp_avg": exact[:L].mul_(loc["mask"])}
 
     def _locals(self, gi: int, g: Any, comm: Any) -> dict[str, Any]:
         loc = self._local.get(gi)

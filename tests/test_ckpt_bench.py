@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from mpitest import mpiexec_path
+from mpitest import mpiexec_cmd
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_bench_ckpt_small_run(tmp_path):
     out = tmp_path / "ckpt.json"
     proc = subprocess.run(
-        [mpiexec_path(), "-n", "3", sys.executable, "-m", "bench", "ckpt", "--layers", "2", "--hidden", "96",
+        [*mpiexec_cmd(3), sys.executable, "-m", "bench", "ckpt", "--layers", "2", "--hidden", "96",
          "--deepspeed", "no", "--no-sync", "--dir", str(tmp_path), "--json", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -16,7 +16,7 @@ from mpi4py import MPI
 import ckpt
 from ckpt import cli as ckpt_cli
 from test_ckpt_ds_format import SHAPES, Net, make
-from mpitest import mpiexec_path
+from mpitest import mpiexec_cmd
 from test_ckpt_reliability import ROOT
 
 pytestmark = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1, reason="single-process test (runs its own jobs)")
@@ -113,7 +113,7 @@ def test_convert_and_export_in_parallel_under_mpiexec(tmp_path):
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
 
     def run(*args):
-        cmd = [mpiexec_path(), "-n", "2", sys.executable, "-m", "ckpt", *args]
+        cmd = [*mpiexec_cmd(2), sys.executable, "-m", "ckpt", *args]
         out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180, env=env)
         assert out.returncode == 0, f"{' '.join(cmd)}: {out.returncode}\n{out.stdout}\n{out.stderr[-3000:]}"
         return out

@@ -25,7 +25,7 @@ import torch
 from mpi4py import MPI
 
 from ckpt.deepspeed import from_deepspeed, read_deepspeed, to_deepspeed_universal
-from mpitest import mpiexec_path
+from mpitest import mpiexec_cmd
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed"),
@@ -57,7 +57,7 @@ def launch(n: int, *args: str, timeout: int = 300) -> None:
     env["DS_TEST_PORT"] = str(_free_port())
     env.setdefault("OMP_NUM_THREADS", "1")
     env["DS_ACCELERATOR"] = "cpu"  # gloo on the CPU even where a GPU is present
-    cmd = [mpiexec_path(), "-n", str(n), sys.executable, "-m", "mpi4py", SCRIPT, *args]
+    cmd = [*mpiexec_cmd(n), sys.executable, "-m", "mpi4py", SCRIPT, *args]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired as exc:

@@ -1,6 +1,6 @@
 """data.bin is a safetensors file: the safetensors library (the independent reader) returns the
 model's state under its state_dict names and the optimizer's under documented prefixes; the
-model-only export; format version 1 checkpoints (no header) still load."""
+model-only export; checkpoints of format versions 1 and 2 (no header) still load."""
 from __future__ import annotations
 
 import json
@@ -21,7 +21,7 @@ from ckpt.export import export_safetensors
 from ckpt.manifest import FORMAT_VERSION, Manifest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-V1 = os.path.join(HERE, "data", "ckpt_v1")
+OLD = {1: os.path.join(HERE, "data", "ckpt_v1_adam"), 2: os.path.join(HERE, "data", "ckpt_v2")}
 
 
 class Net(torch.nn.Module):
@@ -77,7 +77,7 @@ def test_data_bin_reads_with_safetensors(comm, world, shared_tmp_path, dtype, op
     path = str(shared_tmp_path / "ck" / "data.bin")
 
     def check():
-        assert m.version == FORMAT_VERSION == 2
+        assert m.version == FORMAT_VERSION == 3
         header = check_header_bytes(path)
         got = load_file(path)
         assert set(got) == set(header)
@@ -153,10 +153,11 @@ def test_export_cli(comm, world, tmp_path, capsys):
     assert code == ckpt_cli.EXIT_EXISTS, "an existing file is kept without --overwrite"
 
 
-def v1_values():
-    """What tests/data/ckpt_v1 holds (format version 1, written before data.bin had a header):
-    a Linear(4, 3), a bf16 parameter ``low`` and an int64 buffer ``count``, set to these values,
-    with Adam state set by hand, saved at step 3 by one rank."""
+def old_values():
+    """What tests/data/ckpt_v1_adam and ckpt_v2 hold (format versions 1 and 2, written by the code
+    of those versions, before data.bin had a header): a Linear(4, 3), a bf16 parameter ``low``
+    and an int64 buffer ``count``, set to these values, with Adam state set by hand, saved at
+    step 3 by one rank; version 2 also has the state item ``table``."""
     params = {"low": torch.arange(5.0).to(torch.bfloat16) / 4,
               "lin.weight": torch.arange(12.0).reshape(3, 4) / 8,
               "lin.bias": torch.tensor([-1.5, 0.25, 3.0])}
@@ -165,7 +166,7 @@ def v1_values():
     return params, torch.tensor([7, 9]), state
 
 
-class V1Net(torch.nn.Module):
+class OldNet(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.lin = torch.nn.Linear(4, 3)
@@ -174,17 +175,19 @@ class V1Net(torch.nn.Module):
 
 
 @pytest.mark.mpi(min_size=1)
-def test_format_version_1_still_loads(comm, world):
-    raw = json.load(open(os.path.join(V1, "manifest.json")))
-    assert raw["version"] == 1
-    assert min(t["offset"] for t in raw["tensors"]) == 0, "version 1: the tensors start at byte 0, no header"
-    params, count, state = v1_values()
-    net = V1Net()
+@pytest.mark.parametrize("version", [1, 2])
+def test_previous_format_versions_still_load(comm, world, version):
+    raw = json.load(open(os.path.join(OLD[version], "manifest.json")))
+    assert raw["version"] == version
+    assert min(t["offset"] for t in raw["tensors"]) == 0, "before version 3 the tensors start at byte 0"
+    params, count, state = old_values()
+    net = OldNet()
     opt = torch.optim.Adam(net.parameters(), lr=0.5)
-    res = ckpt.load(V1, model=net, optimizer=opt, comm=comm)
+    table = {"w": torch.zeros(2, 3, dtype=torch.int32), "k": 0}
+    res = ckpt.load(OLD[version], model=net, optimizer=opt, comm=comm, state={"table": table} if version > 1 else None)
 
     def check():
-        assert res.step == 3 and res.extra == {"note": "format v1"} and res.manifest.version == 1
+        assert res.step == 3 and res.extra == {"note": f"format v{version}"} and res.manifest.version == version
         named = dict(net.named_parameters())
         for n, t in params.items():
             assert named[n].dtype == t.dtype and torch.equal(named[n].detach(), t), n
@@ -194,14 +197,31 @@ def test_format_version_1_still_loads(comm, world):
                 assert torch.equal(opt.state[named[n]][k], v), (n, k)
             assert float(opt.state[named[n]]["step"]) == 3.0
         assert opt.param_groups[0]["lr"] == 0.01  # the saved hyperparameters
+        if version > 1:
+            assert torch.equal(table["w"], torch.arange(6, dtype=torch.int32).reshape(2, 3))
+            assert res.state["table"]["k"] == 4
     check_all(check)
 
 
 def test_newer_version_is_refused(tmp_path):
-    shutil.copytree(V1, tmp_path / "ck")
+    shutil.copytree(OLD[2], tmp_path / "ck")
     raw = json.load(open(tmp_path / "ck" / "manifest.json"))
     raw["version"] = FORMAT_VERSION + 1
     (tmp_path / "ck" / "manifest.json").write_text(json.dumps(raw))
     with pytest.raises(ckpt.ManifestError, match="newer"):
         ckpt.read_manifest(tmp_path / "ck")
-    assert Manifest.from_json(open(os.path.join(V1, "manifest.json")).read()).version == 1
+    assert Manifest.from_json(open(os.path.join(OLD[1], "manifest.json")).read()).version == 1
+
+
+@pytest.mark.mpi(min_size=1)
+def test_state_items_are_named_by_their_keys(comm, world, shared_tmp_path):
+    net = Net()
+    table = {"w": torch.arange(6, dtype=torch.int32).reshape(2, 3), "k": 4}
+    ckpt.save(shared_tmp_path / "ck", model=net, comm=comm, state={"table": table, "rng": ckpt.RNG()})
+
+    def check():
+        got = load_file(str(shared_tmp_path / "ck" / "data.bin"))
+        assert torch.equal(got["items/table/0"], table["w"])
+        ranks = {k.split("@")[1].split("/")[0] for k in got if k.startswith("items/rng@")}
+        assert ranks == {str(r) for r in range(comm.size)}, sorted(got)
+    check_all(check)

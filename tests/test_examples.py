@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from mpitest import mpiexec_cmd
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
@@ -15,7 +16,7 @@ EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
 def test_example_runs(path, tmp_path):
     env = dict(os.environ, PYTHONWARNINGS="ignore::FutureWarning", MPICOMM_EXAMPLE_DIR=str(tmp_path))
-    proc = subprocess.run(["mpiexec", "-n", "2", sys.executable, "-m", "mpi4py", str(path)],
+    proc = subprocess.run([*mpiexec_cmd(2), sys.executable, "-m", "mpi4py", str(path)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"{path.name} failed:\n{proc.stdout}\n{proc.stderr}"
     assert proc.stdout.strip(), f"{path.name} printed nothing"

@@ -8,13 +8,14 @@ import textwrap
 import time
 
 import pytest
+from mpitest import mpiexec_cmd
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _mpiexec(n, *args, timeout=60):
     t0 = time.monotonic()
-    proc = subprocess.run(["mpiexec", "-n", str(n), sys.executable, *args], cwd=ROOT,
+    proc = subprocess.run([*mpiexec_cmd(n), sys.executable, *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
     return proc, time.monotonic() - t0
 
@@ -64,3 +65,59 @@ def test_shared_tmp_path_is_the_same_on_every_rank(shared_tmp_path, world):
 
     paths = world.allgather(str(shared_tmp_path))
     assert_all(len(set(paths)) == 1 and shared_tmp_path.is_dir(), f"paths differ: {paths}")
+
+
+# ---------------------------------------------------------------------------------------------
+# scripts/mpirun.sh: the one launch logic (flavour, root variables, oversubscription)
+
+_FAKE_MPIEXEC = """#!/bin/sh
+if [ "$1" = "--version" ]; then echo '{banner}'; exit 0; fi
+echo "args: $*"
+echo "root-vars: ${{OMPI_ALLOW_RUN_AS_ROOT:-unset}} ${{OMPI_ALLOW_RUN_AS_ROOT_CONFIRM:-unset}}"
+"""
+
+
+def _fake_launch(tmp_path, banner, n):
+    fake = tmp_path / "mpiexec"
+    fake.write_text(_FAKE_MPIEXEC.format(banner=banner))
+    fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OMPI_ALLOW_RUN_AS_ROOT")}
+    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "mpirun.sh"), "--mpiexec",
+                           str(fake), "-n", str(n), "prog", "-n", "99"], env=env,
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    args = proc.stdout.split("args: ")[1].splitlines()[0].split()
+    root_vars = proc.stdout.split("root-vars: ")[1].splitlines()[0].split()
+    return args, root_vars
+
+
+def _cores():
+    out = subprocess.run(["lscpu", "-p=core,socket"], capture_output=True, text=True).stdout
+    physical = len({line for line in out.splitlines() if line and not line.startswith("#")})
+    online = os.cpu_count() if not hasattr(os, "sched_getaffinity") else len(os.sched_getaffinity(0))
+    return physical if 0 < physical < online else online
+
+
+def test_mpirun_sh_open_mpi_root_variables_and_oversubscription(tmp_path):
+    cores = _cores()
+    root = os.geteuid() == 0
+    args, root_vars = _fake_launch(tmp_path, "mpiexec (Open MPI) 5.0.11", cores)
+    assert args == ["-n", str(cores), "prog", "-n", "99"], args  # no oversubscription needed
+    assert root_vars == (["1", "1"] if root else ["unset", "unset"])
+    args, root_vars = _fake_launch(tmp_path, "mpiexec (Open MPI) 5.0.11", cores + 1)
+    assert args == ["--oversubscribe", "-n", str(cores + 1), "prog", "-n", "99"], args
+    assert root_vars == (["1", "1"] if root else ["unset", "unset"])
+
+
+def test_mpirun_sh_mpich_gets_no_extra_flags_or_variables(tmp_path):
+    args, root_vars = _fake_launch(tmp_path, "HYDRA build details:", _cores() + 2)
+    assert args == ["-n", str(_cores() + 2), "prog", "-n", "99"]
+    assert root_vars == ["unset", "unset"]
+
+
+def test_mpirun_sh_more_ranks_than_cores_runs():
+    n = _cores() + 1
+    proc, _ = _mpiexec(n, "-c", "from mpi4py import MPI; c = MPI.COMM_WORLD; ranks = c.gather(c.rank)\n"
+                                "if c.rank == 0: print('ranks', *ranks)")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.split() == ["ranks", *map(str, range(n))], proc.stdout
