@@ -64,6 +64,24 @@ def world_info() -> Optional[Dict[str, str]]:
         info.Free()
 
 
+def clean(text: str) -> str:
+    """An MPI library string without NUL bytes (Open MPI ends its version with one) or trailing whitespace."""
+    return text.replace("\x00", "").rstrip()
+
+
+def library_version() -> str:
+    """MPI_Get_library_version's text, cleaned."""
+    from mpi4py import MPI
+
+    return clean(MPI.Get_library_version())
+
+
+def library_line() -> str:
+    """The first line of the MPI library's version text, whitespace runs collapsed."""
+    lines = library_version().strip().splitlines()
+    return " ".join(lines[0].split()) if lines else ""
+
+
 def library_summary() -> Dict[str, str]:
     """Vendor, library version line and MPI standard version of the MPI in use."""
     from mpi4py import MPI
@@ -71,6 +89,6 @@ def library_summary() -> Dict[str, str]:
     vendor, version = MPI.get_vendor()
     return {
         "vendor": f"{vendor} {'.'.join(map(str, version))}",
-        "library": " ".join(MPI.Get_library_version().strip().splitlines()[0].split()),
+        "library": library_line(),
         "standard": ".".join(map(str, MPI.Get_version())),
     }

@@ -10,7 +10,9 @@ PROGRAMS = {
     "collectives": ("bench.collectives", "collectives vs raw mpi4py and gloo, OSU/nccl-tests style"),
     "compressed": ("bench.compressed", "1-bit compressed allreduce vs fp32 allreduce"),
     "ckpt": ("bench.ckpt", "sharded checkpoint save/load with MPI-IO"),
+    "train": ("bench.train", "data-parallel training: DDP on mpicomm, gloo, mpicomm and 1-bit hooks"),
     "plot": ("bench.plot", "draw saved JSON runs: log-log, one panel per op, min-max bands"),
+    "zero": ("bench.zero", "ZeroOptimizer vs DDP and FSDP2: step time, overlap, memory, bytes per step"),
     "netsim": ("bench.netsim", "run a benchmark on simulated hosts with a rate-limited network"),
 }
 

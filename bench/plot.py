@@ -196,13 +196,14 @@ def plot_curves(records: Sequence[dict], path: str, *, title: str = "") -> None:
         ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=label,
                 color=f"C{peers.index(r['peer']) % 10}", linestyle=_STYLES[ri % len(_STYLES)])
         if r.get("freeze_step"):
-            ax.axvline(r["freeze_step"], color="grey", linestyle=":", linewidth=1)
+            ax.axvline(r["freeze_step"] + 0.5, color="grey", linestyle=":", linewidth=1,
+                       label=f"{r['peer']} compresses from step {r['freeze_step'] + 1}")
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
     ax.set_yscale("log")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize="small")
-    ax.set_title(title or "loss against step (dotted: 1-bit Adam's freeze step)", fontsize="medium")
+    ax.set_title(title or "loss against step", fontsize="medium")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -4,30 +4,53 @@
     ...train...
     ckpt.save("run/step100", model=model, optimizer=opt, step=100, comm=comm)   # collective
     info = ckpt.load("run", model=model, optimizer=opt, comm=comm)              # follows run/latest
+    ckpt.save(..., state={"sched": scheduler, "rng": ckpt.RNG(), "sampler": ckpt.PerRank(sampler)})
 
 A checkpoint is a directory: ``manifest.json`` (format, world size, stage, tensors with byte
-offsets, optimizer class and param_groups, per-block CRC-32, step, extras) and ``data.bin``
-(every tensor unpadded at its offset). A save writes into a hidden working directory marked
+offsets, optimizer class and param_groups, per-block CRC-32, step, extras, state items) and
+``data.bin`` (every tensor unpadded at its offset). A save writes into a hidden working directory marked
 ``INCOMPLETE`` and publishes it under its final name by an atomic rename (one committer at a
 time per parent directory); unfinished saves are refused by name. ``python -m ckpt inspect|verify
 PATH`` reads a checkpoint without MPI; ``convert`` and ``export`` move to and from DeepSpeed.
+Every problem with a checkpoint raises a ``CheckpointError`` (its ``exit_code`` is the CLI's).
 
 DeepSpeed: ``ckpt.from_deepspeed(tag_dir, path)`` imports a ZeRO checkpoint;
 ``ckpt.to_deepspeed_universal(path, out_dir)`` writes DeepSpeed's universal layout.
+
+What lives where:
+    api            save / load: the collective steps, top to bottom
+    collective     runs a step on rank 0 or every rank; a failure raises on every rank
+    planner        what each rank writes and reads: model weights, the optimizer planner interface
+    planner_zero   ... for a ZeroOptimizer (sharded masters and state)
+    planner_plain  ... for a plain torch optimizer (replicated state, extras included)
+    items          ... for state items (``state=``) and optimizer extras: replicated or per rank
+    stateful       RNG, PerRank, the per-rank protocol and its default rule (same_rank)
+    tree           nested state as JSON plus raw tensors
+    storage        working directory, commit, ``latest``, resolving paths, manifest and checksum checks
+    commit         atomic publish (rename / exchange) under a directory lock
+    errors         CheckpointError and its subclasses, the CLI's exit codes
+    io             collective MPI-IO of planned byte ranges, with checksums
+    plan, layout   pure byte-range and shard math;  manifest: the JSON format;  checksum: CRC-32
+    dtypes         the dtype names of the format;  zero: ZeroOptimizer;  progress: progress bars
+    cli            ``python -m ckpt``;  deepspeed/: DeepSpeed import and export
 """
 from __future__ import annotations
 
-from .api import (ChecksumError, CollectiveError, LoadResult, StateMismatchError, incomplete_reason, load,
-                  read_manifest, resolve, save)
+from .api import LoadResult, load, save
+from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError, ChecksumError, CollectiveError,
+                     IncompatibleStateError, RankFailure, StateMismatchError)
 from .layout import Segment, ShardLayout
 from .manifest import (FORMAT_VERSION, DamagedCheckpointError, IncompleteCheckpointError, Manifest, ManifestError,
                        TensorEntry)
+from .stateful import RNG, PerRank, same_rank
+from .storage import incomplete_reason, read_manifest, resolve
 from .zero import ZeroOptimizer
 from .deepspeed import PickleRefusedError, from_deepspeed, to_deepspeed_universal  # noqa: E402
 
 __all__ = [
-    "ChecksumError", "CollectiveError", "DamagedCheckpointError", "FORMAT_VERSION", "IncompleteCheckpointError",
-    "LoadResult", "Manifest", "ManifestError", "PickleRefusedError", "Segment", "ShardLayout",
+    "CheckpointError", "CheckpointExistsError", "CheckpointNotFoundError", "ChecksumError", "CollectiveError",
+    "DamagedCheckpointError", "FORMAT_VERSION", "IncompatibleStateError", "IncompleteCheckpointError", "LoadResult",
+    "Manifest", "ManifestError", "PerRank", "PickleRefusedError", "RNG", "RankFailure", "Segment", "ShardLayout",
     "StateMismatchError", "TensorEntry", "ZeroOptimizer", "from_deepspeed", "incomplete_reason", "load",
-    "read_manifest", "resolve", "save", "to_deepspeed_universal",
+    "read_manifest", "resolve", "same_rank", "save", "to_deepspeed_universal",
 ]

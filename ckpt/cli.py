@@ -9,20 +9,16 @@ import argparse
 import json
 import os
 import sys
-from typing import Any
 
-from .api import ChecksumError, CollectiveError, StateMismatchError, read_manifest, resolve
+import mpicomm
+
+from .collective import Collective
+from .errors import (EXIT_DAMAGED, EXIT_EXISTS, EXIT_FAILED, EXIT_INCOMPLETE, EXIT_OK, EXIT_PICKLE, EXIT_USAGE,
+                     CheckpointError, CheckpointExistsError, CollectiveError, StateMismatchError)
 from .io import read_blocks
-from .manifest import DATA_NAME, FORMAT_VERSION, DamagedCheckpointError, IncompleteCheckpointError, ManifestError
+from .manifest import DATA_NAME, FORMAT_VERSION, ITEMSIZE, ManifestError
 from .progress import Bar
-
-EXIT_OK = 0
-EXIT_DAMAGED = 1      # checksum mismatch, truncated or missing data file
-EXIT_USAGE = 2        # bad arguments, or no readable checkpoint at the path (missing, bad or newer manifest)
-EXIT_INCOMPLETE = 3   # a save that never finished
-EXIT_PICKLE = 4       # the source holds a pickled Python global outside DeepSpeed's allowlist
-EXIT_EXISTS = 5       # the destination exists and --overwrite was not given
-EXIT_FAILED = 6       # anything else: I/O or MPI errors, an unsupported source, another rank's failure
+from .storage import read_manifest, resolve
 
 EXIT_CODES_HELP = f"""exit codes:
   {EXIT_OK}  success (verify: every block matches its checksum)
@@ -84,7 +80,7 @@ def _inspect(args: argparse.Namespace) -> int:
                   f"{t.name} {list(t.shape)}")
     else:
         rows = [(p.name + (" (buffer)" if p.buffer else ""), "x".join(map(str, p.shape)) or "scalar", p.dtype,
-                 _fmt_size(_numel(p.shape) * _itemsize(p.dtype))) for p in m.params]
+                 _fmt_size(_numel(p.shape) * ITEMSIZE[p.dtype])) for p in m.params]
         w = max([len("name")] + [len(r[0]) for r in rows])
         ws = max([len("shape")] + [len(r[1]) for r in rows])
         print(f"  {'name':<{w}}  {'shape':<{ws}}  {'dtype':<9} {'size':>10}")
@@ -92,12 +88,6 @@ def _inspect(args: argparse.Namespace) -> int:
             print(f"  {r[0]:<{w}}  {r[1]:<{ws}}  {r[2]:<9} {r[3]:>10}")
         print("  (--tensors lists every stored tensor, optimizer state included; --json the manifest)")
     return EXIT_OK
-
-
-def _itemsize(dtype: str) -> int:
-    from .manifest import ITEMSIZE
-
-    return ITEMSIZE[dtype]
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -129,23 +119,18 @@ def _show_progress(args: argparse.Namespace, rank: int) -> bool:
     return bool(args.progress) or sys.stderr.isatty()
 
 
-def _comm() -> Any:
-    import mpicomm
-
-    return mpicomm.init()
-
-
 def _dest_ready(path: str, overwrite: bool) -> None:
     if os.path.lexists(path) and not overwrite and (not os.path.isdir(path) or os.listdir(path)):
-        raise FileExistsError(f"{path} exists (pass --overwrite to replace it)")
+        raise CheckpointExistsError(f"{path} exists (pass --overwrite to replace it)")
 
 
 def _convert(args: argparse.Namespace) -> int:
     from .deepspeed import from_deepspeed
 
-    comm = _comm()
+    comm = mpicomm.as_communicator(None)
     bar = Bar(_show_progress(args, comm.rank), prefix="convert: ")
-    _on_rank0_first(comm, lambda: _dest_ready(os.path.abspath(args.dst), args.overwrite))
+    Collective(comm, "convert").on_root("checking the destination",
+                                        lambda: _dest_ready(os.path.abspath(args.dst), args.overwrite))
     m = from_deepspeed(args.src, args.dst, comm=comm, allow_pickle=args.allow_pickle, overwrite=args.overwrite,
                        progress=bar)
     bar.close()
@@ -158,38 +143,16 @@ def _convert(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from .deepspeed import to_deepspeed_universal
 
-    comm = _comm()
+    comm = mpicomm.as_communicator(None)
     bar = Bar(_show_progress(args, comm.rank), prefix="export: ")
-    _on_rank0_first(comm, lambda: (resolve(args.src), _dest_ready(os.path.abspath(args.dst), args.overwrite)))
-    out = to_deepspeed_universal(args.src, args.dst, comm=comm if comm.size > 1 else None, progress=bar)
+    Collective(comm, "export").on_root("checking the paths", lambda: (
+        resolve(args.src), _dest_ready(os.path.abspath(args.dst), args.overwrite)))
+    out = to_deepspeed_universal(args.src, args.dst, comm=comm, progress=bar)
     bar.close()
     if comm.rank == 0:
         print(f"ok: {resolve(args.src)} -> {out} (DeepSpeed universal checkpoint; load it with "
               '"checkpoint": {"load_universal": true})')
     return EXIT_OK
-
-
-def _on_rank0_first(comm: Any, fn) -> None:
-    """Checks that only rank 0 makes, raised on every rank."""
-    from .api import _on_root
-
-    _on_root(comm.mpi_comm, fn)
-
-
-def _code(exc: BaseException) -> int:
-    from .deepspeed import DeepSpeedFormatError, PickleRefusedError
-
-    if isinstance(exc, (ChecksumError, DamagedCheckpointError)):
-        return EXIT_DAMAGED
-    if isinstance(exc, IncompleteCheckpointError):
-        return EXIT_INCOMPLETE
-    if isinstance(exc, PickleRefusedError):
-        return EXIT_PICKLE
-    if isinstance(exc, FileExistsError):
-        return EXIT_EXISTS
-    if isinstance(exc, (ManifestError, FileNotFoundError)) and not isinstance(exc, DeepSpeedFormatError):
-        return EXIT_USAGE
-    return EXIT_FAILED
 
 
 def parser() -> argparse.ArgumentParser:
@@ -249,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         os.close(devnull)
         return EXIT_OK
     except Exception as exc:  # noqa: BLE001 - every failure becomes a message and an exit code
-        code = _code(exc)
+        code = exc.exit_code if isinstance(exc, CheckpointError) else EXIT_FAILED
         if _is_rank0():
             msg = str(exc) if not isinstance(exc, StateMismatchError) else exc.args[0]
             kind = "" if isinstance(exc, (ManifestError, CollectiveError)) else f"{type(exc).__name__}: "

@@ -9,6 +9,8 @@ import sys
 import uuid
 from typing import Iterator
 
+from .errors import CheckpointExistsError
+
 try:
     import fcntl
 except ImportError:  # pragma: no cover - not POSIX
@@ -67,13 +69,13 @@ def publish(tmp: str, path: str, overwrite: bool) -> str | None:
     """Move the finished directory ``tmp`` to ``path`` (call under ``dir_lock`` of the parent).
 
     Without ``overwrite`` an existing ``path`` (for instance one that a concurrent job
-    committed while this one was writing) is an error. With it, the old directory is swapped
-    out atomically where possible; the return value is the directory now holding the old
+    committed while this one was writing) is a CheckpointExistsError. With it, the old directory
+    is swapped out atomically where possible; the return value is the directory now holding the old
     checkpoint (to delete), or None."""
     if os.path.lexists(path):
         if not overwrite:
-            raise FileExistsError(f"save: {path} exists (another save may have committed it while this one was "
-                                  "writing); pass overwrite=True to replace it")
+            raise CheckpointExistsError(f"save: {path} exists (another save may have committed it while this one "
+                                        "was writing); pass overwrite=True to replace it")
         if exchange(tmp, path):
             return tmp
         old = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.old-{uuid.uuid4().hex[:12]}")
@@ -84,7 +86,7 @@ def publish(tmp: str, path: str, overwrite: bool) -> str | None:
         os.rename(tmp, path)
     except OSError as exc:
         if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
-            raise FileExistsError(f"save: another save committed {path} at the same time; this one was not "
-                                  "published") from None
+            raise CheckpointExistsError(f"save: another save committed {path} at the same time; this one was "
+                                        "not published") from None
         raise
     return old

@@ -6,14 +6,17 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Sequence
 
+from .errors import EXIT_DAMAGED, EXIT_INCOMPLETE, EXIT_USAGE, CheckpointError
+
 FORMAT_NAME = "mpicomm-ckpt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)   # 2 added state items (kind "item", the "state" section)
 MANIFEST_NAME = "manifest.json"
 DATA_NAME = "data.bin"
 LATEST_NAME = "latest"
 DEFAULT_BLOCK_SIZE = 4 << 20
 
-KINDS = ("param", "master", "state")
+KINDS = ("param", "master", "state", "item")
 
 ITEMSIZE = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
@@ -25,22 +28,29 @@ INCOMPLETE_NAME = "INCOMPLETE"   # present while a save is writing; removed just
 TMP_MARK = ".tmp-"                # a save's working directory is ``.<name>.tmp-<id>``
 
 
-class ManifestError(ValueError):
+class ManifestError(CheckpointError, ValueError):
     """The manifest is missing, malformed, or of an unsupported version."""
+
+    exit_code = EXIT_USAGE
 
 
 class IncompleteCheckpointError(ManifestError):
     """The directory is a save that did not finish (its writer died or failed); never loaded."""
 
+    exit_code = EXIT_INCOMPLETE
+
 
 class DamagedCheckpointError(ManifestError):
     """A file of the checkpoint is missing or has the wrong size."""
+
+    exit_code = EXIT_DAMAGED
 
 
 @dataclass(frozen=True)
 class TensorEntry:
     """Where one tensor's bytes lie: ``kind`` is "param" (model state), "master" (fp32 master
-    weights) or "state" (optimizer state ``key``); ``param`` indexes ``Manifest.params``."""
+    weights), "state" (optimizer state ``key``), or "item" (a tensor of a state item, ``key``
+    its unique name, ``param`` -1); ``param`` indexes ``Manifest.params``."""
 
     name: str
     param: int
@@ -86,6 +96,7 @@ class Manifest:
     block_size: int = DEFAULT_BLOCK_SIZE
     checksum: str = "crc32"
     info: dict[str, Any] = field(default_factory=dict)
+    state: dict[str, Any] | None = None   # state items and optimizer extras (see ckpt.items)
 
     def find(self, kind: str, param: int, key: str | None = None) -> TensorEntry | None:
         """The entry of ``kind`` (and optimizer state ``key``) for parameter index ``param``."""
@@ -124,6 +135,7 @@ class Manifest:
             "files": self.files,
             "extra": self.extra,
             "info": self.info,
+            "state": self.state,
         }
         return json.dumps(d, indent=1, allow_nan=True)
 
@@ -170,7 +182,7 @@ class Manifest:
         if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION:
             raise ManifestError(f"expected format version {FORMAT_VERSION}, got {version}: the checkpoint "
                                 "was written by a newer ckpt; upgrade mpicomm to read it")
-        if version != FORMAT_VERSION:
+        if version not in READABLE_VERSIONS or isinstance(version, bool):
             raise ManifestError(f"expected format version {FORMAT_VERSION}, got {version!r}")
         try:
             params = [ParamInfo(p["name"], tuple(p["shape"]), p["dtype"], bool(p.get("buffer", False)))
@@ -181,7 +193,7 @@ class Manifest:
             m = cls(world_size=int(d["world_size"]), stage=d["stage"], step=d["step"], params=params,
                     tensors=tensors, files=d["files"], optimizer=d.get("optimizer"),
                     extra=d.get("extra"), block_size=int(d["block_size"]),
-                    checksum=d.get("checksum", "crc32"), info=d.get("info") or {})
+                    checksum=d.get("checksum", "crc32"), info=d.get("info") or {}, state=d.get("state"))
             if not isinstance(m.files, dict) or m.block_size <= 0:
                 raise TypeError("'files' or 'block_size'")
             m.validate()
@@ -201,7 +213,7 @@ class Manifest:
             if t.nbytes != t.numel * t.itemsize:
                 raise ManifestError(f"tensor {t.name!r} ({t.kind}): expected {t.numel * t.itemsize} "
                                     f"bytes for shape {t.shape} {t.dtype}, got {t.nbytes}")
-            if not 0 <= t.param < len(self.params):
+            if not 0 <= t.param < len(self.params) and not (t.kind == "item" and t.param == -1):
                 raise ManifestError(f"tensor {t.name!r}: param index {t.param} out of range")
             f = self.files.get(t.file)
             if f is None:

@@ -1,10 +1,12 @@
-"""Gradient buckets of a ZeroOptimizer, reduced onto their shard owners with non-blocking collectives.
+"""Gradient buckets of a ZeroOptimizer, reduce-scattered onto their shard owners without blocking.
 
-Buckets hold consecutive parameters of one group, planned from the last parameter to the first
-(the order backward produces gradients) and always launched in that fixed order, so every rank
+A bucket is a column range [lo, hi) of a group's (world, local) padded layout: row r of it goes to
+rank r. Stage 3 buckets follow parameter boundaries (a bucket holds whole parameters); stage 1
+buckets are column ranges of at most ``bucket_bytes``, each touching ``world`` stretches of the
+flat group. Buckets are planned from the last parameter (the highest columns) to the first, the
+order backward produces gradients in, and always launched in that fixed order, so every rank
 issues the same collectives in the same order whatever order its gradients become ready in.
-Stage 3 buckets are column ranges of the (world, local) padded layout, reduce-scattered; stage 1
-buckets are ranges of the flat group, reduced (``reduce`` with the owner as root) piece by owner.
+A bucket's fp32 send buffer exists only while it is in flight.
 """
 from __future__ import annotations
 
@@ -18,15 +20,15 @@ from .layout import ceil_div
 
 @dataclass
 class Bucket:
-    """One bucket: parameters ``params`` (indices in group ``group``) and its fp32 send buffer."""
+    """Columns [lo, hi) of group ``group``; ``pieces`` (rank, param, param start, column - lo, n)."""
 
     group: int
     params: tuple[int, ...]
-    buf: torch.Tensor
-    lo: int                                  # stage 3: first column; stage 1: first flat element
+    lo: int
     hi: int
-    places: list[tuple[int, int, int]]       # (param, numel, column or flat offset - lo)
+    pieces: list[tuple[int, int, int, int, int]]
     works: list[Any] = field(default_factory=list)
+    buf: torch.Tensor | None = None
     launched: bool = False
 
 
@@ -41,53 +43,47 @@ class GradReducer:
         self.rank = int(comm.rank)
         self.stage = stage
         self.buckets: list[Bucket] = []
-        self.where: dict[tuple[int, int], int] = {}      # (group, param) -> bucket index
+        self.where: dict[tuple[int, int], list[int]] = {}   # (group, param) -> bucket indices
         for gi in reversed(range(len(groups))):
-            self._plan(gi, groups[gi], max(1, int(bucket_bytes) // 4))
+            self._plan(gi, groups[gi], max(1, int(bucket_bytes) // (4 * self.world)))
         for bi, b in enumerate(self.buckets):
             for pi in b.params:
-                self.where[(b.group, pi)] = bi
+                self.where.setdefault((b.group, pi), []).append(bi)
         self.ready: set[tuple[int, int]] = set()
         self.next = 0                                      # first bucket not launched yet
+        self.done = 0                                      # buckets before this one are finished
         self.stale = False                                 # a launched bucket's gradient changed
 
-    def _plan(self, gi: int, g: Any, limit: int) -> None:
-        numels = [p.numel() for p in g.params]
+    def _plan(self, gi: int, g: Any, width: int) -> None:
+        layout = g.layout
         if self.stage == 3:
-            cost = [ceil_div(n, self.world) * self.world for n in numels]
             offsets = [0]
-            for n in numels:
+            for n in layout.numels:
                 offsets.append(offsets[-1] + ceil_div(n, self.world))
+            cuts = [layout.local_numel]
+            for pi in reversed(range(len(layout.numels))):
+                if cuts[-1] - offsets[pi] > width and offsets[pi + 1] < cuts[-1]:
+                    cuts.append(offsets[pi + 1])
+            cuts.append(0)
         else:
-            cost = list(numels)
-            offsets = [0]
-            for n in numels:
-                offsets.append(offsets[-1] + n)
-        run: list[int] = []
-        size = 0
-        for pi in reversed(range(len(numels))):
-            if run and size + cost[pi] > limit:
-                self._add(gi, sorted(run), offsets, numels)
-                run, size = [], 0
-            run.append(pi)
-            size += cost[pi]
-        if run:
-            self._add(gi, sorted(run), offsets, numels)
-
-    def _add(self, gi: int, params: list[int], offsets: list[int], numels: list[int]) -> None:
-        lo, hi = offsets[params[0]], offsets[params[-1] + 1]
-        n = (hi - lo) * (self.world if self.stage == 3 else 1)
-        device = self.groups[gi].master.device
-        places = [(pi, numels[pi], offsets[pi] - lo) for pi in params]
-        self.buckets.append(Bucket(gi, tuple(params), torch.zeros(n, dtype=torch.float32, device=device),
-                                   lo, hi, places))
+            cuts = list(range(layout.local_numel, 0, -width)) + [0]
+        segs = layout.all_segments()
+        for hi, lo in zip(cuts, cuts[1:]):
+            if lo >= hi:
+                continue
+            pieces = []
+            for r, s in segs:
+                a, z = max(s.local, lo), min(s.local + s.length, hi)
+                if a < z:
+                    pieces.append((r, s.param, s.start + a - s.local, a - lo, z - a))
+            params = tuple(sorted({pc[1] for pc in pieces}))
+            self.buckets.append(Bucket(gi, params, lo, hi, pieces))
 
     # -- readiness (called from gradient hooks) ----------------------------------------------------
 
     def mark_ready(self, gi: int, pi: int, launch: bool) -> None:
         """Parameter ``pi`` of group ``gi`` has its gradient; launch the buckets now complete, in order."""
-        bi = self.where[(gi, pi)]
-        if self.buckets[bi].launched:
+        if any(self.buckets[bi].launched for bi in self.where.get((gi, pi), ())):
             self.stale = True              # accumulated again after its bucket left: redo in step()
             return
         self.ready.add((gi, pi))
@@ -99,58 +95,34 @@ class GradReducer:
         self.poll()
 
     def poll(self) -> None:
-        """Let MPI progress the collectives in flight (MPI progresses them inside MPI calls)."""
-        for b in self.buckets[:self.next]:
-            for w in b.works:
-                if not w.is_completed():
-                    return
+        """Let MPI progress the collectives in flight; finish (and free) the buckets done, in order."""
+        while self.done < self.next:
+            b = self.buckets[self.done]
+            if not all(w.is_completed() for w in b.works):
+                return
+            self._wait(b)
+            self.done += 1
 
     # -- launching and finishing ---------------------------------------------------------------
 
     def _launch(self, b: Bucket) -> None:
         params = self.groups[b.group].params
-        w = self.world
-        if self.stage == 3:
-            cols = b.hi - b.lo
-            rows = b.buf.view(w, cols)
-            for pi, n, col in b.places:
-                piece = ceil_div(n, w)
-                dst = rows[:, col:col + piece]
-                grad = params[pi].grad
-                if grad is None:
-                    dst.zero_()
-                    continue
-                g = grad.detach().reshape(-1)
-                full = n // piece if piece else 0
-                if full:
-                    dst[:full].copy_(g[:full * piece].view(full, piece))
-                if full < w:
-                    rest = n - full * piece
-                    dst[full, :rest].copy_(g[full * piece:])
-                    dst[full, rest:].zero_()
-                    dst[full + 1:].zero_()
-            out = self._master_grad(b.group)[b.lo:b.hi]
-            b.works = [self.comm.reduce_scatter_tensor(out, b.buf, op="avg", async_op=True)]
-        else:
-            for pi, n, off in b.places:
-                grad = params[pi].grad
-                if grad is None:
-                    b.buf[off:off + n].zero_()
-                else:
-                    b.buf[off:off + n].copy_(grad.detach().reshape(-1))
-            local = self.groups[b.group].layout.local_numel
-            works = []
-            for r in range(w):
-                a, z = max(b.lo, r * local), min(b.hi, (r + 1) * local)
-                if a < z:
-                    works.append(self.comm.reduce(b.buf[a - b.lo:z - b.lo], dst=r, op="avg", async_op=True))
-            b.works = works
+        cols = b.hi - b.lo
+        dev = self.groups[b.group].master.device
+        b.buf = torch.zeros(self.world, cols, dtype=torch.float32, device=dev)
+        flat = {pi: (None if params[pi].grad is None else params[pi].grad.detach().reshape(-1)) for pi in b.params}
+        for r, pi, st, col, n in b.pieces:
+            g = flat[pi]
+            if g is not None:
+                b.buf[r, col:col + n].copy_(g[st:st + n])
+        out = self._master_grad(b.group)[b.lo:b.hi]
+        b.works = [self.comm.reduce_scatter_tensor(out, b.buf.view(-1), op="avg", async_op=True)]
         b.launched = True
 
     def _master_grad(self, gi: int) -> torch.Tensor:
         m = self.groups[gi].master
         if m.grad is None:
-            m.grad = torch.zeros_like(m)   # padding stays zero: no bucket writes it
+            m.grad = torch.zeros_like(m)
         return m.grad
 
     def finish(self) -> None:
@@ -158,26 +130,20 @@ class GradReducer:
         while self.next < len(self.buckets):
             self._launch(self.buckets[self.next])
             self.next += 1
-        for b in self.buckets:
+        for b in self.buckets[self.done:]:
             self._wait(b)
+        self.done = self.next
 
     def _wait(self, b: Bucket) -> None:
         for wk in b.works:
             wk.wait()
-        if self.stage == 1 and b.works:
-            local = self.groups[b.group].layout.local_numel
-            a, z = max(b.lo, self.rank * local), min(b.hi, (self.rank + 1) * local)
-            if a < z:
-                base = self.rank * local
-                self._master_grad(b.group)[a - base:z - base].copy_(b.buf[a - b.lo:z - b.lo])
         b.works = []
+        b.buf = None
 
     def drain(self) -> None:
         """Wait for anything in flight and forget it (its result is not used)."""
         for b in self.buckets:
-            for wk in b.works:
-                wk.wait()
-            b.works = []
+            self._wait(b)
 
     def reset(self) -> None:
         """Start a new accumulation cycle: nothing ready, nothing launched."""
@@ -185,7 +151,7 @@ class GradReducer:
         for b in self.buckets:
             b.launched = False
         self.ready.clear()
-        self.next = 0
+        self.next = self.done = 0
         self.stale = False
 
     def in_flight(self) -> bool:

@@ -92,8 +92,24 @@ class ShardedOnebitAdam(torch.optim.Optimizer):
     # -- frozen phase ------------------------------------------------------------------------
 
     def restart_local(self) -> None:
-        """Drop the local momenta and errors: the next frozen step restarts them from the shards."""
+        """Drop the local momenta and errors: the next frozen step restarts them from the shards
+        (or from what ``load_per_rank_state_dict`` restored)."""
         self._local.clear()
+
+    def per_rank_state_dict(self) -> dict[str, Any]:
+        """This rank's local momenta and worker errors (``ckpt.save`` stores them per rank)."""
+        return {"groups": {str(gi): {"momentum": loc["mom"].clone(), "worker_error": loc["err"].clone()}
+                           for gi, loc in self._local.items()}}
+
+    def load_per_rank_state_dict(self, saved: list, rank: int, size: int) -> None:
+        """Same world size: take back this rank's momenta and errors (an exact resume). Another
+        size: restart every rank's momentum from the saved mean (``exp_avg``), errors at zero."""
+        self._local.clear()
+        self._restore = {}
+        if len(saved) != size:
+            return
+        for gi, d in (saved[rank] or {}).get("groups", {}).items():
+            self._restore[int(gi)] = (d["momentum"], d["worker_error"])
 
     def saved_state(self, gi: int, g: Any, comm: Any) -> dict[str, Any]:
         """The state of group ``gi``'s shard to save. After freeze_step this is collective: the
@@ -115,14 +131,20 @@ class ShardedOnebitAdam(torch.optim.Optimizer):
         world, L = g.layout.world_size, g.layout.local_numel
         chunk = ceil_div(max(L, 1), 8) * 8
         dev = g.master.device
-        full = torch.empty(world * L, dtype=torch.float32, device=dev)
-        comm.all_gather_into_tensor(full, self._state(g.master)["exp_avg"])   # once per run
-        mom = torch.zeros(world, chunk, dtype=torch.float32, device=dev)
-        mom[:, :L].copy_(full.view(world, L))
+        saved = getattr(self, "_restore", {}).pop(gi, None)
+        if saved is not None and tuple(saved[0].shape) == (world, chunk) == tuple(saved[1].shape):
+            mom = saved[0].to(device=dev, dtype=torch.float32).clone()
+            err = saved[1].to(device=dev, dtype=torch.float32).clone()
+        else:
+            full = torch.empty(world * L, dtype=torch.float32, device=dev)
+            comm.all_gather_into_tensor(full, self._state(g.master)["exp_avg"])   # once per run
+            mom = torch.zeros(world, chunk, dtype=torch.float32, device=dev)
+            mom[:, :L].copy_(full.view(world, L))
+            err = torch.zeros_like(mom)
         mask = torch.zeros(L, dtype=torch.bool, device=dev)
         for s in g.layout.segments(comm.rank):
             mask[s.local:s.local + s.length] = True
-        loc = {"chunk": chunk, "mom": mom, "err": torch.zeros_like(mom), "grad": torch.zeros_like(mom),
+        loc = {"chunk": chunk, "mom": mom, "err": err, "grad": torch.zeros_like(mom),
                "rows": torch.empty(world, chunk // 8, dtype=torch.uint8, device=dev),
                "recv": torch.empty(world, chunk // 8, dtype=torch.uint8, device=dev), "mask": mask}
         self._local[gi] = loc

@@ -1,20 +1,23 @@
 """1-bit compressed allreduce (sign + scale with error feedback), 1-bit Adam and a DDP comm hook.
 
+Public API:
+
 - ``MpiBackend(cuda_aware=False, comm=None).compressed_allreduce(buffer_m, worker_error,
   server_error, local_rank)``: DeepSpeed's signature and algorithm; overwrites ``buffer_m`` with
   the mean estimate and returns it; updates both error buffers; changes nothing on any rank when
-  some rank's input is not finite (``NonFiniteError`` everywhere).
+  some rank's input is not finite (``NonFiniteError`` everywhere) or the sizes differ
+  (``SizeMismatchError``). ``compressed_reduce_scatter`` is phase 1 alone.
 - ``padded_size(n, world_size)``: the worker error's size (n rounded up to 8 * world_size);
   the server error holds that / world_size.
 - ``OnebitAllreduce(comm)``: ``ar(tensor, key)`` returns the compressed mean as a new tensor,
-  keeping error buffers per key; identity at world size 1. On CPU it defers each error update
-  into the next call's single fused pass (one spare worker buffer per size) and recycles the
-  memory of results nobody references any more.
+  keeping error buffers per key; identity at world size 1.
 - ``OnebitAdam``: Adam, then frozen variance and compressed momentum after ``freeze_step``.
 - ``onebit_ddp_hook`` with ``OnebitDDPState``: DDP comm hook (warm-up and small buckets exact).
 
-CPU kernels are numba-fused when numba is installed (``pip install mpicomm[fast]``), numpy
-otherwise; CUDA tensors use torch ops. See ``compressed.layout`` for the wire format.
+What lives where: ``layout`` (sizes and the wire format), ``engine`` (the algorithm, once, on
+mpicomm's collectives), ``families`` (kernel families behind one interface), ``kernels`` with
+``_numba_kernels``/``_numpy_kernels`` (host kernels), ``torch_kernels`` (device kernels),
+``backend``/``allreduce``/``adam``/``ddp_hook`` (the public classes), ``errors``.
 """
 from __future__ import annotations
 
@@ -22,8 +25,8 @@ from .adam import OnebitAdam
 from .allreduce import OnebitAllreduce
 from .backend import MpiBackend
 from .ddp_hook import OnebitDDPState, onebit_ddp_hook
-from .errors import NonFiniteError
+from .errors import NonFiniteError, SizeMismatchError
 from .layout import padded_size
 
 __all__ = ["MpiBackend", "OnebitAllreduce", "OnebitAdam", "OnebitDDPState", "onebit_ddp_hook",
-           "NonFiniteError", "padded_size"]
+           "NonFiniteError", "SizeMismatchError", "padded_size"]

@@ -5,8 +5,9 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+import mpicomm
+
 from .allreduce import OnebitAllreduce
-from .backend import as_communicator
 
 __all__ = ["OnebitAdam"]
 
@@ -20,7 +21,9 @@ class OnebitAdam(torch.optim.Optimizer):
     local gradient into the momentum, and the momenta of all parameters, flattened into one
     buffer per device, are averaged with one compressed allreduce (error feedback kept by this
     optimizer). Parameters whose ``grad`` is None are skipped: every rank must skip the same ones.
-    ``state_dict()`` holds the step count and this rank's error buffers.
+    Moments are fp32 and every update is computed in fp32, also for fp16/bf16 parameters and
+    gradients (rounded once into the parameter). ``state_dict()`` holds the moments and step
+    counters (the same on every rank); ``per_rank_state_dict()`` adds this rank's error feedback.
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
@@ -34,7 +37,7 @@ class OnebitAdam(torch.optim.Optimizer):
         if freeze_step < 0:
             raise ValueError(f"OnebitAdam: expected freeze_step >= 0, got {freeze_step}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
-        self.comm = as_communicator(comm)
+        self.comm = mpicomm.as_communicator(comm)
         self.freeze_step = int(freeze_step)
         self.global_step = 0
         self.onebit = OnebitAllreduce(self.comm, cuda_aware=cuda_aware)
@@ -66,11 +69,12 @@ class OnebitAdam(torch.optim.Optimizer):
                 raise RuntimeError("OnebitAdam does not support sparse gradients")
             beta1, beta2 = group["betas"]
             st = self.state[p]
-            if not st:
-                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if not st:  # fp32 moments whatever the parameter's dtype (computed in fp32)
+                st["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+            g = g.float()
             if group["weight_decay"]:
-                g = g.add(p, alpha=group["weight_decay"])
+                g = g.add(p.float(), alpha=group["weight_decay"])
             st["exp_avg"].lerp_(g, 1 - beta1)
             if not frozen:
                 st["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
@@ -82,7 +86,10 @@ class OnebitAdam(torch.optim.Optimizer):
             bc1 = 1 - beta1 ** t
             bc2 = 1 - beta2 ** min(t, self.freeze_step) if self.freeze_step > 0 else 1.0
             denom = (st["exp_avg_sq"].sqrt() / (bc2 ** 0.5 if bc2 > 0 else 1.0)).add_(group["eps"])
-            p.addcdiv_(st["exp_avg"], denom, value=-group["lr"] / bc1)
+            if p.dtype == torch.float32:
+                p.addcdiv_(st["exp_avg"], denom, value=-group["lr"] / bc1)
+            else:  # low-precision parameter: update in fp32, round once
+                p.copy_(p.float().addcdiv_(st["exp_avg"], denom, value=-group["lr"] / bc1))
         self.global_step = t
         return loss
 
@@ -95,7 +102,7 @@ class OnebitAdam(torch.optim.Optimizer):
         return buf
 
     def _average(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Mean over ranks of ``tensors`` with one allreduce per device and dtype."""
+        """Mean over ranks of ``tensors`` (in fp32) with one allreduce per device and dtype."""
         if self.comm.size == 1 or not tensors:
             return tensors
         out: list[torch.Tensor | None] = [None] * len(tensors)
@@ -105,7 +112,7 @@ class OnebitAdam(torch.optim.Optimizer):
             torch.cat([tensors[i].reshape(-1).float() for i in idx], out=flat)
             self.comm.all_reduce(flat, op="avg")
             for i, piece in zip(idx, flat.split(sizes)):
-                out[i] = piece.view(tensors[i].shape).to(tensors[i].dtype)
+                out[i] = piece.view(tensors[i].shape)  # fp32: the update is computed in fp32
         return out  # type: ignore[return-value]
 
     def _average_momenta(self, active: list[tuple[dict, torch.Tensor]]) -> None:
@@ -120,19 +127,44 @@ class OnebitAdam(torch.optim.Optimizer):
                 moms[i].copy_(piece.view(moms[i].shape))
 
     def state_dict(self) -> dict:
+        """torch's optimizer state (fp32 moments) plus ``onebit``: the step counters (the same on
+        every rank). The per-rank error feedback is in ``per_rank_state_dict()``."""
         sd = super().state_dict()
-        sd["onebit"] = {"global_step": self.global_step, "freeze_step": self.freeze_step,
-                        "allreduce": self.onebit.state_dict()}
+        sd["onebit"] = {"global_step": self.global_step, "freeze_step": self.freeze_step}
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """Load ``state_dict()``'s output: moments, step counters (warm-up and bias correction)."""
         state_dict = dict(state_dict)
         extra = state_dict.pop("onebit", None)
         super().load_state_dict(state_dict)
+        # torch casts floating state to the parameter's dtype: put the saved fp32 moments back
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, p in zip(saved_ids, params):
+            saved = state_dict["state"].get(i, {})
+            for name in ("exp_avg", "exp_avg_sq"):
+                if name in saved:
+                    self.state[p][name] = saved[name].detach().to(p.device, torch.float32).clone()
         if extra is not None:
             self.global_step = int(extra["global_step"])
             self.freeze_step = int(extra["freeze_step"])
-            self.onebit.load_state_dict(extra["allreduce"])
+
+    def per_rank_state_dict(self) -> dict:
+        """This rank's part of a checkpoint (``ckpt``'s per-rank protocol): step counters and the
+        error feedback of the compressed momentum (worker and server errors, per buffer)."""
+        return {"global_step": self.global_step, "freeze_step": self.freeze_step,
+                "allreduce": self.onebit.per_rank_state_dict()}
+
+    def load_per_rank_state_dict(self, saved: list[dict], rank: int, size: int) -> None:
+        """Load from every saved rank's ``per_rank_state_dict()`` (rank order): exact at the same
+        world size, error mass carried to another size (``compressed.reshard``)."""
+        steps = {(int(s["global_step"]), int(s["freeze_step"])) for s in saved}
+        if len(steps) != 1:
+            raise ValueError(f"OnebitAdam.load_per_rank_state_dict: the saved ranks disagree on "
+                             f"(global_step, freeze_step): {sorted(steps)}")
+        self.global_step, self.freeze_step = steps.pop()
+        self.onebit.load_per_rank_state_dict([s["allreduce"] for s in saved], rank, size)
 
 
 def _by_device_dtype(tensors: list[torch.Tensor]) -> dict[tuple[str, str], list[int]]:

@@ -8,8 +8,12 @@ from typing import Any
 import numpy as np
 import torch
 
+import mpicomm
+
 from . import kernels as K
-from .backend import MpiBackend, as_communicator
+from . import reshard
+from .backend import MpiBackend
+from .engine import Deferred
 from .layout import padded_size
 
 __all__ = ["OnebitAllreduce"]
@@ -18,10 +22,10 @@ __all__ = ["OnebitAllreduce"]
 class _KeyErrors:
     """One key's error buffers; ``*_pending`` are error updates not yet applied (0: none)."""
 
-    __slots__ = ("we", "se", "we_pending", "se_pending")
+    __slots__ = ("numel", "we", "se", "we_pending", "se_pending")
 
-    def __init__(self, we: torch.Tensor, se: torch.Tensor) -> None:
-        self.we, self.se = we, se
+    def __init__(self, numel: int, we: torch.Tensor, se: torch.Tensor) -> None:
+        self.numel, self.we, self.se = int(numel), we, se
         self.we_pending = 0.0
         self.se_pending = 0.0
 
@@ -87,7 +91,7 @@ class OnebitAllreduce:
 
     def __init__(self, comm: Any = None, *, cuda_aware: bool = False,
                  kernels: str | None = None) -> None:
-        self.comm = as_communicator(comm)
+        self.comm = mpicomm.as_communicator(comm)
         self.backend = MpiBackend(cuda_aware=cuda_aware, comm=self.comm, kernels=kernels)
         self.size = self.comm.size
         self._errors: dict[str, _KeyErrors] = {}
@@ -117,7 +121,7 @@ class OnebitAllreduce:
         return tensor
 
     def _run(self, inp: torch.Tensor, out: torch.Tensor, st: _KeyErrors) -> None:
-        if inp.device.type != "cpu" or not self.backend.host_kernels_for(inp):
+        if self.backend.family_name(inp) == "torch":
             st.materialize()
             self.backend.allreduce_into(inp, out, st.we, st.se)
             return
@@ -126,8 +130,8 @@ class OnebitAllreduce:
         if spare is None:
             spare = torch.empty_like(st.we)
         try:
-            scale, sscale = self.backend.allreduce_deferred(inp, out, st.we, st.se, spare,
-                                                            st.we_pending, st.se_pending)
+            scale, sscale = self.backend.allreduce_into(
+                inp, out, st.we, st.se, Deferred(spare, st.we_pending, st.se_pending))
         except BaseException:
             self._spares[spare_key] = spare
             raise
@@ -148,13 +152,15 @@ class OnebitAllreduce:
             if numel is None:
                 raise KeyError(f"OnebitAllreduce: no error buffers for key {key!r}")
             n = padded_size(numel, self.size)
-            st = _KeyErrors(torch.zeros(n, dtype=torch.float32, device=device),
+            st = _KeyErrors(numel, torch.zeros(n, dtype=torch.float32, device=device),
                             torch.zeros(n // self.size, dtype=torch.float32, device=device))
             self._errors[key] = st
-        elif numel is not None and st.we.numel() != padded_size(numel, self.size):
-            raise ValueError(f"OnebitAllreduce: key {key!r} holds error buffers for "
-                             f"{st.we.numel()} padded elements, got a tensor of {numel} elements "
-                             f"(padded {padded_size(numel, self.size)}); use another key or reset()")
+        elif numel is not None and st.numel != numel:
+            raise ValueError(f"OnebitAllreduce: key {key!r} holds error buffers for {st.numel} "
+                             f"elements, got a tensor of {numel} elements; use another key or reset()")
+        elif device is not None and st.we.device != torch.device(device):
+            st.materialize()  # loaded on another device (e.g. from a checkpoint): move once
+            st.we, st.se = st.we.to(device), st.se.to(device)
         return st
 
     def errors(self, key: str, numel: int | None = None,
@@ -181,20 +187,40 @@ class OnebitAllreduce:
             self._errors.pop(key, None)
 
     def state_dict(self) -> dict:
-        """Error buffers by key (this rank's; they differ between ranks)."""
+        """This rank's error buffers by key (they differ between ranks), with sizes."""
         out = {}
         for k, st in self._errors.items():
             st.materialize()
-            out[k] = {"worker_error": st.we.clone(), "server_error": st.se.clone()}
+            out[k] = {"numel": st.numel, "worker_error": st.we.detach().cpu().clone(),
+                      "server_error": st.se.detach().cpu().clone()}
         return {"world_size": self.size, "errors": out}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore error buffers saved by ``state_dict`` at the same world size."""
+        """Restore error buffers saved by ``state_dict`` at the same world size (exactly)."""
         if int(state.get("world_size", -1)) != self.size:
             raise ValueError(f"OnebitAllreduce.load_state_dict: saved at world size "
-                             f"{state.get('world_size')}, loading at {self.size}")
+                             f"{state.get('world_size')}, loading at {self.size}; use "
+                             f"load_per_rank_state_dict with every saved rank's state to reshard")
         errors = {}
         for k, d in state["errors"].items():
-            errors[k] = _KeyErrors(d["worker_error"].detach().to(torch.float32).clone().contiguous(),
-                                   d["server_error"].detach().to(torch.float32).clone().contiguous())
+            n = int(d["numel"])
+            we = d["worker_error"].detach().to("cpu", torch.float32).clone().contiguous()
+            se = d["server_error"].detach().to("cpu", torch.float32).clone().contiguous()
+            if we.numel() != padded_size(n, self.size) or se.numel() * self.size != we.numel():
+                raise ValueError(f"OnebitAllreduce.load_state_dict: key {k!r} of {n} elements needs "
+                                 f"{padded_size(n, self.size)} and {padded_size(n, self.size) // self.size} "
+                                 f"error elements, got {we.numel()} and {se.numel()}")
+            errors[k] = _KeyErrors(n, we, se)
         self._errors = errors
+
+    def per_rank_state_dict(self) -> dict:
+        """This rank's part of a checkpoint (``ckpt``'s per-rank protocol): ``state_dict()``."""
+        return self.state_dict()
+
+    def load_per_rank_state_dict(self, saved: list[dict], rank: int, size: int) -> None:
+        """Load from every saved rank's ``per_rank_state_dict()`` (in rank order): this rank's own
+        at the same world size, else resharded by ``compressed.reshard`` (error mass kept)."""
+        if size != self.size or not 0 <= rank < size:
+            raise ValueError(f"OnebitAllreduce.load_per_rank_state_dict: rank {rank} of {size} does "
+                             f"not match this communicator (rank {self.comm.rank} of {self.size})")
+        self.load_state_dict(reshard.allreduce_state(saved, rank, size))

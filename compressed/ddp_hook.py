@@ -6,8 +6,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+import mpicomm
+
 from .allreduce import OnebitAllreduce
-from .backend import as_communicator
 
 __all__ = ["OnebitDDPState", "onebit_ddp_hook"]
 
@@ -26,7 +27,7 @@ class OnebitDDPState:
         if warmup_steps < 0 or min_bucket_numel < 0:
             raise ValueError(f"OnebitDDPState: expected warmup_steps >= 0 and min_bucket_numel >= 0, "
                              f"got {warmup_steps} and {min_bucket_numel}")
-        self.comm = as_communicator(comm)
+        self.comm = mpicomm.as_communicator(comm)
         self.warmup_steps = int(warmup_steps)
         self.min_bucket_numel = int(min_bucket_numel)
         self.allreduce = OnebitAllreduce(self.comm, cuda_aware=cuda_aware)
@@ -35,11 +36,27 @@ class OnebitDDPState:
         self.uncompressed_buckets = 0
 
     def state_dict(self) -> dict:
+        """The step counter and this rank's error buffers (same world size: ``load_state_dict``)."""
         return {"step": self.step, "allreduce": self.allreduce.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore ``state_dict()``'s output saved at the same world size."""
         self.step = int(state["step"])
         self.allreduce.load_state_dict(state["allreduce"])
+
+    def per_rank_state_dict(self) -> dict:
+        """This rank's part of a checkpoint (``ckpt``'s per-rank protocol): ``state_dict()``."""
+        return self.state_dict()
+
+    def load_per_rank_state_dict(self, saved: list[dict], rank: int, size: int) -> None:
+        """Load from every saved rank's state (rank order): exact at the same world size, error
+        mass carried to another size (``compressed.reshard``)."""
+        steps = {int(s["step"]) for s in saved}
+        if len(steps) != 1:
+            raise ValueError(f"OnebitDDPState.load_per_rank_state_dict: the saved ranks disagree on "
+                             f"the step: {sorted(steps)}")
+        self.step = steps.pop()
+        self.allreduce.load_per_rank_state_dict([s["allreduce"] for s in saved], rank, size)
 
 
 def onebit_ddp_hook(state: OnebitDDPState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

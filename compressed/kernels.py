@@ -15,7 +15,7 @@ from types import ModuleType
 import numpy as np
 
 __all__ = ["encode", "encode_into", "worker_residual", "correct", "server_accumulate", "server_residual", "decode",
-           "implementation", "use"]
+           "implementation", "use", "module"]
 
 _impl: ModuleType | None = None
 
@@ -47,8 +47,18 @@ def use(name: str | None = None) -> str:
 
 def implementation() -> str:
     """Name of the implementation in use ('numba' or 'numpy')."""
-    mod = _impl if _impl is not None else _get()
+    return implementation_of(_get())
+
+
+def implementation_of(mod: ModuleType) -> str:
+    """Name ('numba' or 'numpy') of an implementation module from ``module``."""
     return "numba" if mod.__name__.endswith("_numba_kernels") else "numpy"
+
+
+def module(name: str | None = None) -> ModuleType:
+    """The implementation module for 'numba' or 'numpy' (None: the one in use), same functions
+    as this module's; selecting one here changes nothing global."""
+    return _get() if name is None else _load(name)
 
 
 def _get() -> ModuleType:

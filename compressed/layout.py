@@ -1,10 +1,32 @@
-"""Sizes and message layout of the 1-bit compressed allreduce (pure arithmetic, no MPI)."""
+"""Sizes and wire format of the 1-bit compressed allreduce (pure arithmetic, no MPI).
+
+The wire format is the same whatever kernels a rank runs (numba, numpy or torch, host or
+device), so ranks that pick different kernels interoperate. With ``n`` elements on ``p`` ranks:
+
+- the input is zero-padded to ``padded = padded_size(n, p)`` elements and cut in ``p`` chunks
+  of ``chunk = padded / p`` elements; chunk ``j`` belongs to rank ``j``;
+- signs are packed 8 per byte, most significant bit first, bit 1 meaning ``x >= 0``: a chunk
+  is ``chunk_bytes = chunk / 8`` bytes, cut in pieces of at most ``PIECE_BYTES`` bytes
+  (``pieces()``: the same byte ranges in every chunk);
+- phase 1, one ``all_to_all_single`` per piece ``k``: row ``j`` of the uint8 message is piece
+  ``k`` of chunk ``j``'s worker signs; the last piece's rows end with ``P1_TRAILER`` bytes: the
+  sender's float32 worker scale and ``n mod 2**32`` as uint32 (both little-endian), so every rank
+  learns every rank's scale and size;
+- phase 2, one ``all_gather_into_tensor`` per piece: piece ``k`` of the sender's server signs;
+  the last piece ends with ``P2_TRAILER`` bytes, the sender's float32 server scale.
+
+Several pieces let compression of the next piece overlap the transfer of the previous one.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-#: Bytes in front of every packed chunk: the sender's float32 scale, little-endian.
-HEADER_BYTES = 4
+#: Largest piece of a chunk sent in one message, in bytes of packed signs (a multiple of 8).
+PIECE_BYTES = 1 << 17
+#: Bytes after the last phase-1 piece of each row: float32 worker scale, uint32 numel mod 2**32.
+P1_TRAILER = 8
+#: Bytes after the last phase-2 piece: float32 server scale.
+P2_TRAILER = 4
 
 
 def padded_size(numel: int, world_size: int) -> int:
@@ -21,14 +43,7 @@ def padded_size(numel: int, world_size: int) -> int:
 
 @dataclass(frozen=True)
 class Layout:
-    """How ``numel`` elements are padded, split in ``world_size`` chunks and packed on the wire.
-
-    Both phases send per peer ``row_bytes`` bytes: a float32 scale (``HEADER_BYTES``) and
-    ``chunk_bytes`` bytes of signs, 8 per byte, most significant bit first, bit 1 meaning >= 0.
-    Phase 1 sends chunk ``j`` of the worker's signs to rank ``j`` and the worker scale to every
-    rank (the host path in two messages, the scale after the signs; the torch path as one row
-    headed by the scale); phase 2 gathers every rank's row of server signs headed by its scale.
-    """
+    """How ``numel`` elements are padded, split in ``world_size`` chunks and sent (module doc)."""
 
     numel: int
     world_size: int
@@ -51,14 +66,15 @@ class Layout:
         """Bytes of packed signs per chunk."""
         return self.chunk // 8
 
-    @property
-    def row_bytes(self) -> int:
-        """Bytes of one message row: header plus packed signs."""
-        return HEADER_BYTES + self.chunk_bytes
+    def pieces(self) -> list[tuple[int, int]]:
+        """Byte ranges [lo, hi) of a chunk's packed signs sent as one message each (>= 1)."""
+        cb, step = self.chunk_bytes, max(8, PIECE_BYTES - PIECE_BYTES % 8)
+        return [(lo, min(lo + step, cb)) for lo in range(0, cb, step)] or [(0, 0)]
 
     def wire_bytes(self) -> int:
-        """Bytes one rank sends in both phases (all-to-all, then a ring allgather)."""
-        return 2 * (self.world_size - 1) * self.row_bytes
+        """Bytes one rank sends to the other ranks in both phases."""
+        p = self.world_size
+        return (p - 1) * (self.chunk_bytes + P1_TRAILER) + (p - 1) * (self.chunk_bytes + P2_TRAILER)
 
 
 def fp32_allreduce_wire_bytes(numel: int, world_size: int) -> int:

@@ -7,31 +7,24 @@ primitive, and put results back into the caller's buffers when the call complete
 """
 from __future__ import annotations
 
-import os
 import warnings
 from typing import Callable, Sequence
 
 import torch
 from mpi4py import MPI
 
-from . import dtypes, fastpath
+from . import fastpath, large
+from ._util import env_flag
 from .buffers import IN, INOUT, OUT, Slot, host_overlap, prepare, to_tensor
 from .checking import agree
 from .device_paths import DevicePolicy
 from .errors import check_rank, check_type, describe, fail_value
-from .ops import MPI_BOOL_OPS, MPI_OPS, ReduceOp, parse_op
+from .ops import ReduceOp, parse_op
+from .p2p import PointToPoint
+from .validate import move_type, per_rank_list, reduction, root_list, same_device, same_dtype, splits
 from .work import Work
 
 _world: "Communicator | None" = None
-
-
-def _env_flag(name: str) -> bool:
-    value = os.environ.get(name, "").strip().lower()
-    if value in ("", "0", "false", "no", "off"):
-        return False
-    if value in ("1", "true", "yes", "on"):
-        return True
-    raise ValueError(f"{name}: expected 0 or 1, got {value!r}")
 
 
 def _node_rank(mpi_comm: MPI.Intracomm) -> tuple[int, int]:
@@ -64,7 +57,7 @@ def _sig(t: torch.Tensor) -> str:
     return f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}"
 
 
-class Communicator:
+class Communicator(PointToPoint):
     """Collectives over torch tensors, numpy and cupy arrays on one MPI communicator.
 
     ``check=True`` (or ``MPICOMM_CHECK=1``) makes the ranks agree on each collective's op,
@@ -83,7 +76,7 @@ class Communicator:
         self.rank: int = mpi_comm.Get_rank()
         self.size: int = mpi_comm.Get_size()
         self.local_rank, self.local_size = _node_rank(mpi_comm)
-        self.check: bool = _env_flag("MPICOMM_CHECK") if check is None else bool(check)
+        self.check: bool = env_flag("MPICOMM_CHECK") if check is None else bool(check)
         self._policy: DevicePolicy | None = None
         self._tag_ub: int = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
 
@@ -116,36 +109,11 @@ class Communicator:
             step()
         return None
 
-    def _reduction(self, call: str, dtype: torch.dtype, op: ReduceOp):
-        """(MPI datatype, wire dtype, MPI op) for reducing ``dtype`` with ``op``."""
-        if dtype == torch.bool:
-            if op is ReduceOp.AVG:
-                fail_value(call, "op", "SUM, MAX, MIN or PROD for a bool buffer", str(op))
-            return MPI.C_BOOL, dtype, MPI_BOOL_OPS[op]
-        wire = dtypes.UPCAST.get(dtype, dtype)
-        mpi_type = dtypes.NATIVE.get(wire)
-        if mpi_type is None:
-            raise TypeError(f'{call} got unexpected dtype for argument "tensor" (expected: one of '
-                            f"{dtypes.supported_names()}, got: {dtype})")
-        if op is ReduceOp.AVG and dtype not in dtypes.FLOATING:
-            fail_value(call, "op", "SUM, MAX, MIN or PROD for an integer buffer "
-                       "(AVG needs a floating dtype)", f"{op} on {dtype}")
-        return mpi_type, wire, MPI_OPS[op]
-
-    def _move_type(self, call: str, arg: str, t: torch.Tensor):
-        mpi_type = dtypes.move_type(t.dtype)
-        if mpi_type is None:
-            raise TypeError(f'{call} got unexpected dtype for argument "{arg}" (expected: one of '
-                            f"{dtypes.supported_names()}, got: {t.dtype})")
-        return mpi_type
-
-    def _same_dtype(self, call: str, arg: str, t: torch.Tensor, ref: torch.Tensor) -> None:
-        if t.dtype != ref.dtype:
-            fail_value(call, arg, f"dtype {ref.dtype} (the dtype of the input)", str(t.dtype))
-
-    def _same_device(self, call: str, arg: str, t: torch.Tensor, ref: torch.Tensor) -> None:
-        if t.device != ref.device:
-            fail_value(call, arg, f"a buffer on {ref.device} (where the input is)", str(t.device))
+    def _launch_pieces(self, blocking: Callable, nonblocking: Callable, count: int, args: Callable,
+                       slots: Sequence[Slot], async_op: bool, result: Sequence):
+        """Like _launch, one MPI call per piece of ``count`` elements (see mpicomm.large)."""
+        run, start = large.in_pieces(blocking, nonblocking, count, args)
+        return self._launch(run, start, (), slots, async_op, result)
 
     # -- reductions -------------------------------------------------------------------------
 
@@ -156,15 +124,21 @@ class Communicator:
         call = "all_reduce"
         op = parse_op(op, call)
         t = to_tensor(tensor, call, "tensor", writable=True)
-        mpi_type, wire, mpi_op = self._reduction(call, t.dtype, op)
+        mpi_type, wire, mpi_op = reduction(call, t.dtype, op)
         if self.check:
             agree(self.mpi_comm, call, f"op={op}, tensor={_sig(t)}")
         slot = prepare(t, INOUT, mpi_type, wire, self.device_policy,
                        "iallreduce" if async_op else "allreduce")
         if op is ReduceOp.AVG:
             slot.scale = self.size
-        return self._launch(self.mpi_comm.Allreduce, self.mpi_comm.Iallreduce,
-                            (MPI.IN_PLACE, slot.spec, mpi_op), [slot], async_op, [tensor])
+        comm, spec = self.mpi_comm, slot.spec
+        if large.too_big(t.numel()):
+            return self._launch_pieces(
+                comm.Allreduce, comm.Iallreduce, t.numel(),
+                lambda start, n: (MPI.IN_PLACE, large.piece(spec, start, n), mpi_op),
+                [slot], async_op, [tensor])
+        return self._launch(comm.Allreduce, comm.Iallreduce, (MPI.IN_PLACE, spec, mpi_op),
+                            [slot], async_op, [tensor])
 
     def reduce(self, tensor, dst: int = 0, op=ReduceOp.SUM, async_op: bool = False) -> Work | None:
         """Reduce ``tensor`` across ranks into ``tensor`` on rank ``dst`` (others keep theirs)."""
@@ -172,7 +146,7 @@ class Communicator:
         op = parse_op(op, call)
         dst = check_rank(call, "dst", dst, self.size)
         t = to_tensor(tensor, call, "tensor", writable=True)
-        mpi_type, wire, mpi_op = self._reduction(call, t.dtype, op)
+        mpi_type, wire, mpi_op = reduction(call, t.dtype, op)
         if self.check:
             agree(self.mpi_comm, call, f"op={op}, dst={dst}, tensor={_sig(t)}")
         root = self.rank == dst
@@ -180,9 +154,16 @@ class Communicator:
                        "ireduce" if async_op else "reduce")
         if op is ReduceOp.AVG and root:
             slot.scale = self.size
-        args = (MPI.IN_PLACE, slot.spec, mpi_op, dst) if root else (slot.spec, None, mpi_op, dst)
-        return self._launch(self.mpi_comm.Reduce, self.mpi_comm.Ireduce, args, [slot], async_op,
-                            [tensor])
+        comm, spec = self.mpi_comm, slot.spec
+
+        def args(start, n):
+            part = large.piece(spec, start, n) if n >= 0 else spec
+            return (MPI.IN_PLACE, part, mpi_op, dst) if root else (part, None, mpi_op, dst)
+
+        if large.too_big(t.numel()):
+            return self._launch_pieces(comm.Reduce, comm.Ireduce, t.numel(), args, [slot],
+                                       async_op, [tensor])
+        return self._launch(comm.Reduce, comm.Ireduce, args(0, -1), [slot], async_op, [tensor])
 
     def reduce_scatter_tensor(self, output, input, op=ReduceOp.SUM,
                               async_op: bool = False) -> Work | None:
@@ -194,12 +175,12 @@ class Communicator:
         op = parse_op(op, call)
         out = to_tensor(output, call, "output", writable=True)
         inp = to_tensor(input, call, "input", writable=False)
-        self._same_dtype(call, "output", out, inp)
-        self._same_device(call, "output", out, inp)
+        same_dtype(call, "output", out, inp)
+        same_device(call, "output", out, inp)
         if inp.numel() != self.size * out.numel():
             fail_value(call, "input", f"{self.size} x output.numel() = {self.size * out.numel()} "
                        "elements", f"{inp.numel()} ({describe(input)})")
-        mpi_type, wire, mpi_op = self._reduction(call, inp.dtype, op)
+        mpi_type, wire, mpi_op = reduction(call, inp.dtype, op)
         if self.check:
             agree(self.mpi_comm, call, f"op={op}, output={_sig(out)}, input={_sig(inp)}")
         mpi_call = "ireduce_scatter_block" if async_op else "reduce_scatter_block"
@@ -209,6 +190,10 @@ class Communicator:
         recv = prepare(out, OUT, mpi_type, wire, self.device_policy, mpi_call)
         if op is ReduceOp.AVG:
             recv.scale = self.size
+        if large.too_big(out.numel()):
+            run, start = large.reduce_scatter_pieces(self.mpi_comm, send.spec, recv.spec,
+                                                     out.numel(), mpi_op)
+            return self._launch(run, start, (), [send, recv], async_op, [output])
         return self._launch(self.mpi_comm.Reduce_scatter_block, self.mpi_comm.Ireduce_scatter_block,
                             (send.spec, recv.spec, mpi_op), [send, recv], async_op, [output])
 
@@ -221,13 +206,13 @@ class Communicator:
         call = "broadcast"
         src = check_rank(call, "src", src, self.size)
         t = to_tensor(tensor, call, "tensor", writable=self.rank != src)
-        mpi_type = self._move_type(call, "tensor", t)
+        mpi_type = move_type(call, "tensor", t)
         if self.check:
             agree(self.mpi_comm, call, f"src={src}, tensor={_sig(t)}")
         slot = prepare(t, IN if self.rank == src else OUT, mpi_type, t.dtype, self.device_policy,
                        "ibcast" if async_op else "bcast")
-        return self._launch(self.mpi_comm.Bcast, self.mpi_comm.Ibcast, (slot.spec, src), [slot],
-                            async_op, [tensor])
+        return self._launch(self.mpi_comm.Bcast, self.mpi_comm.Ibcast,
+                            (_spec(slot, t.numel()), src), [slot], async_op, [tensor])
 
     def all_gather_into_tensor(self, output_tensor, input_tensor,
                                async_op: bool = False) -> Work | None:
@@ -238,47 +223,44 @@ class Communicator:
         call = "all_gather_into_tensor"
         out = to_tensor(output_tensor, call, "output_tensor", writable=True)
         inp = to_tensor(input_tensor, call, "input_tensor", writable=False)
-        self._same_dtype(call, "output_tensor", out, inp)
-        self._same_device(call, "output_tensor", out, inp)
+        same_dtype(call, "output_tensor", out, inp)
+        same_device(call, "output_tensor", out, inp)
         if out.numel() != self.size * inp.numel():
             fail_value(call, "output_tensor", f"{self.size} x input_tensor.numel() = "
                        f"{self.size * inp.numel()} elements", f"{out.numel()} ({describe(output_tensor)})")
-        mpi_type = self._move_type(call, "input_tensor", inp)
+        mpi_type = move_type(call, "input_tensor", inp)
         if self.check:
             agree(self.mpi_comm, call, f"output={_sig(out)}, input={_sig(inp)}")
         mpi_call = "iallgather" if async_op else "allgather"
         recv = prepare(out, OUT, mpi_type, out.dtype, self.device_policy, mpi_call)
         slots = [recv]
-        if host_overlap(out, inp):
-            if (recv.work is out and inp.is_contiguous()
-                    and inp.data_ptr() == out.data_ptr() + self.rank * inp.numel() * inp.element_size()):
-                send_spec = MPI.IN_PLACE  # the input already sits in this rank's slot
-            else:
-                send = prepare(inp.clone(), IN, mpi_type, inp.dtype, self.device_policy, mpi_call)
-                slots.append(send)
-                send_spec = send.spec
+        if (host_overlap(out, inp) and recv.work is out and inp.is_contiguous()
+                and inp.data_ptr() == out.data_ptr() + self.rank * inp.numel() * inp.element_size()):
+            send_spec = MPI.IN_PLACE  # the input already sits in this rank's slot
         else:
-            send = prepare(inp, IN, mpi_type, inp.dtype, self.device_policy, mpi_call)
+            send = prepare(inp.clone() if host_overlap(out, inp) else inp, IN, mpi_type, inp.dtype,
+                           self.device_policy, mpi_call)
             slots.append(send)
-            send_spec = send.spec
+            send_spec = _spec(send, inp.numel())
         return self._launch(self.mpi_comm.Allgather, self.mpi_comm.Iallgather,
-                            (send_spec, recv.spec), slots, async_op, [output_tensor])
+                            (send_spec, _spec(recv, inp.numel())), slots, async_op,
+                            [output_tensor])
 
     def all_gather(self, tensor_list: list, tensor, async_op: bool = False) -> Work | None:
         """Gather every rank's ``tensor`` into ``tensor_list[r]`` on every rank."""
         call = "all_gather"
         inp = to_tensor(tensor, call, "tensor", writable=False)
-        outs = self._check_list(call, "tensor_list", tensor_list, inp)
+        outs = per_rank_list(call, "tensor_list", tensor_list, inp, self.size)
         flat = torch.empty((self.size * inp.numel(),), dtype=inp.dtype, device=inp.device)
         if self.check:
             agree(self.mpi_comm, call, f"tensor={_sig(inp)}")
         mpi_call = "iallgather" if async_op else "allgather"
-        mpi_type = self._move_type(call, "tensor", inp)
+        mpi_type = move_type(call, "tensor", inp)
         send = prepare(inp, IN, mpi_type, inp.dtype, self.device_policy, mpi_call)
         recv = prepare(flat, OUT, mpi_type, inp.dtype, self.device_policy, mpi_call)
         return self._launch(self.mpi_comm.Allgather, self.mpi_comm.Iallgather,
-                            (send.spec, recv.spec), [send, recv], async_op, tensor_list,
-                            extra=[lambda: _unflatten_into(flat, outs)])
+                            (_spec(send, inp.numel()), _spec(recv, inp.numel())), [send, recv],
+                            async_op, tensor_list, extra=[lambda: _unflatten_into(flat, outs)])
 
     def all_to_all_single(self, output, input, output_split_sizes: list[int] | None = None,
                           input_split_sizes: list[int] | None = None,
@@ -291,9 +273,9 @@ class Communicator:
         call = "all_to_all_single"
         out = to_tensor(output, call, "output", writable=True)
         inp = to_tensor(input, call, "input", writable=False)
-        self._same_dtype(call, "output", out, inp)
-        self._same_device(call, "output", out, inp)
-        mpi_type = self._move_type(call, "input", inp)
+        same_dtype(call, "output", out, inp)
+        same_device(call, "output", out, inp)
+        mpi_type = move_type(call, "input", inp)
         mpi_call = "ialltoallv" if async_op else "alltoallv"
         if output_split_sizes is None and input_split_sizes is None:
             if out.numel() != inp.numel() or inp.numel() % self.size:
@@ -302,8 +284,10 @@ class Communicator:
             counts = None
             mpi_call = "ialltoall" if async_op else "alltoall"
         else:
-            send_counts, send_displs = self._splits(call, "input_split_sizes", input_split_sizes, inp)
-            recv_counts, recv_displs = self._splits(call, "output_split_sizes", output_split_sizes, out)
+            send_counts, send_displs = splits(call, "input_split_sizes", input_split_sizes, inp,
+                                              self.size)
+            recv_counts, recv_displs = splits(call, "output_split_sizes", output_split_sizes, out,
+                                              self.size)
             counts = (send_counts, send_displs, recv_counts, recv_displs)
         if self.check:
             agree(self.mpi_comm, call, f"dtype={inp.dtype}" if counts else
@@ -312,33 +296,20 @@ class Communicator:
             inp = inp.clone()
         send = prepare(inp, IN, mpi_type, inp.dtype, self.device_policy, mpi_call)
         recv = prepare(out, OUT, mpi_type, out.dtype, self.device_policy, mpi_call)
+        comm = self.mpi_comm
         if counts is None:
-            args = (send.spec, recv.spec)
-            return self._launch(self.mpi_comm.Alltoall, self.mpi_comm.Ialltoall, args,
-                                [send, recv], async_op, [output])
+            per_rank = inp.numel() // self.size
+            args = (_spec(send, per_rank), _spec(recv, per_rank))
+            return self._launch(comm.Alltoall, comm.Ialltoall, args, [send, recv], async_op,
+                                [output])
+        if large.too_big(*(c for part in counts for c in part)):
+            args = large.alltoallw_specs(send.spec, recv.spec, counts)
+            return self._launch(comm.Alltoallw, comm.Ialltoallw, args, [send, recv], async_op,
+                                [output])
         sc, sd, rc, rd = counts
         args = ([send.spec[0], (sc, sd), mpi_type], [recv.spec[0], (rc, rd), mpi_type])
-        return self._launch(self.mpi_comm.Alltoallv, self.mpi_comm.Ialltoallv, args,
-                            [send, recv], async_op, [output])
-
-    def _splits(self, call: str, arg: str, splits, t: torch.Tensor):
-        """Element counts and displacements for split sizes along dim 0 (None: equal splits)."""
-        rows = t.shape[0] if t.dim() else 1
-        row = t.numel() // rows if rows else 0
-        if splits is None:
-            if rows % self.size:
-                fail_value(call, arg, f"split sizes (dim 0 of size {rows} is not divisible by "
-                           f"{self.size} ranks)", "None")
-            splits = [rows // self.size] * self.size
-        splits = [int(s) for s in splits]
-        if len(splits) != self.size or any(s < 0 for s in splits) or sum(splits) != rows:
-            fail_value(call, arg, f"{self.size} non-negative sizes summing to dim 0 = {rows}",
-                       str(splits))
-        counts = [s * row for s in splits]
-        displs = [0] * self.size
-        for i in range(1, self.size):
-            displs[i] = displs[i - 1] + counts[i - 1]
-        return counts, displs
+        return self._launch(comm.Alltoallv, comm.Ialltoallv, args, [send, recv], async_op,
+                            [output])
 
     def gather(self, tensor, gather_list: list | None = None, dst: int = 0,
                async_op: bool = False) -> Work | None:
@@ -346,21 +317,22 @@ class Communicator:
         call = "gather"
         dst = check_rank(call, "dst", dst, self.size)
         inp = to_tensor(tensor, call, "tensor", writable=False)
-        mpi_type = self._move_type(call, "tensor", inp)
+        mpi_type = move_type(call, "tensor", inp)
         root = self.rank == dst
-        outs = self._root_list(call, "gather_list", gather_list, inp, "dst", dst)
+        outs = root_list(call, "gather_list", gather_list, inp, "dst", dst, self.rank, self.size)
         if self.check:
             agree(self.mpi_comm, call, f"dst={dst}, tensor={_sig(inp)}")
         mpi_call = "igather" if async_op else "gather"
         send = prepare(inp, IN, mpi_type, inp.dtype, self.device_policy, mpi_call)
+        n = inp.numel()
         if not root:
             return self._launch(self.mpi_comm.Gather, self.mpi_comm.Igather,
-                                (send.spec, None, dst), [send], async_op, [])
-        flat = torch.empty((self.size * inp.numel(),), dtype=inp.dtype, device=inp.device)
+                                (_spec(send, n), None, dst), [send], async_op, [])
+        flat = torch.empty((self.size * n,), dtype=inp.dtype, device=inp.device)
         recv = prepare(flat, OUT, mpi_type, inp.dtype, self.device_policy, mpi_call)
         return self._launch(self.mpi_comm.Gather, self.mpi_comm.Igather,
-                            (send.spec, recv.spec, dst), [send, recv], async_op, gather_list,
-                            extra=[lambda: _unflatten_into(flat, outs)])
+                            (_spec(send, n), _spec(recv, n), dst), [send, recv], async_op,
+                            gather_list, extra=[lambda: _unflatten_into(flat, outs)])
 
     def scatter(self, tensor, scatter_list: list | None = None, src: int = 0,
                 async_op: bool = False) -> Work | None:
@@ -368,83 +340,21 @@ class Communicator:
         call = "scatter"
         src = check_rank(call, "src", src, self.size)
         out = to_tensor(tensor, call, "tensor", writable=True)
-        mpi_type = self._move_type(call, "tensor", out)
+        mpi_type = move_type(call, "tensor", out)
         root = self.rank == src
-        ins = self._root_list(call, "scatter_list", scatter_list, out, "src", src)
+        ins = root_list(call, "scatter_list", scatter_list, out, "src", src, self.rank, self.size)
         if self.check:
             agree(self.mpi_comm, call, f"src={src}, tensor={_sig(out)}")
         mpi_call = "iscatter" if async_op else "scatter"
         recv = prepare(out, OUT, mpi_type, out.dtype, self.device_policy, mpi_call)
+        n = out.numel()
         if not root:
             return self._launch(self.mpi_comm.Scatter, self.mpi_comm.Iscatter,
-                                (None, recv.spec, src), [recv], async_op, [tensor])
+                                (None, _spec(recv, n), src), [recv], async_op, [tensor])
         flat = torch.cat([x.reshape(-1) for x in ins])
         send = prepare(flat, IN, mpi_type, out.dtype, self.device_policy, mpi_call)
         return self._launch(self.mpi_comm.Scatter, self.mpi_comm.Iscatter,
-                            (send.spec, recv.spec, src), [send, recv], async_op, [tensor])
-
-    def _root_list(self, call: str, arg: str, items, ref: torch.Tensor, root_arg: str,
-                   root: int) -> list[torch.Tensor] | None:
-        """Validate the per-rank list that only the root rank passes (None elsewhere)."""
-        if self.rank == root:
-            return self._check_list(call, arg, items, ref)
-        if items:
-            fail_value(call, arg, f"None or [] on rank {self.rank} (only {root_arg}={root} uses it)",
-                       f"a list of {len(items)}")
-        return None
-
-    def _check_list(self, call: str, arg: str, items, ref: torch.Tensor) -> list[torch.Tensor]:
-        if not isinstance(items, (list, tuple)) or len(items) != self.size:
-            fail_value(call, arg, f"a list of {self.size} buffers (one per rank)",
-                       f"{type(items).__name__} of length {len(items)}" if isinstance(items, (list, tuple))
-                       else describe(items))
-        out = []
-        for i, item in enumerate(items):
-            t = to_tensor(item, call, f"{arg}[{i}]", writable=True)
-            if t.numel() != ref.numel() or t.dtype != ref.dtype:
-                fail_value(call, f"{arg}[{i}]", f"{ref.numel()} elements of {ref.dtype}", describe(item))
-            out.append(t)
-        return out
-
-    # -- point to point ---------------------------------------------------------------------
-
-    def send(self, tensor, dst: int, tag: int = 0) -> None:
-        """Send ``tensor`` to rank ``dst`` (blocking)."""
-        self._p2p("send", tensor, dst, tag, async_op=False)
-
-    def recv(self, tensor, src: int | None = None, tag: int = 0) -> int:
-        """Receive into ``tensor`` from rank ``src`` (None: any rank); return the sender's rank."""
-        return self._p2p("recv", tensor, src, tag, async_op=False)
-
-    def isend(self, tensor, dst: int, tag: int = 0) -> Work:
-        """Start sending ``tensor`` to rank ``dst``."""
-        return self._p2p("isend", tensor, dst, tag, async_op=True)
-
-    def irecv(self, tensor, src: int | None = None, tag: int = 0) -> Work:
-        """Start receiving into ``tensor`` from rank ``src`` (None: any rank)."""
-        return self._p2p("irecv", tensor, src, tag, async_op=True)
-
-    def _p2p(self, call: str, tensor, peer, tag: int, async_op: bool):
-        sending = call.endswith("send")
-        if peer is None and not sending:
-            peer = MPI.ANY_SOURCE
-        else:
-            peer = check_rank(call, "dst" if sending else "src", peer, self.size)
-        if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag <= self._tag_ub:
-            fail_value(call, "tag", f"an int in [0, {self._tag_ub}]", repr(tag))
-        t = to_tensor(tensor, call, "tensor", writable=not sending)
-        mpi_type = self._move_type(call, "tensor", t)
-        slot = prepare(t, IN if sending else OUT, mpi_type, t.dtype, self.device_policy, call)
-        if sending:
-            return self._launch(self.mpi_comm.Send, self.mpi_comm.Isend, (slot.spec, peer, tag),
-                                [slot], async_op, [tensor])
-        if async_op:
-            return self._launch(self.mpi_comm.Recv, self.mpi_comm.Irecv, (slot.spec, peer, tag),
-                                [slot], True, [tensor])
-        status = MPI.Status()
-        self._launch(self.mpi_comm.Recv, self.mpi_comm.Irecv, (slot.spec, peer, tag, status),
-                     [slot], False, [tensor])
-        return status.Get_source()
+                            (_spec(send, n), _spec(recv, n), src), [send, recv], async_op, [tensor])
 
     # -- synchronisation and groups ---------------------------------------------------------
 
@@ -469,6 +379,11 @@ class Communicator:
         """Release the MPI communicator (not for the world communicator)."""
         if self.mpi_comm not in (MPI.COMM_WORLD, MPI.COMM_SELF):
             self.mpi_comm.Free()
+
+
+def _spec(slot: Slot, per_rank: int) -> list:
+    """The slot's MPI spec; one derived element per rank when ``per_rank`` is too big for MPI."""
+    return large.move_spec(slot.spec, per_rank) if large.too_big(per_rank) else slot.spec
 
 
 def _unflatten_into(flat: torch.Tensor, outs: list[torch.Tensor]) -> None:

@@ -1,7 +1,7 @@
 """Which dtypes go to MPI as they are, and which are upcast for arithmetic.
 
-MPI has no bfloat16 and no portable float16 type. Moves (broadcast, gathers, all-to-all, p2p)
-send their bytes unchanged. Reductions of float16/bfloat16 are computed in float32: the
+MPI has no bfloat16, float16 or float8 type. Moves (broadcast, gathers, all-to-all, p2p)
+send their bytes unchanged. float8 dtypes only move: reducing them is an error. Reductions of float16/bfloat16 are computed in float32: the
 buffer is upcast, reduced by MPI's native float32 SUM/MAX/..., and rounded back once at the
 end, so the result is the correctly rounded fp32 reduction (better than reducing in 16 bits
 at every step, as a user-defined op would), at 2x the wire bytes of the 16-bit data.
@@ -23,10 +23,13 @@ NATIVE = {
     torch.uint8: MPI.UINT8_T,
     torch.bool: MPI.C_BOOL,
 }
-# Dtypes MPI only moves: sent as opaque 2-byte units.
+# Dtypes MPI only moves: sent as opaque 2-byte or 1-byte units.
 MOVE_ONLY = {
     torch.float16: MPI.UINT16_T,
     torch.bfloat16: MPI.UINT16_T,
+    **{getattr(torch, n): MPI.UINT8_T for n in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2",
+                                                "float8_e5m2fnuz", "float8_e8m0fnu")
+       if hasattr(torch, n)},
 }
 # Dtypes reduced in float32.
 UPCAST = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
@@ -52,6 +55,25 @@ def move_type(dtype: torch.dtype):
     return NATIVE.get(dtype) or MOVE_ONLY.get(dtype)
 
 
+def name(dtype) -> str:
+    """A dtype's short name: "float32" for torch.float32, numpy.float32 or "float32"."""
+    if isinstance(dtype, torch.dtype):
+        return str(dtype).replace("torch.", "")
+    try:
+        return np.dtype(dtype).name
+    except TypeError:
+        return str(dtype)
+
+
 def supported_names() -> str:
     """Human-readable list of supported dtypes."""
-    return ", ".join(str(d).replace("torch.", "") for d in SUPPORTED)
+    return ", ".join(name(d) for d in SUPPORTED)
+
+
+def reducible_names() -> str:
+    """Human-readable list of the dtypes reductions take."""
+    return ", ".join(name(d) for d in SUPPORTED if d in NATIVE or d in UPCAST)
+
+
+#: Name -> torch dtype of the standard (non-float8) dtypes: the names checkpoints store.
+BY_NAME = {name(d): d for d in tuple(NATIVE) + (torch.float16, torch.bfloat16)}

@@ -17,8 +17,10 @@ def pytest_report_header(config):
     import numpy
     import torch
 
+    from accelerators.mpi_lib import library_version
+
     vendor, vver = MPI.get_vendor()
-    lib = MPI.Get_library_version().replace("\x00", "").splitlines()[0].strip()  # Open MPI: NUL
+    lib = library_version().splitlines()[0].strip()
     return [
         f"MPI: {vendor} {'.'.join(map(str, vver))} (standard {'.'.join(map(str, MPI.Get_version()))}; {lib})",
         f"mpi4py {mpi4py.__version__}, torch {torch.__version__}, numpy {numpy.__version__}",

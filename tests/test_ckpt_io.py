@@ -12,6 +12,7 @@ import torch
 from mpi4py import MPI
 
 import ckpt
+import mpicomm
 from ckpt import api as ckpt_api
 from mpitest import assert_all, check_all
 
@@ -172,7 +173,7 @@ def test_format_is_canonical_json_and_raw_bytes(comm, world, shared_tmp_path):
         with open(d / "manifest.json") as f:
             m = json.load(f)  # plain JSON
         data = (d / "data.bin").read_bytes()
-        assert m["format"] == "mpicomm-ckpt" and m["version"] == 1
+        assert m["format"] == "mpicomm-ckpt" and m["version"] == ckpt.FORMAT_VERSION
         assert (m["world_size"], m["stage"], m["step"], m["extra"]) == (comm.size, 3, 3, {"note": "hi"})
         sd = model.state_dict()
         assert [(p["name"], p["shape"], p["dtype"]) for p in m["params"]] == \
@@ -278,7 +279,7 @@ def test_interrupted_save_never_looks_complete(comm, world, shared_tmp_path, mon
     def boom(*a, **k):
         raise OSError("disk full (simulated)")
 
-    monkeypatch.setattr(ckpt_api.checksum, "combine_blocks", boom)  # fails after the data is written
+    monkeypatch.setattr(ckpt.checksum, "combine_blocks", boom)  # fails after the data is written
     with pytest.raises(OSError, match="simulated"):
         ckpt.save(root / "step2", model=make_model(seed=5), step=2, comm=comm)
     monkeypatch.undo()
@@ -420,7 +421,7 @@ def test_cli_inspect_and_verify(tmp_path):
 
     comm = MPI.COMM_SELF  # a one-rank save inside this process; mpi4py communicators are accepted
     model = make_model()
-    opt = ckpt.ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=3, comm=ckpt_api._comm(comm), lr=0.01)
+    opt = ckpt.ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=3, comm=mpicomm.as_communicator(comm), lr=0.01)
     train(model, opt, range(2), 0)
     ckpt.save(tmp_path / "c", model=model, optimizer=opt, step=2, comm=comm, extra={"epoch": 1})
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -446,7 +447,7 @@ def test_cli_inspect_and_verify(tmp_path):
 
 
 def test_lr_scheduler_drives_the_sharded_optimizer():
-    comm = ckpt_api._comm(MPI.COMM_SELF)
+    comm = mpicomm.as_communicator(MPI.COMM_SELF)
     model = make_model()
     zero = ckpt.ZeroOptimizer(torch.optim.SGD, model.parameters(), stage=1, comm=comm, lr=0.5)
     sched = torch.optim.lr_scheduler.StepLR(zero, step_size=1, gamma=0.1)

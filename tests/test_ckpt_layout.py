@@ -10,7 +10,7 @@ import pytest
 
 from ckpt import checksum, plan
 from ckpt.layout import ShardLayout, split_evenly
-from ckpt.manifest import Manifest, ManifestError, Packer, ParamInfo, jsonable, like
+from ckpt.manifest import FORMAT_VERSION, Manifest, ManifestError, Packer, ParamInfo, jsonable, like
 
 NUMELS = [[7], [35, 7, 21, 3], [1, 1, 1], [0, 5, 0, 9], [4096], [13, 64, 9, 2, 100]]
 
@@ -209,7 +209,7 @@ def test_manifest_round_trip_and_validation():
     with pytest.raises(ManifestError, match="expected 12 bytes"):
         Manifest.from_json(bad)
     with pytest.raises(ManifestError, match="version"):
-        Manifest.from_json(m.to_json().replace('"version": 1', '"version": 99'))
+        Manifest.from_json(m.to_json().replace(f'"version": {FORMAT_VERSION}', '"version": 99'))
     with pytest.raises(ManifestError, match="format"):
         Manifest.from_json('{"format": "other"}')
 

@@ -18,9 +18,10 @@ import torch
 from mpi4py import MPI
 
 import ckpt
-from ckpt import api as ckpt_api
+import mpicomm
 from ckpt import cli as ckpt_cli
 from ckpt import io as ckpt_io
+from ckpt.planner_zero import ZeroPlanner
 from mpitest import assert_all, mpiexec_cmd
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,7 +34,7 @@ def make_model(seed: int = 0, hidden: int = 16) -> torch.nn.Module:
 
 
 def self_comm():
-    return ckpt_api._comm(MPI.COMM_SELF)
+    return mpicomm.as_communicator(MPI.COMM_SELF)
 
 
 def save_small(path, seed=0, step=1, **kw):
@@ -65,7 +66,7 @@ import json, os, signal, sys, time
 import torch
 from mpi4py import MPI
 import ckpt
-from ckpt import api, commit, io
+from ckpt import checksum, commit, io
 
 mode, root = sys.argv[1], sys.argv[2]
 world = MPI.COMM_WORLD
@@ -105,7 +106,7 @@ if mode in ("kill-mid-write", "kill-before-publish", "kill-before-manifest"):
     if mode == "kill-before-publish" and rank == 0:
         commit.publish = lambda *a, **k: die()  # data and manifest written, not yet renamed
     if mode == "kill-before-manifest" and rank == 0:
-        api.checksum.combine_blocks = lambda *a, **k: die()
+        checksum.combine_blocks = lambda *a, **k: die()
     ckpt.save(os.path.join(root, "step2"), model=second, step=2, block_size=4096, chunk_bytes=4096)
     print("save returned", flush=True)  # never reached
 
@@ -196,7 +197,7 @@ def test_concurrent_saves_to_one_path_never_mix(tmp_path):
     excl = [r["excl"] for r in results]
     assert sorted(r == "ok" for r in excl) == [False, True], f"exactly one exclusive save wins: {excl}"
     loser = next(r for r in excl if r != "ok")
-    assert loser.startswith("FileExistsError") and "exists" in loser, loser
+    assert loser.startswith("CheckpointExistsError") and "exists" in loser, loser
     assert [r["over"] for r in results] == ["ok", "ok"], results
 
     for name in ("excl", "over"):
@@ -276,8 +277,9 @@ def test_damaged_files_give_clear_errors(tmp_path, capsys):
     os.unlink(tmp_path / "missing" / "ck" / "data.bin")
     cases["missing"] = (ckpt.DamagedCheckpointError, "data.bin is missing", ckpt_cli.EXIT_DAMAGED)
     mp = tmp_path / "newer" / "ck" / "manifest.json"
-    mp.write_text(mp.read_text().replace('"version": 1', '"version": 2'))
-    cases["newer"] = (ckpt.ManifestError, "version 1, got 2: .*newer ckpt; upgrade", ckpt_cli.EXIT_USAGE)
+    mp.write_text(mp.read_text().replace(f'"version": {ckpt.FORMAT_VERSION}', '"version": 99'))
+    cases["newer"] = (ckpt.ManifestError, f"version {ckpt.FORMAT_VERSION}, got 99: .*newer ckpt; upgrade",
+                      ckpt_cli.EXIT_USAGE)
     mp = tmp_path / "garbled" / "ck" / "manifest.json"
     mp.write_text(mp.read_text()[:-40])
     cases["garbled"] = (ckpt.ManifestError, "manifest.json: manifest is not valid JSON", ckpt_cli.EXIT_USAGE)
@@ -433,6 +435,16 @@ def test_pickle_bombs_are_never_unpickled(tmp_path, capsys):
 # a failure on one rank of a collective call raises on every rank (no hang)
 
 
+def same_everywhere(world, caught, failed_rank, step):
+    """Every rank raised the same exception (type and message), naming the step and the failing rank."""
+    if world.Get_size() == 1:
+        return  # one process: the step's own exception, unchanged
+    seen = world.allgather((type(caught).__qualname__, str(caught)))
+    assert_all(len(set(seen)) == 1, f"ranks raised different exceptions: {seen}")
+    assert_all(isinstance(caught, ckpt.CollectiveError) and f"{step} failed on rank {failed_rank} of" in str(caught)
+               and [(f.rank, f.type_name) for f in caught.failures][0][0] == failed_rank, str(caught))
+
+
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.timeout(120)
 def test_failure_on_one_rank_raises_everywhere(comm, world, shared_tmp_path, monkeypatch):
@@ -455,22 +467,20 @@ def test_failure_on_one_rank_raises_everywhere(comm, world, shared_tmp_path, mon
     except Exception as exc:  # noqa: BLE001
         caught = exc
     monkeypatch.undo()
-    if world.Get_rank() == last:
-        ok = isinstance(caught, MemoryError)
-    else:
-        ok = isinstance(caught, ckpt.CollectiveError) and f"rank {last}: MemoryError" in str(caught)
-    assert_all(ok, f"got {type(caught).__name__}: {caught}")
+    assert_all(isinstance(caught, MemoryError) and "device copy failed (simulated)" in str(caught),
+               f"got {type(caught).__name__}: {caught}")
+    same_everywhere(world, caught, last, "save (writing data)")
     assert_all(not (shared_tmp_path / "bad").exists() and ckpt.resolve(shared_tmp_path).endswith("good"))
 
     # load: a rank whose planning fails
-    real_plan = ckpt_api._plan_zero_load
+    real_plan = ZeroPlanner.plan_load
 
     def failing_plan(*a, **k):
         if world.Get_rank() == last:
             raise RuntimeError("planning failed (simulated)")
         return real_plan(*a, **k)
 
-    monkeypatch.setattr(ckpt_api, "_plan_zero_load", failing_plan)
+    monkeypatch.setattr(ZeroPlanner, "plan_load", failing_plan)
     other = make_model(2)
     opt2 = ckpt.ZeroOptimizer(torch.optim.Adam, other.parameters(), stage=1, comm=comm, lr=0.01)
     caught = None
@@ -479,8 +489,8 @@ def test_failure_on_one_rank_raises_everywhere(comm, world, shared_tmp_path, mon
     except Exception as exc:  # noqa: BLE001
         caught = exc
     monkeypatch.undo()
-    want = RuntimeError if world.Get_rank() == last else ckpt.CollectiveError
-    assert_all(isinstance(caught, want) and "simulated" in str(caught), f"got {type(caught).__name__}: {caught}")
+    assert_all(isinstance(caught, RuntimeError) and "simulated" in str(caught), f"got {type(caught).__name__}: {caught}")
+    same_everywhere(world, caught, last, "load (planning)")
     # load: a rank that fails to take the state it read (before the collective gather of weights)
     if world.Get_rank() == last:
         monkeypatch.setattr(opt2, "set_shard_state", lambda *a: (_ for _ in ()).throw(ValueError("simulated")))
@@ -490,8 +500,8 @@ def test_failure_on_one_rank_raises_everywhere(comm, world, shared_tmp_path, mon
     except Exception as exc:  # noqa: BLE001
         caught = exc
     monkeypatch.undo()
-    want = ValueError if world.Get_rank() == last else ckpt.CollectiveError
-    assert_all(isinstance(caught, want) and "simulated" in str(caught), f"got {type(caught).__name__}: {caught}")
+    assert_all(isinstance(caught, ValueError) and "simulated" in str(caught), f"got {type(caught).__name__}: {caught}")
+    same_everywhere(world, caught, last, "load (setting state)")
 
     ckpt.load(shared_tmp_path, model=other, optimizer=opt2, comm=comm)  # and the job goes on
     assert_all(same_state(other, model))

@@ -136,16 +136,12 @@ def test_state_dict_round_trip_continues_identically(world, comm):
 def test_consecutive_calls_with_deferred_updates_match_simulation(world, comm, kernels, inplace):
     """Calls back to back (errors not inspected in between, so updates stay deferred) follow
     the simulation, which carries its own float64 errors; the errors match at the end."""
-    from compressed import kernels as K
-
     if kernels == "numba":
         pytest.importorskip("numba")
 
     def run():
-        before = K.implementation()
-        K.use(kernels)
-        try:
-            ar = compressed.OnebitAllreduce(comm)
+        if True:
+            ar = compressed.OnebitAllreduce(comm, kernels=kernels)
             p = comm.size
             rng = np.random.default_rng(40 + comm.rank)
             states = {}
@@ -171,8 +167,6 @@ def test_consecutive_calls_with_deferred_updates_match_simulation(world, comm, k
                     wt, st = ar.errors(key)
                     np.testing.assert_allclose(wt.numpy(), states[key][0], rtol=0, atol=1e-5)
                     np.testing.assert_allclose(st.numpy(), states[key][1], rtol=0, atol=1e-5)
-        finally:
-            K.use(before)
 
     check_all(run, world)
 
@@ -221,9 +215,9 @@ def test_results_are_never_overwritten_while_referenced(world, comm):
 @pytest.mark.parametrize("deferred", [False, True])
 def test_pipelined_pieces_match_simulation(world, comm, deferred, monkeypatch):
     """Work split in many small pieces (between MPI progress calls) gives the same results."""
-    from compressed import backend as B
+    from compressed import layout
 
-    monkeypatch.setattr(B, "_PIECE", 24)
+    monkeypatch.setattr(layout, "PIECE_BYTES", 24)  # restored after the test
 
     def run():
         p = comm.size
@@ -258,12 +252,30 @@ def test_checking_mode_reports_size_mismatch(world):
         import mpicomm
 
         comm = mpicomm.Communicator(world, check=True)
-        n = 100 + 8 * comm.rank  # padded sizes differ between ranks
+        n = 100 + 8 * comm.size * comm.rank  # padded sizes differ between ranks
         be = compressed.MpiBackend(comm=comm)
         N = compressed.padded_size(n, comm.size)
-        with pytest.raises(mpicomm.CollectiveMismatchError if hasattr(mpicomm, "CollectiveMismatchError")
-                           else Exception, match="do not agree"):
+        with pytest.raises(mpicomm.CollectiveMismatchError, match="do not agree"):
             be.compressed_allreduce(np.ones(n, np.float32), np.zeros(N, np.float32),
                                     np.zeros(N // comm.size, np.float32), 0)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("check", [False, True])
+def test_sizes_that_pad_alike_still_raise_everywhere(world, check):
+    """Sizes that differ but pad to the same length travel in the trailer: every rank raises,
+    in or out of checking mode, and no buffer changes."""
+    def run():
+        import mpicomm
+
+        comm = mpicomm.Communicator(world, check=check)
+        n = 100 + comm.rank  # same padded size (a multiple of 8 * size) on every rank
+        be = compressed.MpiBackend(comm=comm)
+        N = compressed.padded_size(n, comm.size)
+        assert N == compressed.padded_size(100, comm.size)
+        buf, we, se = np.ones(n, np.float32), np.zeros(N, np.float32), np.zeros(N // comm.size, np.float32)
+        with pytest.raises(compressed.SizeMismatchError, match=r"different sizes.*\[100, 101"):
+            be.compressed_allreduce(buf, we, se, 0)
+        assert (buf == 1).all() and not we.any() and not se.any()
 
     check_all(run, world)

@@ -8,6 +8,8 @@ Groups of 1, 2, 3 and 4 ranks are carved out of the world (those larger than it 
 """
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 import pytest
 import torch
@@ -15,7 +17,6 @@ from mpi4py import MPI
 
 import compressed
 import mpicomm
-from compressed import kernels as K
 from mpitest import assert_all, check_all
 
 _GROUPS: dict[int, tuple] = {}
@@ -86,20 +87,11 @@ def compare(out, we, se, ref: dict, *, out_rtol: float = 2e-6) -> None:
 
 
 def backend_for(kernels: str, comm):
-    if kernels == "torch":
-        return compressed.MpiBackend(comm=comm, kernels="torch")
-    K.use(kernels)
-    return compressed.MpiBackend(comm=comm, kernels="host")
+    return compressed.MpiBackend(comm=comm, kernels=kernels)
 
 
-KERNELS = ["numpy", "torch"] + (["numba"] if K.implementation() == "numba" or K.use() == "numba" else [])
-
-
-@pytest.fixture(autouse=True)
-def _restore_kernels():
-    before = K.implementation()
-    yield
-    K.use(before)
+# Decided without selecting anything: collection changes no global kernel state.
+KERNELS = ["numpy", "torch"] + (["numba"] if importlib.util.find_spec("numba") else [])
 
 
 @pytest.mark.mpi(min_size=1)

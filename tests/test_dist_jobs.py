@@ -11,12 +11,13 @@ import pytest
 
 from mpitest import mpiexec_cmd
 
+from mpicomm._util import clean_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "HYDRA_", "HYDI_", "OMPI_", "MPI_LOCAL", "PRTE_")
 
 
 def _env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_PREFIXES)}
+    env = clean_env()
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         env.pop(k, None)
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
@@ -94,13 +95,15 @@ def test_launcher_rank_that_disagrees_with_mpi_is_an_error_on_every_rank(tmp_pat
 
 def test_plain_init_under_mpiexec_at_4_ranks(tmp_path):
     script = tmp_path / "init.py"
-    script.write_text(_INIT_JOB + "t = torch.ones(1); dist.all_reduce(t); assert t.item() == 4\n")
-    proc = subprocess.run([*_mpiexec(4), sys.executable, "-m", "mpi4py", str(script)], cwd=ROOT,
-                          env=_env(), capture_output=True, text=True, timeout=180)
+    script.write_text(_INIT_JOB + "t = torch.ones(1); dist.all_reduce(t)\nimport pathlib, sys\n"
+                      "pathlib.Path(sys.argv[1], f'rank{dist.get_rank()}').write_text("
+                      "f'{dist.get_world_size()} {t.item()}')\n")
+    proc = subprocess.run([*_mpiexec(4), sys.executable, "-m", "mpi4py", str(script),
+                           str(tmp_path)], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                          timeout=180)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
-    assert sorted(line for line in out.splitlines() if line.startswith("initialised")) == [
-        f"initialised {r}" for r in range(4)], out
+    assert [(tmp_path / f"rank{r}").read_text() for r in range(4)] == ["4 4.0"] * 4, out
 
 
 def test_torchrun_gets_told_to_use_mpiexec(tmp_path):
@@ -116,3 +119,32 @@ def test_torchrun_gets_told_to_use_mpiexec(tmp_path):
     assert proc.returncode != 0, out
     assert "initialised" not in out, out
     assert "launch the script with `mpiexec -n 2 python script.py`" in out, out
+
+
+_SERIALIZED_JOB = r"""
+import mpi4py
+mpi4py.rc.thread_level = "serialized"
+from mpi4py import MPI
+import torch, torch.distributed as dist, mpicomm
+from mpicomm import progress
+assert MPI.Query_thread() < MPI.THREAD_MULTIPLE and not progress.enabled()
+dist.init_process_group("mpicomm")
+n = dist.get_world_size()
+t = torch.full((1 << 16,), float(dist.get_rank() + 1))
+work = dist.all_reduce(t, async_op=True)
+assert work.is_completed(), "below THREAD_MULTIPLE an async call completes before it returns"
+assert torch.equal(t, torch.full_like(t, n * (n + 1) / 2))
+assert torch.equal(work.get_future().wait()[0], t)
+import pathlib, sys
+pathlib.Path(sys.argv[1], f"ok.{dist.get_rank()}").write_text(f"pending {progress.pending()}")
+"""
+
+
+def test_below_thread_multiple_async_calls_complete_before_returning(tmp_path):
+    script = tmp_path / "serialized.py"
+    script.write_text(_SERIALIZED_JOB)
+    proc = subprocess.run([*_mpiexec(2), sys.executable, str(script), str(tmp_path)], cwd=ROOT,
+                          env=_env(), capture_output=True, text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert [(tmp_path / f"ok.{r}").read_text() for r in range(2)] == ["pending 0"] * 2, out

@@ -201,3 +201,26 @@ def test_ddp_with_async_buckets_matches_gloo(plain, world):
     ref = train(gloo)
     ours = train(plain)
     assert_close_all(ours, ref.numpy(), atol=1e-6, what="DDP on mpicomm (async buckets) vs gloo")
+
+
+def test_wait_with_a_timeout_raises_and_the_call_goes_on(plain, world):
+    if world.size == 1:
+        pytest.skip("needs 2 ranks")
+    store = dist.distributed_c10d._get_default_store()
+    t = torch.full((1024,), float(world.rank + 1))
+    if world.rank == world.size - 1:
+        store.wait(["waited/0"])
+        work = dist.all_reduce(t, async_op=True)
+        raised = True
+    else:
+        work = dist.all_reduce(t, async_op=True)
+        raised = False
+        try:
+            work.wait(datetime.timedelta(milliseconds=200))
+        except md.CollectiveTimeoutError as exc:
+            raised = "wait(timeout=0.2 s)" in str(exc)
+        if world.rank == 0:
+            store.set("waited/0", "1")
+    assert_all(raised, "wait(timeout) before the last rank joined must raise")
+    assert_all(work.wait(), "the call completes afterwards")
+    assert_close_all(t[:3], np.full(3, world.size * (world.size + 1) / 2))

@@ -8,26 +8,23 @@ from typing import Any
 
 import torch
 
-from ..api import read_manifest, resolve, save
+import mpicomm
+
+from ..api import save
+from ..collective import Collective
+from ..errors import ChecksumError, IncompatibleStateError
 from ..io import read_blocks
 from ..layout import ShardLayout
-from ..manifest import Manifest, TensorEntry
+from ..manifest import DamagedCheckpointError, Manifest, TensorEntry
 from ..progress import ProgressFn, report
 from ..zero import ZeroOptimizer
 from .reader import DeepSpeedState, read_deepspeed, split_names
-from .universal import write_universal
+from ..storage import read_manifest, resolve
+from .universal import write_params, write_shared
 
 _DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
            "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32, "int16": torch.int16,
            "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool}
-
-
-def _comm(comm: Any) -> Any:
-    if comm is None:
-        import mpicomm
-
-        return mpicomm.init()
-    return comm
 
 
 def _tag_folder(path: str) -> str:
@@ -94,9 +91,21 @@ def from_deepspeed(ds_checkpoint_dir: str | os.PathLike, path: str | os.PathLike
     entry's CRC-32 is checked before use. ``progress`` is
     called with (phase, done, total) for this rank's reading and the collective write.
     """
-    comm = _comm(comm)
-    folder = _tag_folder(os.path.abspath(os.fspath(ds_checkpoint_dir)))
-    meta = read_deepspeed(folder, names=[], comm=comm)  # checks every zip entry, shared among the ranks
+    comm = mpicomm.as_communicator(comm)
+    run = Collective(comm, "from_deepspeed")
+    folder = os.path.abspath(os.fspath(ds_checkpoint_dir))
+    # every zip entry is checked first, the work shared among the ranks (a collective step itself)
+    meta = run.everywhere("checking", lambda: read_deepspeed(_tag_folder(folder), names=[], comm=comm))
+    zero, model, step, extra = run.everywhere("reading", lambda: _read(_tag_folder(folder), meta, comm, progress))
+    report(progress, "writing", 0, 1)
+    m = save(path, model=model, optimizer=zero, step=step, comm=comm, extra=extra, overwrite=overwrite)
+    report(progress, "writing", 1, 1)
+    return m
+
+
+def _read(folder: str, meta: DeepSpeedState, comm: mpicomm.Communicator, progress: ProgressFn | None
+          ) -> tuple[ZeroOptimizer, torch.nn.Module, int | None, dict[str, Any]]:
+    """This rank's part of the DeepSpeed checkpoint as a model and a ZeroOptimizer over ``comm``."""
     stage = 3 if meta.stage == 3 else 1
     by_group: list[list[str]] = [[n for n in meta.names if meta.group[n] == gi]
                                  for gi in range(len(meta.param_groups))]
@@ -135,10 +144,7 @@ def from_deepspeed(ds_checkpoint_dir: str | os.PathLike, path: str | os.PathLike
 
     extra = {"imported_from": "deepspeed", "ds_version": state.ds_version, "ds_stage": state.stage,
              "ds_world_size": state.world_size, "source": folder}
-    report(progress, "writing", 0, 1)
-    m = save(path, model=model, optimizer=zero, step=state.step, comm=comm, extra=extra, overwrite=overwrite)
-    report(progress, "writing", 1, 1)
-    return m
+    return zero, model, state.step, extra
 
 
 def _read_entry(ckdir: str, m: Manifest, e: TensorEntry) -> torch.Tensor:
@@ -151,14 +157,12 @@ def _read_entry(ckdir: str, m: Manifest, e: TensorEntry) -> torch.Tensor:
         crcs = read_blocks(fname, blocks, bs, fsize)
         bad = [b for b, c in zip(blocks, crcs) if c != m.files[e.file]["crc32"][b]]
         if bad:
-            from ..api import ChecksumError
-
             raise ChecksumError(f"{fname}: checksum mismatch in block(s) {bad} holding {e.name!r} ({e.kind})")
     with open(fname, "rb") as f:
         f.seek(e.offset)
         raw = bytearray(f.read(e.nbytes))
     if len(raw) != e.nbytes:
-        raise EOFError(f"{fname}: expected {e.nbytes} bytes at offset {e.offset} for {e.name!r}, got {len(raw)}")
+        raise DamagedCheckpointError(f"{fname}: expected {e.nbytes} bytes at offset {e.offset} for {e.name!r}, got {len(raw)}")
     dtype = _DTYPES[e.dtype]
     if not raw:
         return torch.empty(e.shape, dtype=dtype)
@@ -177,13 +181,26 @@ def to_deepspeed_universal(path: str | os.PathLike, out_dir: str | os.PathLike, 
     ``out_dir`` (``zero/<param>/{fp32,exp_avg,exp_avg_sq,step}.pt``, ``zero/optimizer_state.pt``,
     model states files) and write ``<parent of out_dir>/latest_universal``; DeepSpeed loads it
     with ``"checkpoint": {"load_universal": true}`` at any data-parallel size and ZeRO stage.
-    With ``comm`` the ranks share the per-parameter files; without, one process writes all.
+    Collective over ``comm`` (None: mpicomm's world): the ranks share the per-parameter files
+    and rank 0 writes the shared ones; a failure on any rank raises on every rank.
     Needs the optimizer state (the universal layout is optimizer state per parameter).
     ``progress`` is called with (phase, done, total) for this rank's reading and writing."""
+    comm = mpicomm.as_communicator(comm)
+    run = Collective(comm, "to_deepspeed_universal")
+    out_dir = os.path.abspath(os.fspath(out_dir))
+    state = run.everywhere("reading", lambda: _universal_state(path, comm, progress))
+    run.everywhere("writing parameters", lambda: write_params(state, out_dir, progress))
+    run.on_root("writing shared files", lambda: write_shared(state, out_dir))
+    return out_dir
+
+
+def _universal_state(path: str | os.PathLike, comm: mpicomm.Communicator,
+                     progress: ProgressFn | None) -> DeepSpeedState:
+    """Our checkpoint at ``path`` as a DeepSpeedState holding this rank's share of the parameters."""
     ckdir = resolve(path)
     m = read_manifest(ckdir)
     if not m.optimizer:
-        raise ValueError(f"to_deepspeed_universal: {ckdir} holds no optimizer state; DeepSpeed's universal "
+        raise IncompatibleStateError(f"to_deepspeed_universal: {ckdir} holds no optimizer state; DeepSpeed's universal "
                          "layout needs the fp32 masters and the optimizer state of every parameter")
     groups = m.optimizer["param_groups"]
     index = {i: gi for gi, g in enumerate(groups) for i in g["params"]}
@@ -192,10 +209,7 @@ def to_deepspeed_universal(path: str | os.PathLike, out_dir: str | os.PathLike, 
     shapes = {m.params[i].name: tuple(m.params[i].shape) for i in index}
     dtypes = {m.params[i].dtype for i in index}
     dtype = _DTYPES[dtypes.pop()] if len(dtypes) == 1 else torch.float32
-    if comm is None:
-        owned = names
-    else:
-        owned = split_names(names, [math.prod(shapes[n]) for n in names], comm.size)[comm.rank]
+    owned = split_names(names, [math.prod(shapes[n]) for n in names], comm.size)[comm.rank]
     scalars = m.optimizer.get("scalars", {})
     step, step_dtype = _scalar(scalars.get(str(pidx[names[0]]), {}).get("step")) if names else (None, None)
     if step is None:
@@ -205,7 +219,7 @@ def to_deepspeed_universal(path: str | os.PathLike, out_dir: str | os.PathLike, 
         i = pidx[n]
         e = m.find("master", i) or m.find("param", i)
         if e is None:
-            raise ValueError(f"to_deepspeed_universal: {ckdir} has no weights for {n!r}")
+            raise DamagedCheckpointError(f"to_deepspeed_universal: {ckdir} has no weights for {n!r}")
         t = {"fp32": _read_entry(ckdir, m, e).float()}
         for key in m.state_keys():
             se = m.find("state", i, key)
@@ -226,10 +240,9 @@ def to_deepspeed_universal(path: str | os.PathLike, out_dir: str | os.PathLike, 
         if isinstance(hp.get("betas"), list):
             hp["betas"] = tuple(hp["betas"])
         hyper.append(hp)
-    state = DeepSpeedState(
+    return DeepSpeedState(
         stage=int(m.stage or 1), world_size=int(m.world_size), dtype=dtype, names=names, shapes=shapes,
         group={m.params[i].name: gi for i, gi in index.items()}, param_groups=hyper, step=step,
         step_dtype=step_dtype, model_state=buffers, buffer_names=list(buffers),
         optimizer_class=m.optimizer.get("class"), ds_version=extra.get("ds_version"), owned=owned,
         tensors=tensors)
-    return write_universal(state, out_dir, comm=comm, progress=progress)

@@ -11,11 +11,14 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..errors import EXIT_PICKLE, CheckpointError
 from ..manifest import DamagedCheckpointError
 
 
-class PickleRefusedError(ValueError):
+class PickleRefusedError(CheckpointError, ValueError):
     """A DeepSpeed file holds a Python global outside the allowlist; it is never unpickled."""
+
+    exit_code = EXIT_PICKLE
 
 
 class ZipEntryError(DamagedCheckpointError):

@@ -11,6 +11,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ..errors import CheckpointError, CheckpointNotFoundError
 from ..progress import ProgressFn, report
 from .pickles import Loader, check_files
 
@@ -22,7 +23,7 @@ _Z3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 _MODEL = "mp_rank_00_model_states.pt"
 
 
-class DeepSpeedFormatError(ValueError):
+class DeepSpeedFormatError(CheckpointError, ValueError):
     """The folder is not a DeepSpeed ZeRO checkpoint this reader understands."""
 
 
@@ -166,7 +167,7 @@ def read_deepspeed(folder: str | os.PathLike, allow_pickle: bool = False, comm: 
     """
     folder = os.fspath(folder)
     if not os.path.isdir(folder):
-        raise FileNotFoundError(f"no DeepSpeed checkpoint folder at {folder}")
+        raise CheckpointNotFoundError(f"no DeepSpeed checkpoint folder at {folder}")
     loader = Loader(verify=False)
     model_path = _model_file(folder)
     optim_files = _optim_files(folder)

@@ -111,6 +111,19 @@ def write_universal(state: DeepSpeedState, out_dir: str | os.PathLike, comm: Any
     parameters it holds (``state.owned``) and rank 0 the shared files; ``progress`` is called
     with ("writing", parameters done, this rank's parameters). Returns ``out_dir``."""
     out_dir = os.path.abspath(os.fspath(out_dir))
+    write_params(state, out_dir, progress)
+    mpi = comm.mpi_comm if comm is not None else None
+    if mpi is not None:
+        mpi.Barrier()
+    if mpi is None or mpi.Get_rank() == 0:
+        write_shared(state, out_dir)
+    if mpi is not None:
+        mpi.Barrier()
+    return out_dir
+
+
+def write_params(state: DeepSpeedState, out_dir: str, progress: ProgressFn | None = None) -> None:
+    """Write the per-parameter files of the parameters this rank holds (``state.owned``)."""
     zero_dir = os.path.join(out_dir, "zero")
     os.makedirs(zero_dir, exist_ok=True)
     missing = [n for n in state.owned if n not in state.tensors]
@@ -119,18 +132,17 @@ def write_universal(state: DeepSpeedState, out_dir: str | os.PathLike, comm: Any
     for i, name in enumerate(state.owned):
         write_param(state, name, zero_dir)
         report(progress, "writing", i + 1, len(state.owned))
-    mpi = comm.mpi_comm if comm is not None else None
-    if mpi is not None:
-        mpi.Barrier()
-    if mpi is None or mpi.Get_rank() == 0:
-        _save(optimizer_state(state), os.path.join(zero_dir, "optimizer_state.pt"))
-        write_buffers(state, zero_dir)
-        ms = model_states(state)
-        for f in MODEL_FILES:
-            _save(ms, os.path.join(out_dir, f))
-        parent, tag = os.path.split(out_dir)
-        with open(os.path.join(parent, LATEST), "w") as fh:
-            fh.write(tag)
-    if mpi is not None:
-        mpi.Barrier()
-    return out_dir
+
+
+def write_shared(state: DeepSpeedState, out_dir: str) -> None:
+    """Write the files one process writes: optimizer state, buffers, model states, ``latest_universal``."""
+    zero_dir = os.path.join(out_dir, "zero")
+    os.makedirs(zero_dir, exist_ok=True)
+    _save(optimizer_state(state), os.path.join(zero_dir, "optimizer_state.pt"))
+    write_buffers(state, zero_dir)
+    ms = model_states(state)
+    for f in MODEL_FILES:
+        _save(ms, os.path.join(out_dir, f))
+    parent, tag = os.path.split(out_dir)
+    with open(os.path.join(parent, LATEST), "w") as fh:
+        fh.write(tag)

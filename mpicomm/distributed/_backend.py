@@ -2,13 +2,17 @@
 from __future__ import annotations
 
 import datetime
+import logging
 
 import torch.distributed as dist
 from mpi4py import MPI
 
+from .. import progress
 from ..communicator import Communicator, init
 from ._pg import BACKEND_NAME, MpicommProcessGroup
 from ._rendezvous import install, launcher_hint, under_torchrun
+
+_log = logging.getLogger("mpicomm")
 
 
 def _create(backend_opts, pg_options=None) -> MpicommProcessGroup:
@@ -34,8 +38,15 @@ def _create(backend_opts, pg_options=None) -> MpicommProcessGroup:
         mpi_comm = world.Dup()
     else:
         mpi_comm = world.Create_group(world.Get_group().Incl(ranks))
-    return MpicommProcessGroup(Communicator(mpi_comm, check=base.check),
-                               timeout=backend_opts.timeout, store=backend_opts.store)
+    pg = MpicommProcessGroup(Communicator(mpi_comm, check=base.check),
+                             timeout=backend_opts.timeout, store=backend_opts.store)
+    if backend_opts.group_rank == 0:
+        _log.info("mpicomm process group %s: ranks %s, timeout %s, %s", backend_opts.group_id,
+                  ranks if len(ranks) <= 16 else f"{ranks[:16]}... ({len(ranks)})",
+                  backend_opts.timeout,
+                  "non-blocking calls completed by the progress thread" if progress.enabled()
+                  else "MPI below THREAD_MULTIPLE: async calls complete before returning")
+    return pg
 
 
 def register() -> None:

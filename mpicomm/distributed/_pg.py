@@ -51,6 +51,12 @@ class MpicommProcessGroup(dist.ProcessGroup):
     def setGroupDesc(self, desc: str) -> None:  # noqa: N802
         self._group_desc = desc
 
+    def shutdown(self) -> None:
+        """Release the group's MPI communicator (dist.destroy_process_group calls this)."""
+        if self._broken is None and self.comm is not None:
+            self.comm.free()
+        self.comm = None
+
     # -- plumbing ---------------------------------------------------------------------------
 
     def _run(self, call: str, opts, start, result: list, described, finish=(), source=None):
@@ -58,6 +64,8 @@ class MpicommProcessGroup(dist.ProcessGroup):
         if self._broken is not None:
             raise RuntimeError(f"mpicomm process group: {call} refused, the group is unusable "
                                f"after an earlier timeout: {self._broken}")
+        if self.comm is None:
+            raise RuntimeError(f"mpicomm process group: {call} on a group that was destroyed")
         self._seq += 1
         timeout = self.timeout
         t = getattr(opts, "timeout", None)

@@ -9,6 +9,7 @@ When all four are set (torchrun, or a user who set them), torch's own handler ru
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import socket
 import sys
@@ -105,6 +106,9 @@ def mpi_store(timeout: datetime.timedelta, comm: MPI.Intracomm = MPI.COMM_WORLD)
     errors = [e for e in comm.allgather(error) if e]
     if errors:
         raise RuntimeError("init_process_group: " + "; ".join(dict.fromkeys(errors)))
+    if rank == 0:
+        logging.getLogger("mpicomm").info("init_process_group: %d ranks from MPI, TCPStore on "
+                                          "rank 0 at %s:%d", size, host, port)
     return store
 
 

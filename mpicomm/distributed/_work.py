@@ -22,6 +22,7 @@ import torch.distributed as dist
 from mpi4py import MPI
 
 from .. import progress
+from .._util import format_bytes
 from ..work import Work
 
 _log = logging.getLogger("mpicomm")
@@ -58,10 +59,7 @@ def _describe(tensors: Sequence) -> str:
 
 
 def _size(nbytes: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes} B"
+    return format_bytes(nbytes)
 
 
 class MpicommWork(dist.Work):
@@ -160,14 +158,18 @@ class MpicommWork(dist.Work):
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         """Block until complete (results in place); raise its error, or CollectiveTimeoutError."""
+        limit = timeout.total_seconds() if timeout else 0.0
         if self._threaded:
-            limit = timeout.total_seconds() if timeout else None
-            if not self._event.wait(limit if limit and limit > 0 else None):
-                raise CollectiveTimeoutError(
-                    f"mpicomm: {self._call} did not complete within wait(timeout={timeout})")
+            done = self._event.wait(limit if limit > 0 else None)
         else:
-            while not self._poll(time.monotonic()):
+            until = time.monotonic() + limit if limit > 0 else float("inf")
+            while not self._poll(time.monotonic()) and time.monotonic() < until:
                 pass
+            done = self._event.is_set()
+        if not done:
+            raise CollectiveTimeoutError(
+                f"mpicomm: {self._call} (operation #{self._seq}) did not complete within "
+                f"wait(timeout={limit:g} s); it goes on, wait() again to complete it")
         if self._error is not None:
             raise self._error
         return True

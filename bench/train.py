@@ -1,0 +1,472 @@
+"""End-to-end data-parallel training: DDP on mpicomm, on gloo, with mpicomm's and the 1-bit hooks.
+
+``mpiexec -n P python -m bench train [--model mlp|transformer] [--hidden H] [--layers L]
+[--batch B] [--steps N] [--rounds R] [--peers ...] [--json F]``
+
+Peers (each its own replica of the same model, same initial weights, same data):
+
+- ``mpicomm``: ``DistributedDataParallel`` on an mpicomm process group;
+- ``gloo``: DDP on a gloo process group (the reference the others' weights are checked against);
+- ``mpicomm-hook``: DDP on gloo with ``mpicomm.distributed.allreduce_hook`` (gradients via mpicomm);
+- ``onebit-hook``: DDP on gloo with ``compressed.onebit_ddp_hook`` (compressed after the warm-up).
+
+Each round runs, for every peer in turn (the order rotating): ``--steps`` training steps (Adam;
+timed: forward + backward with DDP's communication), the same number of backward passes under
+``no_sync`` (backward alone), and of one all-reduce of all gradients through the peer's path
+(communication alone). ``overlap_ms = backward_ms + comm_ms - backward_comm_ms``: how much of the
+communication hid behind the backward. Records are the median round, with min/max.
+
+``--curve`` trains instead with Adam (gradients averaged with mpicomm) and with
+``compressed.OnebitAdam`` from the same start, and reports the loss at every step (``--plot``
+draws it): what 1-bit compression costs in convergence.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import warnings
+
+from mpi4py import MPI
+
+from . import common
+
+PEERS = ("mpicomm", "gloo", "mpicomm-hook", "onebit-hook")
+EXACT = ("mpicomm", "gloo", "mpicomm-hook")  # must match gloo's weights
+BENCH = "train"
+
+__all__ = ["PEERS", "build_model", "batch", "Peer", "make_peer", "run_round", "main"]
+
+
+# ---------------------------------------------------------------------------------------------
+# model and data
+
+def build_model(args, seed: int):
+    """The benchmark's model: an MLP or a stack of transformer encoder blocks."""
+    import torch
+
+    torch.manual_seed(seed)
+    h = args.hidden
+    if args.model == "mlp":
+        layers = []
+        for _ in range(args.layers):
+            layers += [torch.nn.Linear(h, h), torch.nn.GELU()]
+        return torch.nn.Sequential(*layers[:-1])
+    blocks = [torch.nn.TransformerEncoderLayer(h, args.heads, dim_feedforward=4 * h, dropout=0.0,
+                                               batch_first=True) for _ in range(args.layers)]
+    return torch.nn.Sequential(*blocks)
+
+
+def describe(args) -> str:
+    if args.model == "mlp":
+        return f"mlp {args.layers} x Linear({args.hidden}, {args.hidden})"
+    return (f"transformer {args.layers} x block(d={args.hidden}, heads={args.heads}, "
+            f"ffn={4 * args.hidden}), seq {args.seq}")
+
+
+def batch(args, rank: int, step: int, teacher):
+    """Rank ``rank``'s batch of step ``step``: random inputs, targets from a fixed teacher model."""
+    import torch
+
+    g = torch.Generator().manual_seed(1_000_003 * (rank + 1) + step)
+    shape = (args.batch, args.hidden) if args.model == "mlp" else (args.batch, args.seq,
+                                                                    args.hidden)
+    x = torch.randn(shape, generator=g)
+    with torch.no_grad():
+        y = teacher(x)
+    return x, y
+
+
+# ---------------------------------------------------------------------------------------------
+# peers
+
+class Peer:
+    """One DDP replica: its model, optimizer, step counter and communication-alone call."""
+
+    def __init__(self, name, ddp, opt, comm_alone, flat) -> None:
+        self.name, self.ddp, self.opt = name, ddp, opt
+        self.comm_alone = comm_alone     # fn(): one all-reduce of ``flat`` through this path
+        self.flat = flat
+        self.step = 0
+        self.loss = float("nan")
+
+
+def make_peer(name: str, args, groups: dict, mcomm) -> Peer:
+    """Build ``name``'s DDP replica (same initial weights on every peer and rank)."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import mpicomm.distributed
+
+    model = build_model(args, seed=0)
+    numel = sum(p.numel() for p in model.parameters())
+    flat = torch.zeros(numel)
+    pg = groups["mpicomm"] if name == "mpicomm" else groups["gloo"]
+    ddp = DDP(model, process_group=pg, bucket_cap_mb=args.bucket_mb)
+    if name in ("mpicomm", "gloo"):
+        def comm_alone():
+            flat.zero_()
+            dist.all_reduce(flat, group=pg)
+    elif name == "mpicomm-hook":
+        ddp.register_comm_hook(mcomm, mpicomm.distributed.allreduce_hook)
+
+        def comm_alone():
+            flat.zero_()
+            mcomm.all_reduce(flat, op="avg")
+    elif name == "onebit-hook":
+        import compressed
+
+        state = compressed.OnebitDDPState(mcomm, warmup_steps=args.onebit_warmup,
+                                          min_bucket_numel=args.onebit_min_bucket)
+        ddp.register_comm_hook(state, compressed.onebit_ddp_hook)
+        alone = compressed.OnebitAllreduce(mcomm)
+
+        def comm_alone():
+            flat.normal_()
+            alone(flat, key="alone")
+    else:
+        raise ValueError(f"unknown peer {name!r}; expected one of {', '.join(PEERS)}")
+    opt = torch.optim.Adam(ddp.parameters(), lr=args.lr)
+    return Peer(name, ddp, opt, comm_alone, flat)
+
+
+def _train_step(peer: Peer, args, rank: int, teacher) -> tuple[float, float]:
+    """One step; seconds of forward + backward (with DDP's communication), and of the backward."""
+    import torch
+
+    x, y = batch(args, rank, peer.step, teacher)
+    peer.opt.zero_grad(set_to_none=False)
+    t0 = time.perf_counter()
+    loss = torch.nn.functional.mse_loss(peer.ddp(x), y)
+    t1 = time.perf_counter()
+    loss.backward()
+    t2 = time.perf_counter()
+    peer.opt.step()
+    peer.step += 1
+    peer.loss = float(loss.detach())
+    return t2 - t0, t2 - t1
+
+
+def _backward_alone(peer: Peer, args, rank: int, teacher) -> float:
+    """Seconds of one backward under ``no_sync`` (no communication; weights unchanged)."""
+    import torch
+
+    x, y = batch(args, rank, 10_000_000 + peer.step, teacher)
+    peer.opt.zero_grad(set_to_none=False)
+    with peer.ddp.no_sync():
+        loss = torch.nn.functional.mse_loss(peer.ddp(x), y)
+        t0 = time.perf_counter()
+        loss.backward()
+        dt = time.perf_counter() - t0
+    peer.opt.zero_grad(set_to_none=False)
+    return dt
+
+
+def _mean(mpi_comm, values: list[float]) -> float:
+    """Collective: the mean over ranks of this rank's mean."""
+    local = sum(values) / max(1, len(values))
+    return mpi_comm.allreduce(local, op=MPI.SUM) / mpi_comm.Get_size()
+
+
+def run_round(peer: Peer, args, mpi_comm, teacher) -> dict:
+    """Collective: one round of ``peer``: steps, backward alone, communication alone (seconds)."""
+    rank = mpi_comm.Get_rank()
+    mpi_comm.Barrier()
+    steps = [_train_step(peer, args, rank, teacher) for _ in range(args.steps)]
+    mpi_comm.Barrier()
+    alone = [_backward_alone(peer, args, rank, teacher) for _ in range(args.steps)]
+    mpi_comm.Barrier()
+    comm = []
+    for _ in range(args.steps):
+        t = time.perf_counter()
+        peer.comm_alone()
+        comm.append(time.perf_counter() - t)
+    return {"step": _mean(mpi_comm, [s[0] for s in steps]),
+            "backward_comm": _mean(mpi_comm, [s[1] for s in steps]),
+            "backward": _mean(mpi_comm, alone), "comm": _mean(mpi_comm, comm)}
+
+
+# ---------------------------------------------------------------------------------------------
+# checks
+
+def _weights(peer: Peer):
+    import torch
+
+    return torch.cat([p.detach().reshape(-1) for p in peer.ddp.module.parameters()])
+
+
+def check_peers(peers: dict, mpi_comm) -> tuple[dict, list[str]]:
+    """Collective: wrong values per peer: weights that differ between ranks (every peer), and,
+    for the exact peers, weights further than 1e-4 from the gloo replica's; and a non-finite loss."""
+    import numpy as np
+
+    wrong, notes = {}, []
+    ref = _weights(peers["gloo"]).numpy() if "gloo" in peers else None
+    if ref is None:
+        notes.append("gloo not run: the exact peers' weights are checked across ranks only")
+    for name, peer in peers.items():
+        w = _weights(peer).numpy()
+        first = np.empty_like(w)
+        first[:] = w
+        mpi_comm.Bcast(first, root=0)
+        bad = int(np.count_nonzero(w != first)) + int(not np.isfinite(peer.loss))
+        if ref is not None and name in EXACT:
+            bad += int(np.count_nonzero(np.abs(w - ref) > 1e-4))
+        wrong[name] = mpi_comm.allreduce(bad, op=MPI.SUM)
+    return wrong, notes
+
+
+# ---------------------------------------------------------------------------------------------
+# loss curves: Adam vs 1-bit Adam
+
+def run_curve(args, mpi_comm, mcomm, teacher) -> dict[str, list[float]]:
+    """Collective: train from the same start with Adam (gradients averaged by mpicomm) and with
+    compressed.OnebitAdam, a step of each in turn; the mean loss over ranks at every step."""
+    import torch
+
+    import compressed
+
+    rank, n = mpi_comm.Get_rank(), mpi_comm.Get_size()
+    adam_model, onebit_model = build_model(args, seed=0), build_model(args, seed=0)
+    adam = torch.optim.Adam(adam_model.parameters(), lr=args.lr)
+    onebit = compressed.OnebitAdam(onebit_model.parameters(), lr=args.lr,
+                                   freeze_step=args.freeze_step, comm=mcomm)
+
+    def average_grads():
+        grads = [p.grad for p in adam_model.parameters()]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        mcomm.all_reduce(flat, op="avg")
+        torch.nn.utils.vector_to_parameters(flat, grads)
+
+    losses: dict[str, list[float]] = {"adam": [], "onebit-adam": []}
+    for step in range(args.curve_steps):
+        x, y = batch(args, rank, step, teacher)
+        for name, model, opt in (("adam", adam_model, adam), ("onebit-adam", onebit_model, onebit)):
+            opt.zero_grad(set_to_none=False)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            if name == "adam" and n > 1:
+                average_grads()
+            opt.step()
+            losses[name].append(mpi_comm.allreduce(float(loss.detach()), op=MPI.SUM) / n)
+    return losses
+
+
+# ---------------------------------------------------------------------------------------------
+# the program
+
+COLUMNS = (
+    common.Column("peer", "peer", 13),
+    common.Column("step_ms", "step(ms)", 9, ".2f"),
+    common.Column("step_ms_min", "min(ms)", 9, ".2f"),
+    common.Column("step_ms_max", "max(ms)", 9, ".2f"),
+    common.Column("samples_per_s", "samples/s", 10, ".0f"),
+    common.Column("backward_comm_ms", "bwd+comm", 9, ".2f"),
+    common.Column("backward_ms", "bwd(ms)", 9, ".2f"),
+    common.Column("comm_ms", "comm(ms)", 9, ".2f"),
+    common.Column("overlap_ms", "overlap", 9, ".2f"),
+    common.Column("loss", "loss", 10, ".5f"),
+    common.Column("wrong", "#wrong", 7, "d"),
+)
+
+
+def _peers_arg(text: str) -> list[str]:
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if items == ["all"]:
+        return list(PEERS)
+    bad = [x for x in items if x not in PEERS]
+    if bad or not items:
+        raise argparse.ArgumentTypeError(
+            f"expected a comma list from {', '.join(PEERS)} (or 'all'), got {text!r}")
+    return items
+
+
+def _count(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
+        return value
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mpiexec -n P python -m bench train",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=("mlp", "transformer"), default="mlp")
+    p.add_argument("--hidden", type=_count(8), default=1024, help="width (default 1024)")
+    p.add_argument("--layers", type=_count(1), default=4, help="layers or blocks (default 4)")
+    p.add_argument("--heads", type=_count(1), default=8, help="attention heads (default 8)")
+    p.add_argument("--seq", type=_count(1), default=32, help="transformer sequence length (32)")
+    p.add_argument("--batch", type=_count(1), default=32, help="samples per rank and step (32)")
+    p.add_argument("--steps", type=_count(1), default=10, help="timed steps per round (10)")
+    p.add_argument("--warmup", type=_count(0), default=3, help="untimed steps first (3)")
+    common.add_rounds_arg(p)
+    p.add_argument("--peers", type=_peers_arg, default=list(PEERS),
+                   help=f"comma list (default all: {','.join(PEERS)})")
+    p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb (25)")
+    p.add_argument("--onebit-warmup", type=_count(0), default=None,
+                   help="steps the 1-bit hook averages exactly (default: --warmup - 1, so the "
+                        "last warm-up step and every timed step are compressed)")
+    p.add_argument("--onebit-min-bucket", type=_count(0), default=0,
+                   help="buckets under this many elements go uncompressed (default 0)")
+    p.add_argument("--curve", action="store_true",
+                   help="instead: loss against step for Adam vs compressed.OnebitAdam")
+    p.add_argument("--curve-steps", type=_count(1), default=100, help="steps of --curve (100)")
+    p.add_argument("--freeze-step", type=_count(0), default=20,
+                   help="OnebitAdam's exact-Adam steps before compression (default 20)")
+    p.add_argument("--json", default=None, metavar="FILE", help="write the records to FILE")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="with --curve: draw the loss curves (needs matplotlib)")
+    return p
+
+
+def _header(args, info, mpi_comm, params: int, out) -> None:
+    if mpi_comm.Get_rank() != 0:
+        return
+    what = (f"{args.curve_steps} steps of each optimizer, freeze_step {args.freeze_step}"
+            if args.curve else f"{args.warmup} warm-up steps, then {args.rounds} round(s) of "
+                               f"{args.steps} steps per peer, interleaved")
+    extra = [f"model: {describe(args)}, {params / 1e6:.2f}M parameters; batch {args.batch} per "
+             f"rank ({args.batch * info['ranks']} per step); Adam lr {args.lr}"]
+    if not args.curve:
+        extra.append("step = forward + backward with DDP's communication (median round; min/max "
+                     "over rounds); bwd+comm = that backward; bwd = backward under no_sync; comm "
+                     "= one all-reduce of all gradients on the peer's path; overlap = bwd + comm "
+                     "- bwd+comm")
+    for line in common.header_lines(BENCH, info, dtype="float32", iterations=what, extra=extra):
+        print(line, file=out, flush=True)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.onebit_warmup is None:
+        args.onebit_warmup = max(0, args.warmup - 1)
+    import torch
+
+    import mpicomm
+
+    torch.set_num_threads(1)
+    mpi_comm = MPI.COMM_WORLD
+    root = mpi_comm.Get_rank() == 0
+    info = common.environment_info(mpi_comm)
+    mcomm = mpicomm.init()
+    teacher = build_model(args, seed=1).requires_grad_(False)
+    params = sum(p.numel() for p in teacher.parameters())
+    _header(args, info, mpi_comm, params, sys.stdout)
+    meta = dict(info, bench=BENCH, model=describe(args), params=params, argv=sys.argv[1:])
+    writer = common.JsonWriter(args.json, meta, enabled=root)
+    base = {"bench": BENCH, "ranks": info["ranks"], "hosts": info["hosts"],
+            "network": info["network"], "model": describe(args)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if args.curve:
+            return _curve_main(args, mpi_comm, mcomm, teacher, base, writer)
+        return _steps_main(args, mpi_comm, mcomm, teacher, base, params, writer)
+
+
+def _steps_main(args, mpi_comm, mcomm, teacher, base, params, writer) -> int:
+    import torch.distributed as dist
+
+    root = mpi_comm.Get_rank() == 0
+    groups = {"gloo": common.init_gloo(mpi_comm)}
+    if "mpicomm" in args.peers:
+        groups["mpicomm"] = dist.new_group(backend="mpicomm")
+    peers = {name: make_peer(name, args, groups, mcomm) for name in args.peers}
+    for peer in peers.values():
+        for _ in range(args.warmup):
+            _train_step(peer, args, mpi_comm.Get_rank(), teacher)
+        if args.warmup:
+            _backward_alone(peer, args, mpi_comm.Get_rank(), teacher)
+            peer.comm_alone()
+    rounds: dict[str, list[dict]] = {name: [] for name in peers}
+    order = list(peers)
+    for r in range(args.rounds):
+        for name in order[r % len(order):] + order[:r % len(order)]:
+            rounds[name].append(run_round(peers[name], args, mpi_comm, teacher))
+    wrong, notes = check_peers(peers, mpi_comm)
+    table = common.Table(COLUMNS, enabled=root)
+    for line in notes:
+        table.note(line)
+    records = []
+    for name, peer in peers.items():
+        times, means = common.median_round([(r["step"],) * 3 for r in rounds[name]])
+        mid = rounds[name][means.index(times[1])]
+        loss = mpi_comm.allreduce(peer.loss, op=MPI.SUM) / mpi_comm.Get_size()
+        rec = dict(base, op="step", peer=name, params=params, grad_bytes=params * 4,
+                   batch=args.batch, steps=args.steps, rounds=args.rounds,
+                   step_ms=mid["step"] * 1e3, step_ms_min=min(means) * 1e3,
+                   step_ms_max=max(means) * 1e3, step_ms_rounds=[m * 1e3 for m in means],
+                   samples_per_s=args.batch * base["ranks"] / mid["step"], loss=loss,
+                   backward_ms=mid["backward"] * 1e3, comm_ms=mid["comm"] * 1e3,
+                   backward_comm_ms=mid["backward_comm"] * 1e3,
+                   overlap_ms=(mid["backward"] + mid["comm"] - mid["backward_comm"]) * 1e3,
+                   wrong=wrong[name], trained_steps=peer.step)
+        records.append(rec)
+        table.row(rec)
+        writer.add(rec)
+    ref = next((r for r in records if r["peer"] == "gloo"), None)
+    if ref is not None:
+        table.note("step time / gloo's (medians): " + ", ".join(
+            f"{r['peer']} {r['step_ms'] / ref['step_ms']:.2f}x" for r in records
+            if r is not ref))
+    total = sum(wrong.values())
+    table.note(f"FAILED: {total} wrong values" if total else
+               "all values correct (#wrong = 0: replicas agree across ranks; exact peers within "
+               "1e-4 of gloo's weights)")
+    _close()
+    return 1 if total else 0
+
+
+def _curve_main(args, mpi_comm, mcomm, teacher, base, writer) -> int:
+    import numpy as np
+
+    root = mpi_comm.Get_rank() == 0
+    losses = run_curve(args, mpi_comm, mcomm, teacher)
+    records = []
+    for name, series in losses.items():
+        bad = int(not np.all(np.isfinite(series)))
+        rec = dict(base, op="curve", peer=name, steps=len(series), losses=series,
+                   freeze_step=args.freeze_step if name == "onebit-adam" else None, wrong=bad)
+        records.append(rec)
+        writer.add(rec)
+    if root:
+        every = max(1, args.curve_steps // 10)
+        print(f"#{'step':>7} {'adam':>12} {'onebit-adam':>12} {'ratio':>8}")
+        for i in sorted(set(range(every - 1, args.curve_steps, every)) | {args.curve_steps - 1}):
+            a, b = losses["adam"][i], losses["onebit-adam"][i]
+            print(f"{i + 1:>8} {a:>12.6f} {b:>12.6f} {b / a if a else float('nan'):>8.3f}")
+        a, b = losses["adam"][-1], losses["onebit-adam"][-1]
+        print(f"# loss after {args.curve_steps} steps: Adam {a:.6f}, 1-bit Adam {b:.6f} "
+              f"({b / a if a else float('nan'):.2f}x Adam's; compressed from step "
+              f"{args.freeze_step + 1})")
+        if args.plot:
+            from .plot import matplotlib_missing, plot_curves
+
+            problem = matplotlib_missing()
+            if problem:
+                print(f"# --plot {args.plot} skipped: {problem}")
+            else:
+                plot_curves(records, args.plot,
+                            title=f"{base['model']}, {base['ranks']} ranks: Adam vs 1-bit Adam")
+                print(f"# plot written to {args.plot}")
+    wrong = sum(r["wrong"] for r in records)
+    if root:
+        print("# FAILED: non-finite loss" if wrong else "# all losses finite")
+    return 1 if wrong else 0
+
+
+def _close() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,201 @@
+"""The 1-bit compressed allreduce, once, for every kernel family and both public APIs.
+
+``allreduce`` runs DeepSpeed's algorithm on mpicomm's async collectives in the wire format of
+``layout``:
+
+1. phase 1, per piece: pack the worker signs of x = input + worker error for every chunk, post
+   the piece's all-to-all, and pack the next piece while it travels (MPI progress between
+   pieces); the last piece carries the worker scale and size, so every rank checks sizes and
+   finiteness before anything is modified;
+2. phase 2, per piece: combine the received signs with the server error, pack the server signs,
+   post the piece's all-gather, and do the next piece (and a share of the worker error update)
+   while it travels; the server scale rides on the last piece; then decode.
+
+With ``deferred`` (``OnebitAllreduce``) the error buffers hold the previous call's x and s plus
+their pending scales; the update is fused into this call's passes instead of run after it.
+``reduce_scatter`` is phase 1 alone: each rank gets the mean estimate of its own chunk.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import NonFiniteError, SizeMismatchError
+from .layout import P1_TRAILER, P2_TRAILER, Layout
+
+__all__ = ["Deferred", "Workspace", "allreduce", "reduce_scatter"]
+
+
+@dataclass
+class Deferred:
+    """Deferred error updates: ``xout`` receives this call's x (the worker buffer is only read);
+    the worker and server buffers still need ``x - pend * sign(x)`` with these pending scales."""
+
+    xout: Any
+    worker_pending: float
+    server_pending: float
+
+
+class Workspace:
+    """Message buffers of one layout on one device (uint8 torch tensors handed to mpicomm)."""
+
+    def __init__(self, lay: Layout, device: torch.device) -> None:
+        p, cb = lay.world_size, lay.chunk_bytes
+        self.send = torch.empty(p * (cb + P1_TRAILER), dtype=torch.uint8, device=device)
+        self.recv = torch.empty_like(self.send)
+        self.gsend = torch.empty(cb + P2_TRAILER, dtype=torch.uint8, device=device)
+        self.grecv = torch.empty(p * (cb + P2_TRAILER), dtype=torch.uint8, device=device)
+        self.scratch: dict[str, Any] = {}
+
+
+def _block(buf: torch.Tensor, p: int, lo: int, hi: int, trailer: int) -> torch.Tensor:
+    """(p, hi - lo + trailer) message of piece [lo, hi) inside a buffer laid out by pieces."""
+    return buf[p * lo:p * (hi + trailer)].reshape(p, hi - lo + trailer)
+
+
+def _trailer(values: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.frombuffer(values.tobytes(), np.uint8).copy())
+
+
+class _Pending:
+    """Posted async collectives: progress between pieces; wait for all (also on error paths)."""
+
+    def __init__(self) -> None:
+        self.works: list = []
+
+    def add(self, work) -> None:
+        self.works.append(work)
+        self.progress()
+
+    def progress(self) -> None:
+        self.works = [w for w in self.works if not w.is_completed()]
+
+    def wait(self) -> None:
+        works, self.works = self.works, []
+        for w in works:
+            w.wait()
+
+
+def _phase1(comm, fam, lay: Layout, g, e, ws: Workspace, deferred: Deferred | None,
+            pend: _Pending) -> tuple[np.ndarray, float]:
+    """Send worker signs by pieces, then scale and size; return (every rank's scale, this rank's)."""
+    p, chunk, m = lay.world_size, lay.chunk, lay.numel
+    pieces = lay.pieces()
+    send, recv = fam.view(ws.send), fam.view(ws.recv)
+    ssq = 0.0
+    for k, (lo, hi) in enumerate(pieces):
+        last = k == len(pieces) - 1
+        trailer = P1_TRAILER if last else 0
+        rows = _block(send, p, lo, hi, trailer)
+        for j in range(p):
+            a, b = j * chunk + 8 * lo, j * chunk + 8 * hi
+            gp = g[min(a, m):min(b, m)]
+            if deferred is None:
+                ssq += fam.encode(gp, e[a:b], rows[j:j + 1, :hi - lo])
+            else:
+                ssq += fam.encode(gp, e[a:b], rows[j:j + 1, :hi - lo], deferred.xout[a:b],
+                                  deferred.worker_pending)
+        if last:
+            scale = np.float32(math.sqrt(ssq / lay.padded))
+            tail = np.zeros(2, np.uint32)
+            tail[0] = np.array([scale], np.float32).view(np.uint32)[0]
+            tail[1] = m % (1 << 32)
+            msg = _block(ws.send, p, lo, hi, trailer)
+            msg[:, hi - lo:] = _trailer(tail).to(msg.device).view(1, P1_TRAILER)
+        pend.add(comm.all_to_all_single(_block(ws.recv, p, lo, hi, trailer),
+                                        _block(ws.send, p, lo, hi, trailer), async_op=True))
+    pend.wait()
+    lo, hi = pieces[-1]
+    tails = _block(ws.recv, p, lo, hi, P1_TRAILER)[:, hi - lo:].cpu().contiguous().numpy()
+    sizes = tails[:, 4:].copy().view(np.uint32).reshape(p)
+    if (sizes != m % (1 << 32)).any():
+        raise SizeMismatchError(
+            f"compressed allreduce: the ranks passed different sizes (elements per rank: "
+            f"{sizes.tolist()}); expected the same size on every rank. No buffer was modified.")
+    wscales = tails[:, :4].copy().view(np.float32).reshape(p)
+    bad = [r for r in range(p) if not math.isfinite(float(wscales[r]))]
+    if bad:
+        raise NonFiniteError(
+            f"compressed allreduce: the input (plus worker error) is not finite (inf or NaN) on "
+            f"rank(s) {bad} of {p}; expected finite values everywhere. No buffer was modified.")
+    return wscales, float(scale)
+
+
+def allreduce(comm, fam, lay: Layout, g, out, e, s, ws: Workspace,
+              deferred: Deferred | None = None) -> tuple[float, float]:
+    """Write the compressed mean of every rank's ``g`` into ``out``; return (worker, server) scale.
+
+    ``g`` (numel elements), ``out`` (numel), ``e`` (padded), ``s`` (chunk) are flat float32
+    arrays of ``fam``'s kind; ``out`` may alias ``g``. Without ``deferred``, ``e`` and ``s`` are
+    updated to the new errors; with it, see ``Deferred``. Collective over ``comm``.
+    """
+    pend = _Pending()
+    try:
+        return _allreduce(comm, fam, lay, g, out, e, s, ws, deferred, pend)
+    finally:
+        pend.wait()  # an error on the way leaves no request behind
+
+
+def _allreduce(comm, fam, lay, g, out, e, s, ws, deferred, pend):
+    p, chunk, m = lay.world_size, lay.chunk, lay.numel
+    pieces = lay.pieces()
+    wscales, scale = _phase1(comm, fam, lay, g, e, ws, deferred, pend)
+
+    coef = (wscales.astype(np.float64) / p).astype(np.float32)
+    recv, gsend = fam.view(ws.recv), fam.view(ws.gsend)
+    spend = 0.0 if deferred is None else deferred.server_pending
+    share = -(-lay.padded // (8 * len(pieces))) * 8  # worker error update per piece
+    sss = 0.0
+    for k, (lo, hi) in enumerate(pieces):
+        last = k == len(pieces) - 1
+        trailer = P2_TRAILER if last else 0
+        sss += fam.server_accumulate(_block(recv, p, lo, hi, P1_TRAILER if last else 0)[:, :hi - lo],
+                                     coef, s[8 * lo:8 * hi], gsend[lo:hi], spend)
+        if last:
+            sscale = np.float32(math.sqrt(sss / chunk))
+            ws.gsend[hi:].copy_(_trailer(np.array([sscale], np.float32)).to(ws.gsend.device))
+        pend.add(comm.all_gather_into_tensor(_block(ws.grecv, p, lo, hi, trailer),
+                                             ws.gsend[lo:hi + trailer], async_op=True))
+        if deferred is None:  # the worker error update overlaps the transfers
+            a, b = k * share, min((k + 1) * share, lay.padded)
+            fam.worker_residual(g[min(a, m):min(b, m)], e[a:b], float(scale))
+            pend.progress()
+    if deferred is None:
+        fam.server_residual(s, float(sscale))
+    pend.wait()
+
+    grecv = fam.view(ws.grecv)
+    lo, hi = pieces[-1]
+    sscales = _block(ws.grecv, p, lo, hi, P2_TRAILER)[:, hi - lo:].cpu().contiguous().numpy()
+    sscales = sscales.copy().view(np.float32).reshape(p)
+    for lo, hi in pieces:
+        rows = _block(grecv, p, lo, hi, P2_TRAILER if hi == pieces[-1][1] else 0)
+        for r in range(p):
+            a, b = r * chunk + 8 * lo, min(r * chunk + 8 * hi, m)
+            if a < b:
+                fam.decode(rows[r:r + 1, :hi - lo], sscales[r:r + 1], out[a:b])
+    return float(scale), float(sscale)
+
+
+def reduce_scatter(comm, fam, lay: Layout, g, out, e, ws: Workspace) -> float:
+    """Phase 1 alone: ``out`` (chunk elements) = this rank's chunk of the mean over ranks of
+    scale_i * sign(x_i); ``e`` is updated to x - scale * sign(x). Returns this rank's scale."""
+    pend = _Pending()
+    try:
+        wscales, scale = _phase1(comm, fam, lay, g, e, ws, None, pend)
+    finally:
+        pend.wait()
+    p, m = lay.world_size, lay.numel
+    coef = (wscales.astype(np.float64) / p).astype(np.float32)
+    recv, gsend = fam.view(ws.recv), fam.view(ws.gsend)
+    pieces = lay.pieces()
+    out[:] = 0
+    for lo, hi in pieces:
+        rows = _block(recv, p, lo, hi, P1_TRAILER if hi == pieces[-1][1] else 0)[:, :hi - lo]
+        fam.server_accumulate(rows, coef, out[8 * lo:8 * hi], gsend[lo:hi])
+    fam.worker_residual(g[:m], e, float(scale))
+    return float(scale)

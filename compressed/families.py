@@ -1,0 +1,97 @@
+"""Kernel families behind one interface: host (numba or numpy, on numpy arrays) and torch.
+
+The algorithm in ``engine`` calls only these methods, on flat float32 arrays of the family's
+kind (numpy for host, torch for torch) and uint8 message rows, so every family puts the same
+bytes on the wire (``layout``). Scales and sums of squares come back as Python floats.
+"""
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import kernels as K
+from . import torch_kernels as TK
+
+
+class HostFamily:
+    """numba- or numpy-fused CPU kernels (``compressed.kernels``) on numpy arrays."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, name: str | None = None) -> None:
+        self.mod: ModuleType = K.module(name)
+        self.name = K.implementation_of(self.mod)
+
+    def view(self, t: torch.Tensor) -> np.ndarray:
+        """The family's array sharing ``t``'s memory (t is a CPU tensor)."""
+        return t.numpy()
+
+    def encode(self, g, e, rows, x=None, pend: float = 0.0) -> float:
+        if x is None:
+            return float(self.mod.encode(g, e, rows))
+        return float(self.mod.encode_into(g, e, float(pend), x, rows))
+
+    def worker_residual(self, g, e, scale: float) -> None:
+        self.mod.worker_residual(g, e, float(scale))
+
+    def server_accumulate(self, rows, coef: np.ndarray, se, out, pend: float = 0.0) -> float:
+        return float(self.mod.server_accumulate(rows, coef, se, out, float(pend)))
+
+    def server_residual(self, se, scale: float) -> None:
+        self.mod.server_residual(se, float(scale))
+
+    def decode(self, rows, scales: np.ndarray, out) -> None:
+        self.mod.decode(rows, scales, out)
+
+
+class TorchFamily:
+    """torch ops (``compressed.torch_kernels``) on tensors of one device (CUDA, or CPU when forced)."""
+
+    name = "torch"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+
+    def view(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def _signed(self, x: torch.Tensor, pend: float) -> torch.Tensor:
+        return torch.where(x >= 0, x - pend, x + pend) if pend else x
+
+    def encode(self, g, e, rows, x=None, pend: float = 0.0) -> float:
+        base = self._signed(e, float(pend))
+        xs = base.clone() if base is e else base
+        xs[: g.numel()].add_(g)
+        if x is not None:
+            x.copy_(xs)
+        rows.view(-1).copy_(TK.pack(xs))
+        return float(TK.sumsq(xs))
+
+    def worker_residual(self, g, e, scale: float) -> None:
+        e[: g.numel()].add_(g)
+        TK.residual_(e, torch.tensor(scale, dtype=torch.float32, device=e.device), e)
+
+    def server_accumulate(self, rows, coef: np.ndarray, se, out, pend: float = 0.0) -> float:
+        if pend:
+            se.copy_(self._signed(se, float(pend)))
+        TK.server_accumulate(rows, torch.from_numpy(coef).to(se.device), se)
+        out.view(-1).copy_(TK.pack(se))
+        return float(TK.sumsq(se))
+
+    def server_residual(self, se, scale: float) -> None:
+        TK.residual_(se, torch.tensor(scale, dtype=torch.float32, device=se.device), se)
+
+    def decode(self, rows, scales: np.ndarray, out) -> None:
+        TK.decode(rows, torch.from_numpy(scales).to(out.device), out)
+
+
+def family_for(kernels: str | None, device: torch.device) -> Any:
+    """The family for ``kernels`` (None: host kernels on CPU, torch elsewhere) on ``device``."""
+    if kernels == "torch" or (kernels is None and device.type != "cpu"):
+        return TorchFamily(device)
+    if device.type != "cpu":
+        raise TypeError(f"compressed: kernels={kernels!r} runs on CPU buffers, got a buffer on {device}")
+    return HostFamily(None if kernels in (None, "host") else kernels)

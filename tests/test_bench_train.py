@@ -1,0 +1,100 @@
+"""bench train: DDP peers side by side at 1 and 2 ranks (small sizes), loss curves, wrong replicas."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from mpi4py import MPI
+
+from bench import common, plot, train
+from mpitest import assert_all, mpiexec_cmd
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = ["--hidden", "32", "--layers", "2", "--batch", "4", "--steps", "2", "--warmup", "2",
+         "--rounds", "2"]
+
+
+def _run(n, tmp_path, *args, timeout=300):
+    out = tmp_path / f"train{n}.json"
+    launch = [*mpiexec_cmd(n), sys.executable, "-m", "mpi4py"] if n > 1 else [sys.executable]
+    proc = subprocess.run([*launch, "-m", "bench", "train", *args, "--json", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout, json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("n,model", [(1, "mlp"), (2, "mlp"), (2, "transformer")])
+def test_peers_side_by_side(n, model, tmp_path):
+    extra = ["--heads", "2", "--seq", "4"] if model == "transformer" else []
+    stdout, doc = _run(n, tmp_path, *SMALL, "--model", model, *extra)
+    recs = doc["records"]
+    assert [r["peer"] for r in recs] == list(train.PEERS)
+    for rec in recs:
+        assert common.validate_record(rec) == [], rec
+        assert rec["ranks"] == n and rec["wrong"] == 0 and rec["rounds"] == 2
+        assert rec["trained_steps"] == 2 + 2 * 2 and rec["model"].startswith(model)
+        assert rec["samples_per_s"] == pytest.approx(4 * n / (rec["step_ms"] / 1e3))
+    loss = {r["peer"]: r["loss"] for r in recs}
+    for peer in ("mpicomm", "mpicomm-hook"):  # the same training as gloo's
+        assert loss[peer] == pytest.approx(loss["gloo"], rel=1e-4)
+    if n == 1:  # no one to exchange with: 1-bit is the identity
+        assert loss["onebit-hook"] == pytest.approx(loss["gloo"], rel=1e-4)
+    assert "step time / gloo's (medians): mpicomm " in stdout
+    assert "all values correct" in stdout and "overlap" in stdout
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_curve(n, tmp_path):
+    png = tmp_path / "curve.png"
+    stdout, doc = _run(n, tmp_path, "--hidden", "32", "--layers", "2", "--batch", "4", "--curve",
+                       "--curve-steps", "8", "--freeze-step", "3", "--plot", str(png))
+    recs = {r["peer"]: r for r in doc["records"]}
+    assert set(recs) == {"adam", "onebit-adam"}
+    for rec in recs.values():
+        assert common.validate_record(rec) == [], rec
+        assert rec["op"] == "curve" and rec["steps"] == 8 and rec["wrong"] == 0
+    adam, onebit = recs["adam"]["losses"], recs["onebit-adam"]["losses"]
+    # exact Adam up to the freeze step: the same losses
+    assert onebit[:4] == pytest.approx(adam[:4], rel=1e-5)
+    assert adam[-1] < adam[0]
+    assert "# loss after 8 steps: Adam" in stdout and "all losses finite" in stdout
+    if plot.matplotlib_missing() is None:
+        assert png.read_bytes()[:4] == b"\x89PNG"
+        out = tmp_path / "again.png"
+        proc = subprocess.run([sys.executable, "-m", "bench", "plot", str(tmp_path / f"train{n}.json"),
+                               "-o", str(out)], cwd=ROOT, capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0 and out.read_bytes()[:4] == b"\x89PNG", proc.stderr
+
+
+def test_bad_arguments():
+    for bad in (["--peers", "nccl"], ["--hidden", "4"], ["--steps", "0"], ["--rounds", "0"]):
+        proc = subprocess.run([sys.executable, "-m", "bench", "train", *bad], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and "expected" in proc.stderr, (bad, proc.stderr)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_replica_off_the_reference_is_counted_wrong(monkeypatch, capsys):
+    import torch
+
+    real = train.make_peer
+
+    def off(name, *args, **kwargs):
+        peer = real(name, *args, **kwargs)
+        if name == "mpicomm-hook":
+            with torch.no_grad():
+                next(peer.ddp.module.parameters()).add_(1e-2)
+        return peer
+
+    monkeypatch.setattr(train, "make_peer", off)
+    rc = train.main([*SMALL, "--rounds", "1", "--peers", "gloo,mpicomm-hook"])
+    out = capsys.readouterr().out
+    assert_all(rc == 1, f"exit code {rc}")
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        assert_all("FAILED: " in out, out)
+    else:
+        assert_all(True)
