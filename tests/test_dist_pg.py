@@ -214,7 +214,7 @@ def test_wait_with_a_timeout_raises_and_the_call_goes_on(plain, world):
     store = dist.distributed_c10d._get_default_store()
     t = torch.full((1024,), float(world.rank + 1))
     if world.rank == world.size - 1:
-        store.wait([f"waited/{r}" for r in range(world.size - 1)])  # everyone else has waited
+        store.wait([f"waited/{r}" for r in range(world.size - 1)])  # every other rank timed out
         work = dist.all_reduce(t, async_op=True)
         raised = True
     else:
