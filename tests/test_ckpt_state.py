@@ -326,3 +326,35 @@ def test_format_version_1_checkpoint_still_loads():
     info = ckpt.load(path, model=model, optimizer=opt, comm=MPI.COMM_SELF)
     assert info.step == 2 and info.extra == {"epoch": 1} and info.manifest.state is None
     assert same(model.state_dict(), ref.state_dict()) and same(opt.state_dict(), ref_opt.state_dict())
+
+
+class Broken:
+    """state_dict() fails on one rank only."""
+
+    def __init__(self, fail: bool) -> None:
+        self.fail = fail
+
+    def per_rank_state_dict(self):
+        if self.fail:
+            raise RuntimeError("sampler state unavailable (simulated)")
+        return {"x": 1}
+
+    def load_per_rank_state_dict(self, saved, rank, size) -> None:
+        pass
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.timeout(60)
+def test_item_failing_on_one_rank_raises_everywhere(comm, world, shared_tmp_path):
+    last = world.Get_size() - 1
+    caught = None
+    try:
+        ckpt.save(shared_tmp_path / "b", model=small_model(0), comm=comm,
+                  state={"s": Broken(world.Get_rank() == last)})
+    except Exception as exc:  # noqa: BLE001
+        caught = exc
+    assert_all(isinstance(caught, RuntimeError) and "simulated" in str(caught), repr(caught))
+    if world.Get_size() > 1:
+        seen = world.allgather(str(caught))
+        assert_all(len(set(seen)) == 1 and f"save (planning) failed on rank {last} of" in seen[0], str(seen))
+    assert_all(not (shared_tmp_path / "b").exists())
