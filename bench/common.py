@@ -447,7 +447,16 @@ class Reporter:
                 self.note(f"--plot {self.plot_path} skipped: {self.plot_problem}")
         meta = dict(self.info, bench=self.bench, dtype=dtype, iterations=iterations,
                     argv=sys.argv[1:])
-        self.json = JsonWriter(getattr(self.args, "json", None), meta, enabled=self.root)
+        problem = None
+        try:
+            self.json = JsonWriter(getattr(self.args, "json", None), meta, enabled=self.root)
+        except OSError as exc:
+            problem = f"cannot write --json {self.args.json}: {exc.strerror}"
+        problem = self.mpi_comm.bcast(problem, root=0)
+        if problem:  # every rank stops, none waits for the others
+            if self.root:
+                print(f"bench {self.bench}: {problem}", file=sys.stderr)
+            raise SystemExit(2)
         return self.info
 
     def emit(self, rec: dict) -> None:
