@@ -113,6 +113,11 @@ def test_optimizer_state_dict_comes_back_whole(comm, world, shared_tmp_path, nam
     opt2 = OPTIMIZERS[name](other.parameters())
     ckpt.load(shared_tmp_path / "c", model=other, optimizer=opt2, comm=comm)
     assert_all(same(opt2.state_dict(), saved), f"{name}: {opt2.state_dict()} != {saved}")
+    if name == "custom":  # what a ZeroOptimizer cannot take is refused, not dropped
+        other = small_model(1)
+        zero = ckpt.ZeroOptimizer(Custom, other.parameters(), stage=1, comm=comm)
+        with pytest.raises(ckpt.IncompatibleStateError, match="a ZeroOptimizer cannot take"):
+            ckpt.load(shared_tmp_path / "c", model=other, optimizer=zero, comm=comm)
 
 
 class LocalAdam(torch.optim.Adam):
