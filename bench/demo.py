@@ -22,10 +22,11 @@ import warnings
 import numpy as np
 from mpi4py import MPI
 
-from . import collectives, common
+from . import collectives, common, netsim
 
 PARTS = ("collectives", "compressed", "network")
 BENCH = "demo"
+ROUNDS = 3
 
 
 # ---------------------------------------------------------------------------------------------
@@ -122,25 +123,44 @@ def part_compressed(mpi_comm, info, out, size_bytes: int, iters: int, warmup: in
     fp32, fp32_name = (lambda t: mcomm.all_reduce(t)), "mpicomm"
     onebit, onebit_name = make_onebit(mcomm)
     records = []
-    # fp32: timed on zeros (in place, so values stay put), checked exactly on a pattern
+    # timed in 3 interleaved rounds (fp32 on zeros, in place, so values stay put; 1-bit on noise)
     t = torch.zeros(numel)
-    times, w, it = common.timed(lambda: fp32(t), size_bytes, mpi_comm, iters=iters, warmup=warmup)
+    g = torch.randn(numel, generator=torch.Generator().manual_seed(mpi_comm.Get_rank()))
+    calls = {"fp32": lambda: fp32(t), "onebit": lambda: onebit(g)}
+    rounds: dict[str, list] = {k: [] for k in calls}
+    sent: dict[str, list] = {k: [] for k in calls}
+    meter = netsim.LinkMeter(mpi_comm)  # bytes on the simulated links (under netsim only)
+    for r in range(ROUNDS):
+        for key in (["fp32", "onebit"] if r % 2 == 0 else ["onebit", "fp32"]):
+            meter.start()
+            timing = common.timed(calls[key], size_bytes, mpi_comm, iters=iters, warmup=warmup)
+            sent[key].append(meter.stop(timing[1] + timing[2]))
+            rounds[key].append(timing)
+
+    def record(key, peer, wire, wrong, **extra):
+        times, means = common.median_round([x[0] for x in rounds[key]])
+        mid = means.index(times[1])
+        algbw, busbw = common.bandwidths(size_bytes, times[1], "all_reduce", n)
+        rec = common.make_record(
+            bench=BENCH, op="all_reduce", dtype="float32", size_bytes=size_bytes, info=info,
+            times_s=times, algbw_gbps=algbw, busbw_gbps=busbw, wire_bytes=wire, wrong=wrong,
+            round_means_s=means, peer=peer, iters=rounds[key][mid][2],
+            warmup=rounds[key][mid][1], **extra)
+        if meter.enabled:
+            rec["wire_bytes_measured"] = sent[key][mid]
+        records.append(rec)
+        return rec
+
+    # fp32 checked exactly on a pattern
     check = torch.full((numel,), float(mpi_comm.Get_rank() + 1))
     fp32(check)
     wrong = mpi_comm.allreduce(int((check != n * (n + 1) / 2).sum()), op=MPI.SUM)
-    algbw, busbw = common.bandwidths(size_bytes, times[1], "all_reduce", n)
-    wire = int(size_bytes * common.busbw_factor("all_reduce", n))
-    records.append(common.make_record(
-        bench=BENCH, op="all_reduce", dtype="float32", size_bytes=size_bytes, info=info,
-        times_s=times, algbw_gbps=algbw, busbw_gbps=busbw, wire_bytes=wire, wrong=wrong,
-        peer=f"fp32-{fp32_name}", iters=it, warmup=w))
-    fp32_rec = records[-1]
+    fp32_rec = record("fp32", f"fp32-{fp32_name}",
+                      int(size_bytes * common.busbw_factor("all_reduce", n)), wrong)
     out(f"   fp32 allreduce ({fp32_name}) of {common.format_size(size_bytes)}: "
-        f"{_ms(fp32_rec['time_us_mean'])} per call (busbw {busbw:.3f} GB/s, #wrong {wrong})")
-    g = torch.randn(numel, generator=torch.Generator().manual_seed(mpi_comm.Get_rank()))
-    times, w, it = common.timed(lambda: onebit(g), size_bytes, mpi_comm, iters=iters,
-                                warmup=warmup)
-    # one fresh call against a float64 simulation built on plain allreduce (identity on 1 rank)
+        f"{_ms(fp32_rec['time_us_mean'])} per call (busbw {fp32_rec['busbw_gbps']:.3f} GB/s, "
+        f"#wrong {wrong})")
+    # one fresh 1-bit call against a float64 simulation built on plain allreduce (identity on 1 rank)
     from .compressed import check_onebit
 
     sample = g[:min(numel, 1 << 18)].clone()
@@ -149,19 +169,18 @@ def part_compressed(mpi_comm, info, out, size_bytes: int, iters: int, warmup: in
     else:
         wrong = check_onebit(sample.numpy(), mpi_comm, new=True)
     one, avg = onebit_error(onebit, mpi_comm, min(numel, 1 << 18), calls=8)
-    algbw, busbw = common.bandwidths(size_bytes, times[1], "all_reduce", n)
     # sign bits out and back (all-to-all then allgather), each (n-1)/n of numel/8 bytes
     wire = int(2 * (n - 1) / n * numel / 8) if n > 1 else 0
-    records.append(common.make_record(
-        bench=BENCH, op="all_reduce", dtype="float32", size_bytes=size_bytes, info=info,
-        times_s=times, algbw_gbps=algbw, busbw_gbps=busbw, wire_bytes=wire, wrong=wrong,
-        peer="onebit", iters=it, warmup=w, rel_error_1call=one, rel_error_avg8=avg))
-    rec = records[-1]
+    rec = record("onebit", "onebit", wire, wrong, rel_error_1call=one, rel_error_avg8=avg)
     speedup = fp32_rec["time_us_mean"] / rec["time_us_mean"] if rec["time_us_mean"] else 0.0
     out(f"   1-bit compressed allreduce ({onebit_name}): {_ms(rec['time_us_mean'])} per call, "
         + (f"{speedup:.1f}x faster than fp32" if speedup >= 1
            else f"{1 / speedup:.1f}x slower than fp32" if speedup > 0 else "")
-        + f" (#wrong {wrong} vs a float64 simulation)")
+        + f" (medians of {ROUNDS} interleaved rounds; #wrong {wrong} vs a float64 simulation)")
+    if meter.enabled and rec.get("wire_bytes_measured"):
+        out(f"   counted on the links per rank and call: fp32 "
+            f"{fp32_rec['wire_bytes_measured']:.0f} B, 1-bit {rec['wire_bytes_measured']:.0f} B = "
+            f"{fp32_rec['wire_bytes_measured'] / rec['wire_bytes_measured']:.1f}x fewer")
     out(f"   error vs the exact mean: {one:.2f} for one call, {avg:.3f} for the average of 8 "
         f"calls (error feedback carries what one call drops)")
     return records
@@ -179,8 +198,6 @@ def _wait_quietly(mpi_comm) -> None:
 
 def part_network(mpi_comm, out, rates: list[str], size_bytes: int, timeout_s: float) -> list[dict]:
     """Rank 0 runs part 2 under ``bench netsim`` (2 hosts) at each rate; the others wait."""
-    from . import netsim
-
     out(f"== 3. Simulated network: 2 hosts (network namespaces), {', '.join(rates)} links, "
         f"one rank per host ==")
     records: list[dict] = []

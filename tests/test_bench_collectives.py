@@ -176,6 +176,16 @@ def test_program_runs_and_json_validates(n, tmp_path):
     assert f"= {ratio:.2f}x mpi4py" in summary
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_unwritable_json_stops_every_rank(n, tmp_path):
+    launch = [*mpiexec_cmd(n), sys.executable, "-m", "mpi4py"] if n > 1 else [sys.executable]
+    proc = subprocess.run([*launch, "-m", "bench", "collectives", "--sizes", "8", "--json",
+                           str(tmp_path / "no" / "such" / "dir.json")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.count("bench collectives: cannot write --json") == 1, proc.stderr
+
+
 def test_program_rejects_bad_arguments():
     for bad in (["--ops", "scan"], ["--dtype", "float8"], ["--device", "tpu"], ["--rounds", "0"]):
         proc = subprocess.run([sys.executable, "-m", "bench", "collectives", *bad], cwd=ROOT,

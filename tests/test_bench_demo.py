@@ -39,6 +39,7 @@ def test_demo_collectives_and_compressed_parts(n, tmp_path):
     assert any(p.startswith("fp32-") for p in peers)
     # the 1-bit row is always there: a compressed package that fails to import fails the demo
     assert "onebit" in peers and "1-bit compressed allreduce (compressed.OnebitAllreduce)" in stdout
+    assert all(r["rounds"] == 3 for r in recs)  # every peer measured in interleaved rounds
 
 
 def test_demo_rejects_unknown_parts():
@@ -79,6 +80,7 @@ def _netsim_ready():
     return True
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _netsim_ready(), reason="needs root, ip, tc, unshare and network namespaces")
 def test_demo_network_part(tmp_path):
     before = set(netsim.leftovers("mpicomm-"))
