@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Tuple
 
+from .flags import parse_flag
+
 #: Our own override, read first.
 OVERRIDE_VAR = "MPICOMM_CUDA_AWARE"
 #: The MPI 4.1 info key on COMM_WORLD that lists the memory kinds MPI accepts.
@@ -21,9 +23,6 @@ ENV_HINTS: Tuple[Tuple[str, str, bool], ...] = (
     ("OMPI_MCA_opal_cuda_support", "Open MPI", True),
     ("MPIR_CVAR_ENABLE_GPU", "MPICH", False),
 )
-
-_TRUE = frozenset({"1", "true", "yes", "on"})
-_FALSE = frozenset({"0", "false", "no", "off"})
 
 #: MPICH's MPIX_GPU_SUPPORT_CUDA constant.
 _MPIX_GPU_SUPPORT_CUDA = 0
@@ -41,15 +40,6 @@ class CudaAwareVerdict:
     def label(self) -> str:
         """'yes', 'no' or 'unknown'."""
         return {True: "yes", False: "no", None: "unknown"}[self.value]
-
-
-def _parse_bool(text: str) -> Optional[bool]:
-    low = text.strip().lower()
-    if low in _TRUE:
-        return True
-    if low in _FALSE:
-        return False
-    return None
 
 
 def _info_get(info: Any, key: str) -> Optional[str]:
@@ -129,7 +119,7 @@ def detect_cuda_aware(
 
     override = env.get(OVERRIDE_VAR, "").strip()
     if override:
-        value = _parse_bool(override)
+        value = parse_flag(override)
         if value is None:
             raise ValueError(f"{OVERRIDE_VAR}={override!r}: expected 0 or 1 "
                              "(also accepted: true/false, yes/no, on/off)")
@@ -158,7 +148,7 @@ def detect_cuda_aware(
         text = env.get(var)
         if text is None or not text.strip():
             continue
-        value = _parse_bool(text)
+        value = parse_flag(text)
         if value is None:
             seen.append(f"ignored {var}={text!r} (not a boolean)")
             continue

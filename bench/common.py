@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence, TextIO
 
 from accelerators.mpi_lib import library_version
+from mpicomm._util import format_bytes
 from mpi4py import MPI
 
 from .env import clean_env, free_port, init_gloo
@@ -88,10 +89,7 @@ def parse_sizes(spec: str) -> list[int]:
 
 def format_size(n: int) -> str:
     """Format a byte count compactly: 8, 1K, 64M (exact binary units), else the plain number."""
-    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if n >= scale and n % scale == 0:
-            return f"{n // scale}{unit}"
-    return str(n)
+    return format_bytes(n, compact=True)
 
 
 # ---------------------------------------------------------------------------------------------

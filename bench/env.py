@@ -1,20 +1,18 @@
 """What the programs start beside MPI: the torch.distributed gloo group, free ports, a clean environment."""
 from __future__ import annotations
 
-import os
 import socket
 
 from mpi4py import MPI
 
+from mpicomm import _util
+
 __all__ = ["clean_env", "free_port", "init_gloo"]
-
-
-_LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "MPI_", "MPIR_", "HYDRA_", "HYDI_", "OMPI_", "I_MPI_")
 
 
 def clean_env() -> dict:
     """This process's environment without the MPI launcher's variables (for a fresh launch)."""
-    return {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_PREFIXES)}
+    return _util.clean_env()
 
 
 def free_port() -> int:

@@ -7,7 +7,6 @@ primitive, and put results back into the caller's buffers when the call complete
 """
 from __future__ import annotations
 
-import os
 import warnings
 from typing import Callable, Sequence
 
@@ -15,6 +14,7 @@ import torch
 from mpi4py import MPI
 
 from . import fastpath, large
+from ._util import env_flag
 from .buffers import IN, INOUT, OUT, Slot, host_overlap, prepare, to_tensor
 from .checking import agree
 from .device_paths import DevicePolicy
@@ -25,15 +25,6 @@ from .validate import move_type, per_rank_list, reduction, root_list, same_devic
 from .work import Work
 
 _world: "Communicator | None" = None
-
-
-def _env_flag(name: str) -> bool:
-    value = os.environ.get(name, "").strip().lower()
-    if value in ("", "0", "false", "no", "off"):
-        return False
-    if value in ("1", "true", "yes", "on"):
-        return True
-    raise ValueError(f"{name}: expected 0 or 1, got {value!r}")
 
 
 def _node_rank(mpi_comm: MPI.Intracomm) -> tuple[int, int]:
@@ -85,7 +76,7 @@ class Communicator(PointToPoint):
         self.rank: int = mpi_comm.Get_rank()
         self.size: int = mpi_comm.Get_size()
         self.local_rank, self.local_size = _node_rank(mpi_comm)
-        self.check: bool = _env_flag("MPICOMM_CHECK") if check is None else bool(check)
+        self.check: bool = env_flag("MPICOMM_CHECK") if check is None else bool(check)
         self._policy: DevicePolicy | None = None
         self._tag_ub: int = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
 

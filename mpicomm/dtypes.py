@@ -73,3 +73,7 @@ def supported_names() -> str:
 def reducible_names() -> str:
     """Human-readable list of the dtypes reductions take."""
     return ", ".join(name(d) for d in SUPPORTED if d in NATIVE or d in UPCAST)
+
+
+#: Name -> torch dtype of the standard (non-float8) dtypes: the names checkpoints store.
+BY_NAME = {name(d): d for d in tuple(NATIVE) + (torch.float16, torch.bfloat16)}

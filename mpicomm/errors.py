@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import NoReturn
 
+from . import dtypes
+
 
 class CollectiveMismatchError(RuntimeError):
     """Ranks called a collective with arguments that do not agree (raised on every rank)."""
@@ -16,12 +18,8 @@ def describe(obj) -> str:
         kind = type(obj).__module__.split(".")[0]
         device = getattr(obj, "device", None)
         where = f" on {device}" if device is not None and str(device) != "cpu" else ""
-        return f"{kind} {_dtype_name(dtype)} of shape {tuple(shape)}{where}"
+        return f"{kind} {dtypes.name(dtype)} of shape {tuple(shape)}{where}"
     return f"{type(obj).__name__} {obj!r}"
-
-
-def _dtype_name(dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 def check_type(call: str, arg: str, value, expected: str, ok: bool) -> None:

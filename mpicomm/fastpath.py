@@ -16,7 +16,7 @@ from mpi4py import MPI
 
 from . import dtypes, large
 from .buffers import host_overlap
-from .ops import MPI_OPS, ReduceOp
+from .ops import BITWISE, MPI_OPS, ReduceOp
 
 #: Set to False to send every call through the general path (tests compare the two).
 ENABLED = True
@@ -26,7 +26,8 @@ _fromaddress = MPI.buffer.fromaddress
 _REDUCE = {
     (dtype, key): (mpi_type, MPI_OPS[op])
     for dtype, mpi_type in dtypes.NATIVE.items() if dtype != torch.bool
-    for op in (ReduceOp.SUM, ReduceOp.MAX, ReduceOp.MIN, ReduceOp.PROD)
+    for op in (ReduceOp.SUM, ReduceOp.MAX, ReduceOp.MIN, ReduceOp.PROD) + (
+        () if dtype in dtypes.FLOATING else BITWISE)
     for key in (op, op.value)
 }
 # dtype -> MPI datatype that moves it unchanged.

@@ -43,6 +43,9 @@ def to_f64(x) -> np.ndarray:
 
 def reduce_ref(stack: np.ndarray, op: str, is_bool: bool) -> np.ndarray:
     """Reference reduction over axis 0 of per-rank float64 inputs."""
+    bitwise = {"band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}.get(op)
+    if bitwise is not None:  # integers (two's complement, as every width) and bools (0/1)
+        return bitwise.reduce(stack.astype(np.int64), axis=0).astype(np.float64)
     if is_bool:
         if op in ("sum", "max"):
             return stack.max(axis=0)

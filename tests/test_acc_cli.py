@@ -11,20 +11,16 @@ import torch
 from mpi4py import MPI
 from mpitest import mpiexec_cmd
 
+from mpicomm._util import clean_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 pytestmark = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1,
                                 reason="starts its own processes; run in the single-process pass")
 
-_LAUNCH_PREFIXES = ("PMI_", "PMIX_", "MPI_LOCAL", "OMPI_", "MV2_", "PALS_", "SLURM_", "MPICOMM_",
-                    "HYDRA_")
-# user settings, not per-job launcher variables: they pass through (Open MPI as root needs them)
-_KEEP = ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "OMPI_MCA_", "PRTE_MCA_")
-
 
 def _env(**extra):
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(_LAUNCH_PREFIXES) or k.startswith(_KEEP)}
+    env = clean_env(drop=("SLURM_", "MPICOMM_"))  # user settings such as OMPI_ALLOW_RUN_AS_ROOT pass
     env.update(extra)
     return env
 

@@ -40,7 +40,19 @@ def test_local_errors_name_what_was_expected(comm):
         _raises(ValueError, r"a rank in", lambda: comm.send(torch.ones(2), dst=-1))
         _raises(TypeError, r"an int rank", lambda: comm.gather(torch.ones(2), dst="0"))
         _raises(ValueError, rf"a list of {comm.size} buffers", lambda: comm.all_gather([torch.empty(2)] * (comm.size + 1), torch.ones(2)))
-        _raises(ValueError, r"divisible by", lambda: comm.all_to_all_single(torch.empty(comm.size + 1), torch.ones(comm.size + 1)) if comm.size > 1 else (_ for _ in ()).throw(ValueError("divisible by")))
+        _raises(ValueError, rf"output.numel\(\) == input.numel\(\), divisible by {comm.size} ranks",
+                lambda: comm.all_to_all_single(torch.empty(comm.size + 1), torch.ones(comm.size)))
+        if comm.size > 1:  # every count is divisible by 1
+            _raises(ValueError, r"divisible by", lambda: comm.all_to_all_single(torch.empty(comm.size + 1), torch.ones(comm.size + 1)))
+        _raises(ValueError, r"bitwise ops need an integer or bool dtype.*ReduceOp.BXOR on float32",
+                lambda: comm.all_reduce(torch.ones(3), op="bxor"))
+        _raises(TypeError, r"float8_e4m3fn only moves.*never reduced",
+                lambda: comm.all_reduce(torch.ones(3).to(torch.float8_e4m3fn)))
+        _raises(TypeError, r"float8_e5m2 only moves",
+                lambda: comm.reduce_scatter_tensor(torch.empty(1).to(torch.float8_e5m2), torch.ones(comm.size).to(torch.float8_e5m2)))
+        premul = torch.distributed._make_nccl_premul_sum(2.0)
+        _raises(TypeError, r"got: ReduceOp.PREMUL_SUM\)$", lambda: comm.all_reduce(torch.ones(3), op=premul))
+        _raises(TypeError, r"got: list \['sum'\]\)$", lambda: comm.reduce(torch.ones(3), op=["sum"]))
         _raises(ValueError, r"summing to dim 0", lambda: comm.all_to_all_single(torch.empty(4), torch.ones(4), [1] * comm.size, [5] * comm.size))
         _raises(ValueError, r"tag", lambda: comm.isend(torch.ones(1), dst=0, tag=-5))
         _raises(ValueError, r"byte order", lambda: comm.all_reduce(np.ones(3, dtype=">f8")))

@@ -11,13 +11,13 @@ import pytest
 
 from mpitest import mpiexec_cmd
 
+from mpicomm._util import clean_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "HYDRA_", "HYDI_", "OMPI_", "MPI_LOCAL", "PRTE_")
 
 
 def _env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(_LAUNCHER_PREFIXES) or k.startswith("OMPI_ALLOW_RUN_AS_ROOT")}
+    env = clean_env()
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         env.pop(k, None)
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
@@ -56,7 +56,7 @@ def test_a_skipped_call_ends_the_job_with_its_description(tmp_path, kind, op):
     script = tmp_path / "skip.py"
     script.write_text(_SKIP_JOB)
     stamp = tmp_path / "stamp"
-    # The blocking case runs without mpi4py's abort-on-exception: mpicomm itself ends the job.
+    # Blocking: the watchdog aborts the job; it runs without mpi4py's abort-on-exception.
     runner = [] if kind == "blocking" else ["-m", "mpi4py"]
     proc = subprocess.run([*_mpiexec(2), sys.executable, *runner, str(script), kind,
                            str(timeout), str(stamp)], cwd=ROOT, env=_env(), capture_output=True,

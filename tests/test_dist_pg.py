@@ -119,6 +119,11 @@ def test_bitwise_ops(plain, world, name):
     ref = [fn.reduce(np.array(vals, dtype=np.int32)),
            fn.reduce(np.array([0xFF ^ r for r in range(world.size)], dtype=np.int32))]
     assert_close_all(t, np.array(ref, dtype=np.int32))
+    flags = [[True, r % 2 == 0, False, r == 0] for r in range(world.size)]
+    b = torch.tensor(flags[world.rank])
+    dist.all_reduce(b, op=getattr(dist.ReduceOp, name))
+    bool_fn = {"BAND": np.logical_and, "BOR": np.logical_or, "BXOR": np.logical_xor}[name]
+    assert_close_all(b, bool_fn.reduce(np.array(flags), axis=0), what=f"{name} on bool")
 
 
 def test_unsupported_op_error_names_it(plain):
@@ -224,3 +229,33 @@ def test_wait_with_a_timeout_raises_and_the_call_goes_on(plain, world):
     assert_all(raised, "wait(timeout) before the last rank joined must raise")
     assert_all(work.wait(), "the call completes afterwards")
     assert_close_all(t[:3], np.full(3, world.size * (world.size + 1) / 2))
+
+
+def test_object_collectives_batched_p2p_and_coalescing(plain, world):
+    r, n = world.rank, world.size
+    objs = [None] * n
+    dist.all_gather_object(objs, {"rank": r, "name": f"r{r}"})
+    assert_all(objs == [{"rank": i, "name": f"r{i}"} for i in range(n)], str(objs))
+    lst = [r, "mine"]
+    dist.broadcast_object_list(lst, src=n - 1)
+    assert_all(lst == [n - 1, "mine"], str(lst))
+    got = torch.empty(2)
+    ops = [dist.P2POp(dist.isend, torch.full((2,), float(r)), (r + 1) % n),
+           dist.P2POp(dist.irecv, got, (r - 1) % n)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    assert_close_all(got, np.full(2, float((r - 1) % n)))
+    a, b = torch.ones(3), torch.full((2,), float(r))
+    with dist._coalescing_manager(async_ops=True) as cm:
+        dist.all_reduce(a)
+        dist.all_reduce(b)
+    cm.wait()
+    assert_close_all(torch.cat([a, b]), np.r_[np.full(3, float(n)), np.full(2, n * (n - 1) / 2)])
+    out = torch.empty((r + 1) * n)
+    dist.all_to_all_single(out, _rows_for(r, n), output_split_sizes=[r + 1] * n, input_split_sizes=list(range(1, n + 1)))
+    assert_close_all(out, np.concatenate([np.full(r + 1, 10.0 * j + r) for j in range(n)]))
+
+
+def _rows_for(r: int, n: int) -> torch.Tensor:
+    """Rank r sends j + 1 copies of 10 r + j to rank j."""
+    return torch.cat([torch.full((j + 1,), float(10 * r + j)) for j in range(n)])
