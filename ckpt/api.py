@@ -10,7 +10,7 @@ import torch
 
 import mpicomm
 
-from . import items
+from . import items, safetensors_header
 from .collective import Collective
 from .errors import IncompatibleStateError, StateMismatchError
 from .io import DEFAULT_CHUNK_BYTES, read_items, write_items
@@ -142,6 +142,7 @@ def _plan_items_save(comm: mpicomm.Communicator, manifest: Manifest, sp: SavePla
         else:
             section["items"][name] = entry
     manifest.state = section
+    safetensors_header.add_header(sp, {"format": "pt"})  # data.bin is a safetensors file
     manifest.tensors = sp.packer.entries
     manifest.files = {DATA_NAME: {"nbytes": sp.packer.size, "crc32": []}}
 

@@ -13,6 +13,7 @@ from mpitest import mpiexec_cmd
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n,save,load", [(1, 1, 1), (2, 1, 2), (3, 2, 3)])
 def test_bench_ckpt_small_run(n, save, load, tmp_path):
     out = tmp_path / "ckpt.json"

@@ -214,7 +214,7 @@ def test_wait_with_a_timeout_raises_and_the_call_goes_on(plain, world):
     store = dist.distributed_c10d._get_default_store()
     t = torch.full((1024,), float(world.rank + 1))
     if world.rank == world.size - 1:
-        store.wait(["waited/0"])
+        store.wait([f"waited/{r}" for r in range(world.size - 1)])  # every other rank timed out
         work = dist.all_reduce(t, async_op=True)
         raised = True
     else:
@@ -224,8 +224,7 @@ def test_wait_with_a_timeout_raises_and_the_call_goes_on(plain, world):
             work.wait(datetime.timedelta(milliseconds=200))
         except md.CollectiveTimeoutError as exc:
             raised = "wait(timeout=0.2 s)" in str(exc)
-        if world.rank == 0:
-            store.set("waited/0", "1")
+        store.set(f"waited/{world.rank}", "1")
     assert_all(raised, "wait(timeout) before the last rank joined must raise")
     assert_all(work.wait(), "the call completes afterwards")
     assert_close_all(t[:3], np.full(3, world.size * (world.size + 1) / 2))
