@@ -6,8 +6,8 @@
 All rows of a part run in the same job, one after the other, on the same MLP (``layers``
 Linear(hidden, hidden) + Tanh, fp32, AdamW or Adam). time: DDP + AdamW on gloo and on gloo with
 its buckets averaged through mpicomm (allreduce_hook) vs ZeroOptimizer(AdamW) stages 1 and 3 (its
-gradients travel over mpicomm); per phase medians, and backward alone / communication alone /
-both overlapped. memory: the peak resident memory of each rank (VmHWM, reset between rows through
+gradients travel over mpicomm), in interleaved rounds (one step of each row in turn); per phase
+medians, and backward alone / communication alone / both overlapped. memory: the peak resident memory of each rank (VmHWM, reset between rows through
 /proc/self/clear_refs) above what the process held before the row, for DDP + AdamW, ZeroOptimizer
 stages 1 and 3 and FSDP2 (fully_shard on gloo). bytes: payload bytes each rank hands to MPI per
 step, counted by a wrapper around the communicator's MPI calls, for ZeRO Adam, ZeRO 1-bit Adam
@@ -65,21 +65,26 @@ def _timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
-def time_zero(args, mpi: MPI.Comm, stage: int) -> Phases:
-    import ckpt
-    import mpicomm
+class ZeroRow:
+    """ZeroOptimizer(AdamW): backward alone (no_sync), sent after backward, sent from hooks."""
 
-    model = make_model(args.hidden, args.layers)
-    opt = ckpt.ZeroOptimizer(torch.optim.AdamW, model.parameters(), stage=stage, comm=mpicomm.init(),
-                             bucket_bytes=args.bucket_mb << 20, lr=1e-4)
-    ph = Phases()
-    for s in range(args.steps + 1):
-        x, y = batch(args.hidden, args.batch, s, mpi.rank)
-        rec = s > 0
+    def __init__(self, args, mpi: MPI.Comm, stage: int) -> None:
+        import ckpt
+        import mpicomm
+
+        self.args, self.mpi = args, mpi
+        self.model = make_model(args.hidden, args.layers)
+        self.opt = ckpt.ZeroOptimizer(torch.optim.AdamW, self.model.parameters(), stage=stage,
+                                      comm=mpicomm.init(), bucket_bytes=args.bucket_mb << 20, lr=1e-4)
+        self.ph = Phases()
+
+    def step(self, s: int, rec: bool) -> None:
+        x, y = batch(self.args.hidden, self.args.batch, s, self.mpi.rank)
+        opt, ph = self.opt, self.ph
         for mode in ("alone", "serial", "overlap"):
             opt.zero_grad()
-            mpi.Barrier()
-            loss = torch.nn.functional.mse_loss(model(x), y)
+            self.mpi.Barrier()
+            loss = torch.nn.functional.mse_loss(self.model(x), y)
             if mode == "alone":                 # backward without any communication
                 with opt.no_sync():
                     t = _timed(loss.backward)
@@ -94,40 +99,49 @@ def time_zero(args, mpi: MPI.Comm, stage: int) -> Phases:
                 ph.add(f"bwd_{mode}", t_bwd)
                 ph.add(f"wait_{mode}", t_wait)
                 ph.add(f"step_{mode}", t_step)
-    opt.close()
-    return ph
+
+    def close(self) -> None:
+        self.opt.close()
 
 
-def time_ddp(args, mpi: MPI.Comm, via_mpicomm: bool) -> Phases:
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
+class DDPRow:
+    """DDP + AdamW: backward under no_sync, an allreduce of all gradients alone, a DDP step."""
 
-    import mpicomm
+    def __init__(self, args, mpi: MPI.Comm, via_mpicomm: bool) -> None:
+        from torch.nn.parallel import DistributedDataParallel as DDP
 
-    model = DDP(make_model(args.hidden, args.layers), bucket_cap_mb=args.bucket_mb)
-    if via_mpicomm:
-        model.register_comm_hook(mpicomm.init(), mpicomm.distributed.allreduce_hook)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    flat = torch.zeros(sum(p.numel() for p in model.parameters()))
-    ph = Phases()
-    for s in range(args.steps + 1):
-        x, y = batch(args.hidden, args.batch, s, mpi.rank)
-        rec = s > 0
+        import mpicomm
+
+        self.args, self.mpi, self.via_mpicomm = args, mpi, via_mpicomm
+        self.model = DDP(make_model(args.hidden, args.layers), bucket_cap_mb=args.bucket_mb)
+        if via_mpicomm:
+            self.model.register_comm_hook(mpicomm.init(), mpicomm.distributed.allreduce_hook)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.flat = torch.zeros(sum(p.numel() for p in self.model.parameters()))
+        self.ph = Phases()
+
+    def step(self, s: int, rec: bool) -> None:
+        import torch.distributed as dist
+
+        import mpicomm
+
+        x, y = batch(self.args.hidden, self.args.batch, s, self.mpi.rank)
+        model, opt, ph = self.model, self.opt, self.ph
         opt.zero_grad()
-        mpi.Barrier()
+        self.mpi.Barrier()
         with model.no_sync():
             t = _timed(torch.nn.functional.mse_loss(model(x), y).backward)
         if rec:
             ph.add("bwd_alone", t)
-        mpi.Barrier()
-        if via_mpicomm:
-            t = _timed(lambda: mpicomm.init().all_reduce(flat, op="avg"))
+        self.mpi.Barrier()
+        if self.via_mpicomm:
+            t = _timed(lambda: mpicomm.init().all_reduce(self.flat, op="avg"))
         else:
-            t = _timed(lambda: dist.all_reduce(flat))
+            t = _timed(lambda: dist.all_reduce(self.flat))
         if rec:
             ph.add("comm_alone", t)
         opt.zero_grad()
-        mpi.Barrier()
+        self.mpi.Barrier()
         loss = torch.nn.functional.mse_loss(model(x), y)
         t_bwd = _timed(loss.backward)      # DDP's allreduce overlaps backward and is waited for inside it
         t_step = _timed(opt.step)
@@ -135,25 +149,29 @@ def time_ddp(args, mpi: MPI.Comm, via_mpicomm: bool) -> Phases:
             ph.add("bwd_overlap", t_bwd)
             ph.add("wait_overlap", 0.0)
             ph.add("step_overlap", t_step)
-    return ph
+
+    def close(self) -> None:
+        pass
 
 
 def part_time(args, mpi: MPI.Comm, out: dict) -> None:
-    rows = [("DDP+AdamW gloo", lambda: time_ddp(args, mpi, False)),
-            ("DDP+AdamW gloo, buckets via mpicomm", lambda: time_ddp(args, mpi, True)),
-            ("ZeRO-1 AdamW (mpicomm)", lambda: time_zero(args, mpi, 1)),
-            ("ZeRO-3 AdamW (mpicomm)", lambda: time_zero(args, mpi, 3))]
+    rows = [("DDP+AdamW gloo", DDPRow(args, mpi, False)),
+            ("DDP+AdamW gloo, buckets via mpicomm", DDPRow(args, mpi, True)),
+            ("ZeRO-1 AdamW (mpicomm)", ZeroRow(args, mpi, 1)),
+            ("ZeRO-3 AdamW (mpicomm)", ZeroRow(args, mpi, 3))]
+    for s in range(args.steps + 1):        # interleaved rounds: one step of every row in turn
+        for _, row in rows:
+            row.step(s, rec=s > 0)
     res = {}
-    for name, fn in rows:
-        ph = fn()
+    for name, row in rows:
         # the slowest rank decides a step
-        vals = {k: mpi.allreduce(ph.med(k), op=MPI.MAX) for k in ph.t}
-        res[name] = vals
+        res[name] = {k: mpi.allreduce(row.ph.med(k), op=MPI.MAX) for k in row.ph.t}
+        row.close()
     base = _total(res[rows[0][0]])
     if mpi.rank == 0:
         n = sum(p.numel() for p in make_model(args.hidden, 1).parameters()) * args.layers
         print(f"\n== step time, {mpi.size} ranks, {n / 1e6:.1f}M params ({4 * n / 2**20:.0f} MiB fp32), batch "
-              f"{args.batch}, buckets {args.bucket_mb} MiB, median of {args.steps} steps, ms (slowest rank)")
+              f"{args.batch}, buckets {args.bucket_mb} MiB, median of {args.steps} interleaved rounds, ms (slowest rank)")
         print(f"{'row':<38}{'backward':>10}{'wait':>8}{'opt.step':>10}{'step':>9}{'vs DDP gloo':>13}")
         for name, v in res.items():
             tot = _total(v)

@@ -7,7 +7,8 @@ After ``freeze_step`` the variance is frozen and gradients are no longer average
 a local momentum over the whole model (fp32, the (world, chunk) padded layout of the shards,
 started from the averaged momentum gathered once at the first frozen step) and folds its own
 gradient into it. That momentum plus the rank's worker error is sent as signs and one scale
-(phase 1 of the 1-bit allreduce alone: an all-to-all of packed signs onto each chunk's owner,
+(phase 1 of the 1-bit allreduce alone, ``compressed.MpiBackend.compressed_reduce_scatter``:
+packed signs sent to each chunk's owner,
 error feedback kept by the sender); the owner averages the decoded chunks in fp32 and updates
 its shard. Since the mean of the local momenta is the momentum of the averaged gradient, the
 owner follows 1-bit Adam's update with a bounded compression error; no fp32 gradient or momentum
@@ -15,10 +16,8 @@ travels, only the weights' all-gather that ZeRO always does.
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
-import numpy as np
 import torch
 
 from .layout import ceil_div
@@ -92,8 +91,24 @@ class ShardedOnebitAdam(torch.optim.Optimizer):
     # -- frozen phase ------------------------------------------------------------------------
 
     def restart_local(self) -> None:
-        """Drop the local momenta and errors: the next frozen step restarts them from the shards."""
+        """Drop the local momenta and errors: the next frozen step restarts them from the shards
+        (or from what ``load_per_rank_state_dict`` restored)."""
         self._local.clear()
+
+    def per_rank_state_dict(self) -> dict[str, Any]:
+        """This rank's local momenta and worker errors (``ckpt.save`` stores them per rank)."""
+        return {"groups": {str(gi): {"momentum": loc["mom"].clone(), "worker_error": loc["err"].clone()}
+                           for gi, loc in self._local.items()}}
+
+    def load_per_rank_state_dict(self, saved: list, rank: int, size: int) -> None:
+        """Same world size: take back this rank's momenta and errors (an exact resume). Another
+        size: restart every rank's momentum from the saved mean (``exp_avg``), errors at zero."""
+        self._local.clear()
+        self._restore = {}
+        if len(saved) != size:
+            return
+        for gi, d in (saved[rank] or {}).get("groups", {}).items():
+            self._restore[int(gi)] = (d["momentum"], d["worker_error"])
 
     def saved_state(self, gi: int, g: Any, comm: Any) -> dict[str, Any]:
         """The state of group ``gi``'s shard to save. After freeze_step this is collective: the
@@ -115,16 +130,21 @@ class ShardedOnebitAdam(torch.optim.Optimizer):
         world, L = g.layout.world_size, g.layout.local_numel
         chunk = ceil_div(max(L, 1), 8) * 8
         dev = g.master.device
-        full = torch.empty(world * L, dtype=torch.float32, device=dev)
-        comm.all_gather_into_tensor(full, self._state(g.master)["exp_avg"])   # once per run
-        mom = torch.zeros(world, chunk, dtype=torch.float32, device=dev)
-        mom[:, :L].copy_(full.view(world, L))
+        saved = getattr(self, "_restore", {}).pop(gi, None)
+        if saved is not None and tuple(saved[0].shape) == (world, chunk) == tuple(saved[1].shape):
+            mom = saved[0].to(device=dev, dtype=torch.float32).clone()
+            err = saved[1].to(device=dev, dtype=torch.float32).clone()
+        else:
+            full = torch.empty(world * L, dtype=torch.float32, device=dev)
+            comm.all_gather_into_tensor(full, self._state(g.master)["exp_avg"])   # once per run
+            mom = torch.zeros(world, chunk, dtype=torch.float32, device=dev)
+            mom[:, :L].copy_(full.view(world, L))
+            err = torch.zeros_like(mom)
         mask = torch.zeros(L, dtype=torch.bool, device=dev)
         for s in g.layout.segments(comm.rank):
             mask[s.local:s.local + s.length] = True
-        loc = {"chunk": chunk, "mom": mom, "err": torch.zeros_like(mom), "grad": torch.zeros_like(mom),
-               "rows": torch.empty(world, chunk // 8, dtype=torch.uint8, device=dev),
-               "recv": torch.empty(world, chunk // 8, dtype=torch.uint8, device=dev), "mask": mask}
+        loc = {"chunk": chunk, "mom": mom, "err": err, "grad": torch.zeros_like(mom),
+               "avg": torch.empty(chunk, dtype=torch.float32, device=dev), "mask": mask}
         self._local[gi] = loc
         return loc
 
@@ -149,53 +169,17 @@ class ShardedOnebitAdam(torch.optim.Optimizer):
             mom.lerp_(grad, 1 - beta1)
             if world == 1:     # nothing travels: no compression (as compressed.OnebitAllreduce)
                 avg = mom[0]
-            else:
-                scale = self._encode(mom, err, loc["rows"])
-                scales = torch.empty(world, dtype=torch.float32, device=mom.device)
-                comm.all_gather_into_tensor(scales, torch.tensor([scale], dtype=torch.float32, device=mom.device))
-                comm.all_to_all_single(loc["recv"].view(-1), loc["rows"].view(-1))
-                avg = self._decode_mean(loc["recv"], scales / world, loc["chunk"])
+            else:              # phase 1 of the 1-bit allreduce: this rank's chunk of the mean
+                avg = loc["avg"]
+                self._backend(comm).compressed_reduce_scatter(mom.view(-1), avg, err.view(-1))
             st = self._state(g.master)
             st["exp_avg"].copy_(avg[:L]).mul_(loc["mask"])
             st["step"] += 1
             self._update(group, g.master, st, int(st["step"]))
 
-    @staticmethod
-    def _encode(mom: torch.Tensor, err: torch.Tensor, rows: torch.Tensor) -> float:
-        """Pack the signs of x = mom + err into ``rows``, set err = x - scale * sign(x); return scale."""
-        n = mom.numel()
-        if mom.device.type == "cpu":
-            from compressed import kernels as K
+    def _backend(self, comm: Any) -> Any:
+        if getattr(self, "_mpi_backend", None) is None or self._mpi_backend.comm is not comm:
+            from compressed import MpiBackend
 
-            m, e = mom.view(-1).numpy(), err.view(-1).numpy()
-            ssq = K.encode(m, e, rows.numpy())
-            scale = float(np.float32(math.sqrt(ssq / n))) if math.isfinite(ssq) else math.nan
-            if math.isfinite(scale):
-                K.worker_residual(m, e, scale)
-        else:
-            from compressed import torch_kernels as TK
-
-            x = mom.view(-1) + err.view(-1)
-            ssq = float(TK.sumsq(x))
-            scale = float(np.float32(math.sqrt(ssq / n))) if math.isfinite(ssq) else math.nan
-            rows.view(-1).copy_(TK.pack(x))
-            TK.residual_(x, torch.tensor(scale, dtype=torch.float32, device=x.device), err.view(-1))
-        if not math.isfinite(scale):
-            raise FloatingPointError("ZeroOptimizer(OnebitAdam): the local momentum is not finite; "
-                                     "use skip_nonfinite=True to skip steps with inf/NaN gradients")
-        return scale
-
-    @staticmethod
-    def _decode_mean(recv: torch.Tensor, coef: torch.Tensor, chunk: int) -> torch.Tensor:
-        """Sum over senders of coef[i] * sign(recv[i]) (the mean of the decoded chunks)."""
-        se = torch.zeros(chunk, dtype=torch.float32, device=recv.device)
-        if recv.device.type == "cpu":
-            from compressed import kernels as K
-
-            out = np.empty(chunk // 8, dtype=np.uint8)
-            K.server_accumulate(recv.numpy(), coef.numpy(), se.numpy(), out)
-        else:
-            from compressed import torch_kernels as TK
-
-            TK.server_accumulate(recv, coef, se)
-        return se
+            self._mpi_backend = MpiBackend(comm=comm)
+        return self._mpi_backend

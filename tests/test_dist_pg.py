@@ -119,6 +119,11 @@ def test_bitwise_ops(plain, world, name):
     ref = [fn.reduce(np.array(vals, dtype=np.int32)),
            fn.reduce(np.array([0xFF ^ r for r in range(world.size)], dtype=np.int32))]
     assert_close_all(t, np.array(ref, dtype=np.int32))
+    flags = [[True, r % 2 == 0, False, r == 0] for r in range(world.size)]
+    b = torch.tensor(flags[world.rank])
+    dist.all_reduce(b, op=getattr(dist.ReduceOp, name))
+    bool_fn = {"BAND": np.logical_and, "BOR": np.logical_or, "BXOR": np.logical_xor}[name]
+    assert_close_all(b, bool_fn.reduce(np.array(flags), axis=0), what=f"{name} on bool")
 
 
 def test_unsupported_op_error_names_it(plain):
@@ -164,7 +169,8 @@ def test_async_work_is_pending_until_the_peer_joins(plain, world):
     late = world.size - 1
     t = torch.full((1 << 22,), float(world.rank + 1))  # 16 MiB
     if world.rank == late:
-        store.wait(["launched/0"])  # rank 0 has launched (and returned) before this rank joins
+        # every other rank has launched (and returned) before this rank joins
+        store.wait([f"launched/{r}" for r in range(late)])
         work = dist.all_reduce(t, async_op=True)
         ok, pending_at_launch, fired = work.wait(), None, None
     else:
@@ -172,8 +178,7 @@ def test_async_work_is_pending_until_the_peer_joins(plain, world):
         work = dist.all_reduce(t, async_op=True)
         fut = work.get_future().then(lambda f: done.set())
         pending_at_launch = not work.is_completed()
-        if world.rank == 0:
-            store.set("launched/0", "1")
+        store.set(f"launched/{world.rank}", "1")
         fired = done.wait(60)  # no wait()/is_completed() in between: the progress thread did it
         ok = pending_at_launch and fired and fut.wait() is None and work.is_completed()
     assert_all(ok, f"pending at launch {pending_at_launch}, callback fired {fired}")
@@ -209,7 +214,7 @@ def test_wait_with_a_timeout_raises_and_the_call_goes_on(plain, world):
     store = dist.distributed_c10d._get_default_store()
     t = torch.full((1024,), float(world.rank + 1))
     if world.rank == world.size - 1:
-        store.wait(["waited/0"])
+        store.wait([f"waited/{r}" for r in range(world.size - 1)])  # every other rank timed out
         work = dist.all_reduce(t, async_op=True)
         raised = True
     else:
@@ -219,8 +224,37 @@ def test_wait_with_a_timeout_raises_and_the_call_goes_on(plain, world):
             work.wait(datetime.timedelta(milliseconds=200))
         except md.CollectiveTimeoutError as exc:
             raised = "wait(timeout=0.2 s)" in str(exc)
-        if world.rank == 0:
-            store.set("waited/0", "1")
+        store.set(f"waited/{world.rank}", "1")
     assert_all(raised, "wait(timeout) before the last rank joined must raise")
     assert_all(work.wait(), "the call completes afterwards")
     assert_close_all(t[:3], np.full(3, world.size * (world.size + 1) / 2))
+
+
+def test_object_collectives_batched_p2p_and_coalescing(plain, world):
+    r, n = world.rank, world.size
+    objs = [None] * n
+    dist.all_gather_object(objs, {"rank": r, "name": f"r{r}"})
+    assert_all(objs == [{"rank": i, "name": f"r{i}"} for i in range(n)], str(objs))
+    lst = [r, "mine"]
+    dist.broadcast_object_list(lst, src=n - 1)
+    assert_all(lst == [n - 1, "mine"], str(lst))
+    got = torch.empty(2)
+    ops = [dist.P2POp(dist.isend, torch.full((2,), float(r)), (r + 1) % n),
+           dist.P2POp(dist.irecv, got, (r - 1) % n)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    assert_close_all(got, np.full(2, float((r - 1) % n)))
+    a, b = torch.ones(3), torch.full((2,), float(r))
+    with dist._coalescing_manager(async_ops=True) as cm:
+        dist.all_reduce(a)
+        dist.all_reduce(b)
+    cm.wait()
+    assert_close_all(torch.cat([a, b]), np.r_[np.full(3, float(n)), np.full(2, n * (n - 1) / 2)])
+    out = torch.empty((r + 1) * n)
+    dist.all_to_all_single(out, _rows_for(r, n), output_split_sizes=[r + 1] * n, input_split_sizes=list(range(1, n + 1)))
+    assert_close_all(out, np.concatenate([np.full(r + 1, 10.0 * j + r) for j in range(n)]))
+
+
+def _rows_for(r: int, n: int) -> torch.Tensor:
+    """Rank r sends j + 1 copies of 10 r + j to rank j."""
+    return torch.cat([torch.full((j + 1,), float(10 * r + j)) for j in range(n)])

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from .. import progress
 from ..communicator import Communicator
 from ._ops import premultiplied, to_mpicomm
+from . import _watchdog
 from ._work import MpicommWork
 
 BACKEND_NAME = "mpicomm"
@@ -19,8 +20,9 @@ class MpicommProcessGroup(dist.ProcessGroup):
     """A process group whose calls run as non-blocking MPI operations through mpicomm.
 
     ``async_op=True`` returns at once (mpicomm's progress thread completes the work); blocking
-    calls wait on the caller's thread. Every call fails with ``CollectiveTimeoutError`` past
-    ``timeout``. ``store`` (the process group's store) carries progress reports for timeouts.
+    calls run MPI's blocking primitive under the watchdog. Past ``timeout`` a work fails with
+    ``CollectiveTimeoutError`` and the job is aborted. ``store`` (the process group's store)
+    carries the ranks' progress reports for timeout messages.
     """
 
     def __init__(self, comm: Communicator, timeout: datetime.timedelta = DEFAULT_TIMEOUT,
@@ -60,7 +62,12 @@ class MpicommProcessGroup(dist.ProcessGroup):
     # -- plumbing ---------------------------------------------------------------------------
 
     def _run(self, call: str, opts, start, result: list, described, finish=(), source=None):
-        """Launch ``start()`` (-> mpicomm Works) and wrap it; wait unless the call is async."""
+        """Run ``start(async_op)`` (-> mpicomm Works, or Nones when blocking) as one work.
+
+        A blocking call (``opts.asyncOp`` false) runs MPI's blocking primitives on this thread
+        under the watchdog; otherwise the work goes to the progress thread. Below
+        MPI_THREAD_MULTIPLE both test the non-blocking requests on this thread until done.
+        """
         if self._broken is not None:
             raise RuntimeError(f"mpicomm process group: {call} refused, the group is unusable "
                                f"after an earlier timeout: {self._broken}")
@@ -71,7 +78,17 @@ class MpicommProcessGroup(dist.ProcessGroup):
         t = getattr(opts, "timeout", None)
         if isinstance(t, datetime.timedelta) and t.total_seconds() > 0:
             timeout = t
-        inner = [w for w in start() if w is not None]
+        if progress.enabled() and not getattr(opts, "asyncOp", True):
+            # MPI's blocking call on this thread (as fast as mpicomm's), deadline watched
+            key = _watchdog.start(self, call, self._seq, described, timeout)
+            try:
+                start(False)
+            finally:
+                _watchdog.finish(key)
+            for step in finish:
+                step()
+            return MpicommWork(self, call, self._seq, [], (), result, described, timeout)
+        inner = [w for w in start(True) if w is not None]
         work = MpicommWork(self, call, self._seq, inner, finish, result, described, timeout,
                            source=source)
         if getattr(opts, "asyncOp", True):
@@ -128,45 +145,45 @@ class MpicommProcessGroup(dist.ProcessGroup):
     def allreduce(self, tensors, opts=None):
         op, factor = self._reduce_op(opts, "allreduce")
 
-        def start():
+        def start(a):
             for t in tensors:
                 if factor is not None:
                     t.copy_(premultiplied(t, factor))
-            return [self.comm.all_reduce(t, op=op, async_op=True) for t in tensors]
+            return [self.comm.all_reduce(t, op=op, async_op=a) for t in tensors]
         return self._run("all_reduce", opts, start, tensors, tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
         return self.allreduce(tensors, opts)
 
     def broadcast(self, tensors, opts):
-        return self._run("broadcast", opts, lambda: [
-            self.comm.broadcast(t, src=opts.rootRank, async_op=True) for t in tensors],
+        return self._run("broadcast", opts, lambda a: [
+            self.comm.broadcast(t, src=opts.rootRank, async_op=a) for t in tensors],
             tensors, tensors)
 
     def reduce(self, tensors, opts):
         op, factor = self._reduce_op(opts, "reduce")
 
-        def start():
+        def start(a):
             for t in tensors:
                 if factor is not None:
                     t.copy_(premultiplied(t, factor))
-            return [self.comm.reduce(t, dst=opts.rootRank, op=op, async_op=True) for t in tensors]
+            return [self.comm.reduce(t, dst=opts.rootRank, op=op, async_op=a) for t in tensors]
         return self._run("reduce", opts, start, tensors, tensors)
 
     def all_gather_single(self, output, input, opts=None):
-        return self._run("all_gather_into_tensor", opts, lambda: [
-            self.comm.all_gather_into_tensor(output, input, async_op=True)], [output], [input])
+        return self._run("all_gather_into_tensor", opts, lambda a: [
+            self.comm.all_gather_into_tensor(output, input, async_op=a)], [output], [input])
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
-        return self._run("all_gather_into_tensor_coalesced", opts, lambda: [
-            self.comm.all_gather_into_tensor(o, i, async_op=True) for o, i in zip(outputs, inputs)],
+        return self._run("all_gather_into_tensor_coalesced", opts, lambda a: [
+            self.comm.all_gather_into_tensor(o, i, async_op=a) for o, i in zip(outputs, inputs)],
             outputs, inputs)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     def allgather(self, output_lists, inputs, opts=None):
-        return self._run("all_gather", opts, lambda: [
-            self.comm.all_gather(outs, t, async_op=True) for outs, t in zip(output_lists, inputs)],
+        return self._run("all_gather", opts, lambda a: [
+            self.comm.all_gather(outs, t, async_op=a) for outs, t in zip(output_lists, inputs)],
             output_lists, inputs)
 
     def allgather_coalesced(self, output_lists, inputs, opts=None):
@@ -174,7 +191,7 @@ class MpicommProcessGroup(dist.ProcessGroup):
 
     def alltoall(self, outputs, inputs, opts=None):
         if not inputs:
-            return self._run("all_to_all", opts, lambda: [], outputs, inputs)
+            return self._run("all_to_all", opts, lambda a: [], outputs, inputs)
         out_flat = torch.empty(sum(o.numel() for o in outputs), dtype=outputs[0].dtype,
                                device=outputs[0].device)
 
@@ -182,13 +199,13 @@ class MpicommProcessGroup(dist.ProcessGroup):
             for o, piece in zip(outputs, out_flat.split([o.numel() for o in outputs])):
                 o.copy_(piece.view(o.shape))
         in_flat = torch.cat([i.reshape(-1) for i in inputs])
-        return self._run("all_to_all", opts, lambda: [self.comm.all_to_all_single(
+        return self._run("all_to_all", opts, lambda a: [self.comm.all_to_all_single(
             out_flat, in_flat, [o.numel() for o in outputs], [i.numel() for i in inputs],
-            async_op=True)], outputs, inputs, finish=[unpack])
+            async_op=a)], outputs, inputs, finish=[unpack])
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
-        return self._run("all_to_all_single", opts, lambda: [self.comm.all_to_all_single(
-            output, input, output_split_sizes or None, input_split_sizes or None, async_op=True)],
+        return self._run("all_to_all_single", opts, lambda a: [self.comm.all_to_all_single(
+            output, input, output_split_sizes or None, input_split_sizes or None, async_op=a)],
             [output], [input])
 
     alltoall_base = all_to_all_single
@@ -201,8 +218,8 @@ class MpicommProcessGroup(dist.ProcessGroup):
         op, factor = self._reduce_op(opts, call)
         if factor is not None:
             inputs = [premultiplied(i, factor) for i in inputs]
-        return self._run(call, opts, lambda: [
-            self.comm.reduce_scatter_tensor(o, i, op=op, async_op=True)
+        return self._run(call, opts, lambda a: [
+            self.comm.reduce_scatter_tensor(o, i, op=op, async_op=a)
             for o, i in zip(outputs, inputs)], outputs, inputs)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
@@ -213,28 +230,28 @@ class MpicommProcessGroup(dist.ProcessGroup):
 
     def gather(self, output_lists, inputs, opts):
         root = self.comm.rank == opts.rootRank
-        return self._run("gather", opts, lambda: [self.comm.gather(
-            inputs[0], output_lists[0] if root else None, dst=opts.rootRank, async_op=True)],
+        return self._run("gather", opts, lambda a: [self.comm.gather(
+            inputs[0], output_lists[0] if root else None, dst=opts.rootRank, async_op=a)],
             output_lists, inputs)
 
     def scatter(self, outputs, input_lists, opts):
         root = self.comm.rank == opts.rootRank
-        return self._run("scatter", opts, lambda: [self.comm.scatter(
-            outputs[0], input_lists[0] if root else None, src=opts.rootRank, async_op=True)],
+        return self._run("scatter", opts, lambda a: [self.comm.scatter(
+            outputs[0], input_lists[0] if root else None, src=opts.rootRank, async_op=a)],
             outputs, outputs)
 
     def barrier(self, opts=None):
-        return self._run("barrier", opts, lambda: [self.comm.barrier(async_op=True)], [], [])
+        return self._run("barrier", opts, lambda a: [self.comm.barrier(async_op=a)], [], [])
 
     # -- point to point ---------------------------------------------------------------------
 
     def send(self, tensors, dst, tag):
-        return self._run("send", None, lambda: [self.comm.isend(t, dst, tag) for t in tensors],
+        return self._run("send", None, lambda a: [self.comm.isend(t, dst, tag) for t in tensors],
                          tensors, tensors)
 
     def recv(self, tensors, src, tag):
         works = []
-        return self._run("recv", None, lambda: works.extend(
+        return self._run("recv", None, lambda a: works.extend(
             self.comm.irecv(t, src, tag) for t in tensors) or works, tensors, tensors,
             source=_Lazy(works))
 

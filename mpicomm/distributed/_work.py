@@ -2,10 +2,11 @@
 
 A work wraps the mpicomm Work(s) of one process-group call. ``async_op=True`` hands it to
 mpicomm's progress thread, which completes it (results in place, future set, ``.then``
-callbacks run) without the caller polling; a blocking call tests it on the caller's thread.
-Either way, past the process group's timeout the work fails with :class:`CollectiveTimeoutError`
-and the MPI job is aborted when the process exits, or one more timeout later at the latest
-(MPI cannot cancel a collective that a peer never joined, so the job cannot go on correctly).
+callbacks run) without the caller polling; below MPI_THREAD_MULTIPLE it is tested on the
+caller's thread. Past the process group's timeout the work fails with
+:class:`CollectiveTimeoutError` and the MPI job is aborted when the process exits, or one more
+timeout later at the latest (MPI cannot cancel a collective that a peer never joined, so the
+job cannot go on correctly). Blocking calls are watched by ``_watchdog`` instead.
 """
 from __future__ import annotations
 
@@ -60,6 +61,26 @@ def _describe(tensors: Sequence) -> str:
 
 def _size(nbytes: int) -> str:
     return format_bytes(nbytes)
+
+
+def expire(pg, call: str, seq: int, described, timeout: datetime.timedelta, elapsed: float,
+           abort_now: bool) -> CollectiveTimeoutError:
+    """A call of ``pg`` ran past ``timeout``: log, break the group, abort the job (now or later)."""
+    message = (f"mpicomm: {call} ({_describe(described)}), operation #{seq} of process group "
+               f"{pg.group_name!r} on rank {pg.rank()} of {pg.size()}, did not complete within "
+               f"the process group's timeout of {timeout.total_seconds():g} s (waited "
+               f"{elapsed:.1f} s). {pg._peers_report(seq, call)} The process group is unusable "
+               "now; the MPI job will be aborted.")
+    _log.error(message)
+    pg._broken = message
+    if abort_now:
+        _abort(message)
+    if not _timed_out:
+        _timed_out.append(message)
+        timer = threading.Timer(timeout.total_seconds(), _abort, (message,))
+        timer.daemon = True
+        timer.start()
+    return CollectiveTimeoutError(message)
 
 
 class MpicommWork(dist.Work):
@@ -134,21 +155,8 @@ class MpicommWork(dist.Work):
                 fut.set_result(self._result)
 
     def _timeout_error(self) -> CollectiveTimeoutError:
-        elapsed = time.monotonic() - self._start
-        message = (f"mpicomm: {self._call} ({_describe(self._described)}), operation "
-                   f"#{self._seq} of process group {self._pg.group_name!r} on rank "
-                   f"{self._pg.rank()} of {self._pg.size()}, did not complete within the process "
-                   f"group's timeout of {self._timeout.total_seconds():g} s "
-                   f"(waited {elapsed:.1f} s). {self._pg._peers_report(self._seq, self._call)} "
-                   "The process group is unusable now; the MPI job will be aborted.")
-        _log.error(message)
-        self._pg._broken = message
-        if not _timed_out:
-            _timed_out.append(message)
-            timer = threading.Timer(self._timeout.total_seconds(), _abort, (message,))
-            timer.daemon = True
-            timer.start()
-        return CollectiveTimeoutError(message)
+        return expire(self._pg, self._call, self._seq, self._described, self._timeout,
+                      time.monotonic() - self._start, abort_now=False)
 
     def _launch_threaded(self) -> None:
         self._threaded = True
