@@ -153,7 +153,3 @@ class GradReducer:
         self.ready.clear()
         self.next = self.done = 0
         self.stale = False
-
-    def in_flight(self) -> bool:
-        """Whether some bucket has been launched in this cycle."""
-        return self.next > 0
