@@ -123,7 +123,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.release_grads = bool(release_grads)
         self._reducer = GradReducer(self._groups, self._grad_comm, stage, self.bucket_bytes, self.release_grads)
         self._accumulating = False
-        self._seen: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}   # grad and its version at hook time
+        self._seen: dict[tuple[int, int], tuple[Any, int]] = {}   # grad (weak) and its version at hook time
         self._synced: tuple[float, float] | None = None                     # (norm_type, norm) once reduced
         self._finite: bool | None = None                                    # all averaged gradients finite
         self._hooks = []
@@ -152,8 +152,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
     # -- gradient hooks and accumulation --------------------------------------------------------
 
     def _on_grad(self, gi: int, pi: int, p: torch.Tensor) -> None:
-        if p.grad is not None:
-            self._seen[(gi, pi)] = (p.grad, p.grad._version)
+        if p.grad is not None:     # a weak reference: released or dropped gradients are freed
+            self._seen[(gi, pi)] = (weakref.ref(p.grad), p.grad._version)
         if self._accumulating or not self._averages_grads():
             return
         self._synced = None
@@ -194,11 +194,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _modified(self) -> int:
         n = 0
-        for (gi, pi), (t, version) in self._seen.items():
+        for (gi, pi), (ref, version) in self._seen.items():
             if (gi, pi) in self._reducer.released:
                 continue
-            p = self._groups[gi].params[pi]
-            if p.grad is not t or t._version != version:
+            p, t = self._groups[gi].params[pi], ref()
+            if p.grad is not t or (t is not None and t._version != version):
                 n += 1
         return n
 
