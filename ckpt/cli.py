@@ -61,7 +61,7 @@ def _inspect(args: argparse.Namespace) -> int:
         return EXIT_OK
     f = m.files[DATA_NAME]
     print(f"checkpoint {resolve(args.path)}")
-    print(f"  format version {FORMAT_VERSION}, saved by {m.world_size} rank(s), "
+    print(f"  format version {m.version}, saved by {m.world_size} rank(s), "
           f"stage {m.stage if m.stage is not None else '-'}, step {m.step}")
     print(f"  {len(m.params)} model tensors, {sum(_numel(p.shape) for p in m.params):,} elements; "
           f"data {f['nbytes']:,} bytes in {len(f['crc32'])} block(s) of {m.block_size:,}")
@@ -73,6 +73,11 @@ def _inspect(args: argparse.Namespace) -> int:
             print(f"    group {i}: {len(g['params'])} params, {hp}")
     if m.extra is not None:
         print(f"  extra {json.dumps(m.extra)}")
+    section = m.state or {}
+    for name, entry in sorted(section.get("items", {}).items()):
+        print(f"  state item {name!r}: {_item_parts(entry)}")
+    if "optimizer" in section:
+        print(f"  optimizer extra state: {_item_parts(section['optimizer'])}")
     if args.tensors:
         print(f"  {'kind':<8} {'key':<12} {'dtype':<9} {'offset':>14} {'nbytes':>12}  name shape")
         for t in m.tensors:
@@ -88,6 +93,15 @@ def _inspect(args: argparse.Namespace) -> int:
             print(f"  {r[0]:<{w}}  {r[1]:<{ws}}  {r[2]:<9} {r[3]:>10}")
         print("  (--tensors lists every stored tensor, optimizer state included; --json the manifest)")
     return EXIT_OK
+
+
+def _item_parts(entry: dict) -> str:
+    parts = []
+    if "value" in entry:
+        parts.append(f"replicated ({len(entry['tensors'])} tensor(s))")
+    if "ranks" in entry:
+        parts.append(f"per rank, saved by {len(entry['ranks'])} rank(s)")
+    return ", ".join(parts)
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -143,6 +157,8 @@ def _convert(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from .deepspeed import to_deepspeed_universal
 
+    if args.target_format == "safetensors":
+        return _export_safetensors(args)
     comm = mpicomm.as_communicator(None)
     bar = Bar(_show_progress(args, comm.rank), prefix="export: ")
     Collective(comm, "export").on_root("checking the paths", lambda: (
@@ -152,6 +168,18 @@ def _export(args: argparse.Namespace) -> int:
     if comm.rank == 0:
         print(f"ok: {resolve(args.src)} -> {out} (DeepSpeed universal checkpoint; load it with "
               '"checkpoint": {"load_universal": true})')
+    return EXIT_OK
+
+
+def _export_safetensors(args: argparse.Namespace) -> int:
+    from .export import export_safetensors
+
+    comm = mpicomm.as_communicator(None)
+    dst = os.path.abspath(args.dst)
+    Collective(comm, "export").on_root("writing the safetensors file", lambda: (
+        _dest_ready(dst, args.overwrite), export_safetensors(args.src, dst)))
+    if comm.rank == 0:
+        print(f"ok: {resolve(args.src)} -> {dst} (safetensors, the model's state only)")
     return EXIT_OK
 
 
@@ -187,12 +215,14 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--allow-pickle", action="store_true", help=PICKLE_HELP)
     c.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     progress_flags(c)
-    e = sub.add_parser("export", help="write DeepSpeed's universal checkpoint layout",
+    e = sub.add_parser("export", help="write DeepSpeed's universal checkpoint layout, or the model as one "
+                                      "safetensors file",
                        epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    e.add_argument("--to", dest="target_format", required=True, choices=["deepspeed-universal"],
+    e.add_argument("--to", dest="target_format", required=True, choices=["deepspeed-universal", "safetensors"],
                    help="format to write")
     e.add_argument("src", help="our checkpoint directory, or a directory with a 'latest' pointer")
-    e.add_argument("dst", help="tag folder to write; its parent gets 'latest_universal'")
+    e.add_argument("dst", help="deepspeed-universal: tag folder to write (its parent gets 'latest_universal'); "
+                              "safetensors: the file to write")
     e.add_argument("--overwrite", action="store_true", help="write into DST even if it is not empty")
     progress_flags(e)
     return p

@@ -3,14 +3,15 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Iterable, Sequence
 
 from .errors import EXIT_DAMAGED, EXIT_INCOMPLETE, EXIT_USAGE, CheckpointError
 
 FORMAT_NAME = "mpicomm-ckpt"
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)   # 2 added state items (kind "item", the "state" section)
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)  # 2 added state items (kind "item", the "state" section); 3: data.bin
+                               # starts with a safetensors header (safetensors_header.py)
 MANIFEST_NAME = "manifest.json"
 DATA_NAME = "data.bin"
 LATEST_NAME = "latest"
@@ -97,6 +98,7 @@ class Manifest:
     checksum: str = "crc32"
     info: dict[str, Any] = field(default_factory=dict)
     state: dict[str, Any] | None = None   # state items and optimizer extras (see ckpt.items)
+    version: int = FORMAT_VERSION
 
     def find(self, kind: str, param: int, key: str | None = None) -> TensorEntry | None:
         """The entry of ``kind`` (and optimizer state ``key``) for parameter index ``param``."""
@@ -123,7 +125,7 @@ class Manifest:
     def to_json(self) -> str:
         d = {
             "format": FORMAT_NAME,
-            "version": FORMAT_VERSION,
+            "version": self.version,
             "world_size": self.world_size,
             "stage": self.stage,
             "step": self.step,
@@ -183,7 +185,7 @@ class Manifest:
             raise ManifestError(f"expected format version {FORMAT_VERSION}, got {version}: the checkpoint "
                                 "was written by a newer ckpt; upgrade mpicomm to read it")
         if version not in READABLE_VERSIONS or isinstance(version, bool):
-            raise ManifestError(f"expected format version {FORMAT_VERSION}, got {version!r}")
+            raise ManifestError(f"expected format version in {READABLE_VERSIONS}, got {version!r}")
         try:
             params = [ParamInfo(p["name"], tuple(p["shape"]), p["dtype"], bool(p.get("buffer", False)))
                       for p in d["params"]]
@@ -193,7 +195,8 @@ class Manifest:
             m = cls(world_size=int(d["world_size"]), stage=d["stage"], step=d["step"], params=params,
                     tensors=tensors, files=d["files"], optimizer=d.get("optimizer"),
                     extra=d.get("extra"), block_size=int(d["block_size"]),
-                    checksum=d.get("checksum", "crc32"), info=d.get("info") or {}, state=d.get("state"))
+                    checksum=d.get("checksum", "crc32"), info=d.get("info") or {}, state=d.get("state"),
+                    version=version)
             if not isinstance(m.files, dict) or m.block_size <= 0:
                 raise TypeError("'files' or 'block_size'")
             m.validate()
@@ -244,6 +247,11 @@ class Packer:
         self.size += e.nbytes
         self.entries.append(e)
         return e
+
+    def prepend(self, nbytes: int) -> None:
+        """Make room for ``nbytes`` (a header) at the start of the file: every entry moves up."""
+        self.entries = [replace(e, offset=e.offset + nbytes) for e in self.entries]
+        self.size += nbytes
 
     def alias(self, of: TensorEntry, kind: str, key: str | None = None) -> TensorEntry:
         """An entry sharing the bytes of ``of`` (e.g. fp32 model weights equal to the masters)."""

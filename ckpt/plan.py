@@ -39,6 +39,11 @@ def whole_items(entries: Sequence[TensorEntry], bufs: Sequence[int]) -> list[IOI
     return [IOItem(e.offset, e.nbytes, b, 0) for e, b in zip(entries, bufs)]
 
 
+def shift(items: Iterable[IOItem], nbytes: int) -> list[IOItem]:
+    """The same items, ``nbytes`` further into the file (after a header put in front)."""
+    return [IOItem(it.offset + nbytes, it.nbytes, it.buf, it.buf_offset) for it in items]
+
+
 def share_items(items: Sequence[IOItem], world_size: int, rank: int, align: int = 1) -> list[IOItem]:
     """The part of replicated ``items`` that ``rank`` writes so that every byte is written once:
     the items' total bytes are split evenly (boundaries on multiples of ``align`` bytes of the

@@ -80,6 +80,7 @@ def _netsim_ready():
     return True
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _netsim_ready(), reason="needs root, ip, tc, unshare and network namespaces")
 def test_demo_network_part(tmp_path):
     before = set(netsim.leftovers("mpicomm-"))

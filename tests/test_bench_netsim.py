@@ -260,6 +260,7 @@ def test_collectives_across_two_hosts_at_the_link_rate(tmp_path):
     assert mpi["wire_bytes"] <= mpi["wire_bytes_measured"] <= mpi["wire_bytes"] * 1.1, mpi
 
 
+@pytest.mark.slow
 @needs_netns
 def test_bytes_counted_on_the_links_match_the_algorithms(tmp_path):
     # fp32 allreduce on 2 ranks: each sends the buffer once (reduce-scatter + allgather halves);
@@ -279,6 +280,7 @@ def test_bytes_counted_on_the_links_match_the_algorithms(tmp_path):
     assert f"counted on the links fp32/1-bit {ratio:.1f}x" in proc.stdout
 
 
+@pytest.mark.slow
 @needs_netns
 def test_two_hosts_two_ranks_each(tmp_path):
     out = tmp_path / "c.json"

@@ -6,11 +6,14 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from mpitest import mpiexec_cmd
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_bench_ckpt_small_run(tmp_path):
     out = tmp_path / "ckpt.json"
     proc = subprocess.run(

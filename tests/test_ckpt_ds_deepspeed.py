@@ -28,6 +28,7 @@ from ckpt.deepspeed import from_deepspeed, read_deepspeed, to_deepspeed_universa
 from mpitest import mpiexec_cmd
 
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed"),
     pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1, reason="launches its own mpiexec jobs; run single-process"),
 ]

@@ -179,9 +179,12 @@ def test_format_is_canonical_json_and_raw_bytes(comm, world, shared_tmp_path):
         assert [(p["name"], p["shape"], p["dtype"]) for p in m["params"]] == \
             [(k, list(v.shape), "bfloat16") for k, v in sd.items()]
         assert m["optimizer"]["class"] == "torch.optim.adam.Adam"
-        # every byte belongs to exactly one tensor: no padding, no gaps
+        # a safetensors header (8-byte length, JSON padded to 8), then every byte belongs to
+        # exactly one tensor: no padding, no gaps
+        head = int.from_bytes(data[:8], "little")
+        assert head % 8 == 0 and json.loads(data[8:8 + head])["__metadata__"] == {"format": "pt"}
         spans = sorted({(t["offset"], t["nbytes"]) for t in m["tensors"]})
-        pos = 0
+        pos = 8 + head
         for off, n in spans:
             assert off == pos, f"gap or overlap at {pos}"
             pos += n

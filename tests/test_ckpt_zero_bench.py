@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 from compressed.layout import P1_TRAILER
-from mpitest import mpiexec_path
+from mpitest import mpiexec_cmd
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -17,7 +17,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 def test_bench_zero_counts_bytes(tmp_path):
     out = tmp_path / "zero.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    proc = subprocess.run([mpiexec_path(), "-n", "2", sys.executable, "-m", "bench", "zero", "--hidden", "40",
+    proc = subprocess.run([*mpiexec_cmd(2), sys.executable, "-m", "bench", "zero", "--hidden", "40",
                            "--layers", "2", "--mem-hidden", "40", "--mem-layers", "2", "--steps", "1",
                            "--batch", "4", "--json", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
