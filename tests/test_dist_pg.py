@@ -169,7 +169,8 @@ def test_async_work_is_pending_until_the_peer_joins(plain, world):
     late = world.size - 1
     t = torch.full((1 << 22,), float(world.rank + 1))  # 16 MiB
     if world.rank == late:
-        store.wait(["launched/0"])  # rank 0 has launched (and returned) before this rank joins
+        # every other rank has launched (and returned) before this rank joins
+        store.wait([f"launched/{r}" for r in range(late)])
         work = dist.all_reduce(t, async_op=True)
         ok, pending_at_launch, fired = work.wait(), None, None
     else:
@@ -177,8 +178,7 @@ def test_async_work_is_pending_until_the_peer_joins(plain, world):
         work = dist.all_reduce(t, async_op=True)
         fut = work.get_future().then(lambda f: done.set())
         pending_at_launch = not work.is_completed()
-        if world.rank == 0:
-            store.set("launched/0", "1")
+        store.set(f"launched/{world.rank}", "1")
         fired = done.wait(60)  # no wait()/is_completed() in between: the progress thread did it
         ok = pending_at_launch and fired and fut.wait() is None and work.is_completed()
     assert_all(ok, f"pending at launch {pending_at_launch}, callback fired {fired}")
