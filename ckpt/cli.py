@@ -11,6 +11,7 @@ import os
 import sys
 
 import mpicomm
+from mpicomm._util import format_bytes
 
 from .collective import Collective
 from .errors import (EXIT_DAMAGED, EXIT_EXISTS, EXIT_FAILED, EXIT_INCOMPLETE, EXIT_OK, EXIT_PICKLE, EXIT_USAGE,
@@ -40,11 +41,7 @@ PICKLE_HELP = ("unnecessary, accepted for compatibility: DeepSpeed's files are p
 
 
 def _fmt_size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+    return format_bytes(n)
 
 
 def _numel(shape) -> int:
