@@ -7,6 +7,7 @@ and stepped with the same torch optimizer. Runs at 1 rank (plain pytest) and und
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -238,6 +239,12 @@ def test_inner_optimizers_that_cannot_shard_are_refused():
             super().__init__(params, {"lr": lr})
     with pytest.warns(UserWarning, match="not a known elementwise"):
         ckpt.ZeroOptimizer(Custom, p, comm=comm)
+
+    class Declared(Custom):
+        elementwise = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ckpt.ZeroOptimizer(Declared, p, comm=comm)
     with pytest.raises(ValueError, match="bucket_bytes"):
         ckpt.ZeroOptimizer(torch.optim.SGD, p, comm=comm, bucket_bytes=0, lr=0.1)
 
