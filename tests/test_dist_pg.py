@@ -258,3 +258,15 @@ def test_object_collectives_batched_p2p_and_coalescing(plain, world):
 def _rows_for(r: int, n: int) -> torch.Tensor:
     """Rank r sends j + 1 copies of 10 r + j to rank j."""
     return torch.cat([torch.full((j + 1,), float(10 * r + j)) for j in range(n)])
+
+
+def test_process_group_calls_appear_in_the_profiler(plain, world):
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        dist.all_reduce(torch.ones(8))
+        dist.all_gather_into_tensor(torch.empty(2 * world.size), torch.ones(2), async_op=True).wait()
+        dist.broadcast(torch.ones(2), 0)
+    names = {e.name for e in prof.events()}
+    want = {"mpicomm:all_reduce", "mpicomm:all_gather_into_tensor", "mpicomm:broadcast"}
+    assert_all(want <= names, f"missing {sorted(want - names)}")
