@@ -26,8 +26,9 @@ from dataclasses import dataclass
 
 #: Smallest piece worth a message of its own, in bytes of packed signs per chunk.
 PIECE_BYTES = 1 << 17
-#: Most pieces per phase: each is a synchronisation point, costly on a loaded machine.
-MAX_PIECES = 4
+#: Most pieces per phase by default: each is a synchronisation point; measured on netsim (64 MiB,
+#: 2 hosts, 1 Gbit/s), one piece with MPI progress every STEP_BYTES beat four pieces.
+MAX_PIECES = 1
 #: Bytes after the last phase-1 piece of each row: float32 worker scale, uint32 numel mod 2**32.
 P1_TRAILER = 8
 #: Bytes after the last phase-2 piece: float32 server scale.

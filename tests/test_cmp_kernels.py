@@ -64,8 +64,11 @@ def test_pieces_are_bounded(monkeypatch):
     from compressed import layout
 
     monkeypatch.setattr(layout, "PIECE_BYTES", 24)
+    monkeypatch.setattr(layout, "MAX_PIECES", 4)
     lay = Layout(1000, 3)  # padded 1008, chunk 336, 42 bytes
     assert lay.pieces() == [(0, 24), (24, 42)]
+    assert Layout(1000, 3, max_pieces=1).pieces() == [(0, 42)]
+    assert len(Layout(100000, 1).pieces()) == 4  # 12500 bytes: at most 4 pieces
 
 
 @pytest.mark.parametrize("n,p", [(-1, 2), (10, 0)])
