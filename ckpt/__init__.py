@@ -33,10 +33,14 @@ What lives where:
     plan, layout   pure byte-range and shard math;  manifest: the JSON format;  checksum: CRC-32
     dtypes         the dtype names of the format;  zero: ZeroOptimizer;  progress: progress bars
     cli            ``python -m ckpt``;  deepspeed/: DeepSpeed import and export
+    async_save     ``save(async_save=True)``: snapshot, then write and commit in the background
+    safetensors_header, export   data.bin's safetensors header; the model-only safetensors export
 """
 from __future__ import annotations
 
 from .api import LoadResult, load, save
+from .async_save import AsyncSaveError, SaveHandle, wait_pending
+from .export import export_safetensors
 from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError, ChecksumError, CollectiveError,
                      IncompatibleStateError, RankFailure, StateMismatchError)
 from .layout import Segment, ShardLayout
@@ -48,6 +52,7 @@ from .zero import ZeroOptimizer
 from .deepspeed import PickleRefusedError, from_deepspeed, to_deepspeed_universal  # noqa: E402
 
 __all__ = [
+    "AsyncSaveError", "SaveHandle", "export_safetensors", "wait_pending",
     "CheckpointError", "CheckpointExistsError", "CheckpointNotFoundError", "ChecksumError", "CollectiveError",
     "DamagedCheckpointError", "FORMAT_VERSION", "IncompatibleStateError", "IncompleteCheckpointError", "LoadResult",
     "Manifest", "ManifestError", "PerRank", "PickleRefusedError", "RNG", "RankFailure", "Segment", "ShardLayout",
