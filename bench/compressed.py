@@ -229,12 +229,14 @@ def _run(args, compressed) -> int:
               file=sys.stderr)
         return 2
     rep = common.Reporter(BENCH, world, args, COLUMNS)
+    backend = compressed.MpiBackend(comm=world, kernels=kernels)
+    most = len(backend.layout(max(args.sizes) // 4 or 1).pieces())
     rep.start(dtype="float32", extra=[
-        f"kernels: {impl}; 1-bit messages: packed signs per chunk in pieces, scales in trailers "
-        f"(compressed.layout)",
+        f"kernels: {impl}; 1-bit messages: packed signs per chunk, scales in trailers "
+        f"(compressed.layout); {most} piece(s) per phase at the largest size "
+        f"({'ranks on one node' if backend.comm.local_size == p else 'ranks on several nodes'})",
         "x_fp32: time / fp32 all_reduce time at the same size; local rows run on every rank at once",
     ])
-    backend = compressed.MpiBackend(comm=world, kernels=kernels)
     summary: list[str] = []
     for size in args.sizes:
         n = max(1, size // 4)

@@ -36,12 +36,10 @@ def matplotlib_missing() -> str | None:
 
 
 def size_label(n: float) -> str:
-    """A tick label for a byte count: 8 B, 512 B, 1 KiB, 64 MiB, 1 GiB."""
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            value = n / scale
-            return f"{value:.0f} {unit}" if value == int(value) else f"{value:.3g} {unit}"
-    return f"{n:.0f} B"
+    """A tick label for a byte count: 8 B, 512 B, 1 KiB, 1.5 KiB, 64 MiB, 1 GiB."""
+    from mpicomm._util import format_bytes
+
+    return format_bytes(n).replace(".0 ", " ")
 
 
 def _pyplot():

@@ -9,7 +9,8 @@ its buckets averaged through mpicomm (allreduce_hook) vs ZeroOptimizer(AdamW) st
 gradients travel over mpicomm), in interleaved rounds (one step of each row in turn); per phase
 medians, and backward alone / communication alone / both overlapped. memory: the peak resident memory of each rank (VmHWM, reset between rows through
 /proc/self/clear_refs) above what the process held before the row, for DDP + AdamW, ZeroOptimizer
-stages 1 and 3 and FSDP2 (fully_shard on gloo). bytes: payload bytes each rank hands to MPI per
+stages 1 and 3 (and stage 1 with release_grads) and FSDP2 (fully_shard on
+gloo). bytes: payload bytes each rank hands to MPI per
 step, counted by a wrapper around the communicator's MPI calls, for ZeRO Adam, ZeRO 1-bit Adam
 and OnebitAdam without ZeRO (after freeze_step).
 """
@@ -235,8 +236,9 @@ def mem_row(args, mpi: MPI.Comm, kind: str) -> float:
         fully_shard(model, mesh=mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     else:
-        opt = ckpt.ZeroOptimizer(torch.optim.AdamW, model.parameters(), stage=int(kind[-1]),
-                                 comm=mpicomm.init(), bucket_bytes=args.bucket_mb << 20, lr=1e-4)
+        opt = ckpt.ZeroOptimizer(torch.optim.AdamW, model.parameters(), stage=int(kind[4]),
+                                 comm=mpicomm.init(), bucket_bytes=args.bucket_mb << 20,
+                                 release_grads=kind.endswith("r"), lr=1e-4)
     for s in range(2):
         x, y = batch(args.mem_hidden, args.batch, s, mpi.rank)
         opt.zero_grad()
@@ -273,7 +275,7 @@ def part_memory(args, mpi: MPI.Comm, out: dict) -> None:
             print(f"\n== memory: skipped, cannot reset the peak resident size ({exc})")
         return
     rows = [("DDP+AdamW gloo", "ddp"), ("ZeRO-1 AdamW", "zero1"), ("ZeRO-3 AdamW", "zero3"),
-            ("FSDP2 (fully_shard) + AdamW gloo", "fsdp2")]
+            ("ZeRO-1 AdamW, release_grads", "zero1r"), ("FSDP2 (fully_shard) + AdamW gloo", "fsdp2")]
     n = sum(p.numel() for p in make_model(args.mem_hidden, 1).parameters()) * args.mem_layers
     mib = 4 * n / 2**20
     res = {}

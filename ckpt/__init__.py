@@ -31,10 +31,12 @@ What lives where:
     errors         CheckpointError and its subclasses, the CLI's exit codes
     io             collective MPI-IO of planned byte ranges, with checksums
     plan, layout   pure byte-range and shard math;  manifest: the JSON format;  checksum: CRC-32
-    dtypes         the dtype names of the format;  zero: ZeroOptimizer;  progress: progress bars
-    cli            ``python -m ckpt``;  deepspeed/: DeepSpeed import and export
+    safetensors_header  the safetensors header that makes data.bin a safetensors file
+    dtypes         the dtype names of the format;  progress: progress bars
+    zero           ZeroOptimizer; zero_buckets (gradient reduction), zero_inner (which inner
+                   optimizers can shard), zero_onebit (1-bit Adam on the shards)
+    cli            ``python -m ckpt``;  export: model-only safetensors;  deepspeed/: DeepSpeed import/export
     async_save     ``save(async_save=True)``: snapshot, then write and commit in the background
-    safetensors_header, export   data.bin's safetensors header; the model-only safetensors export
 """
 from __future__ import annotations
 

@@ -88,9 +88,9 @@ def save(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.op
     run = Collective(comm, "save")
     path = os.path.abspath(os.fspath(path))
     opt = planner_for(optimizer)
-    sp, manifest, captured = run.everywhere("planning", lambda: _plan_save(
+    sp, manifest, captured, summary = run.everywhere("planning", lambda: _plan_save(
         comm, model, opt, step, extra, state or {}, block_size, chunk_bytes))
-    summaries = run.allgather({key: c.summary() for key, c in captured.items()})
+    summaries = run.allgather(summary)
     run.everywhere("planning state items", lambda: _plan_items_save(comm, manifest, sp, captured, summaries))
     mine = sp.items(comm.rank, comm.size, block_size)
 
@@ -112,9 +112,9 @@ def save(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.op
 
 def _plan_save(comm: mpicomm.Communicator, model: torch.nn.Module, opt: OptimizerPlanner | None, step: int | None,
                extra: Any, state: dict[str, Any], block_size: int, chunk_bytes: int
-               ) -> tuple[SavePlan, Manifest, dict[tuple[str, str], items.Captured]]:
+               ) -> tuple[SavePlan, Manifest, dict[tuple[str, str], items.Captured], dict]:
     """What this rank writes of the model and optimizer, the manifest (state items and
-    checksums still to come), and this rank's state items, captured."""
+    checksums still to come), this rank's state items, captured, and their summary."""
     if chunk_bytes % block_size:
         raise ValueError(f"expected chunk_bytes a multiple of block_size={block_size}, got {chunk_bytes}")
     model_state = ModelState.of(model)
@@ -141,7 +141,7 @@ def _plan_save(comm: mpicomm.Communicator, model: torch.nn.Module, opt: Optimize
             mine = per_rank.per_rank_state_dict() if per_rank is not None else None
             captured[("optimizer", "optimizer")] = items.capture(extra_state, "optimizer state", has_extra,
                                                                  mine, per_rank is not None)
-    return sp, manifest, captured
+    return sp, manifest, captured, {key: c.summary() for key, c in captured.items()}
 
 
 def _parts(obj: Any, what: str) -> tuple[Any, str, bool, Any, bool]:

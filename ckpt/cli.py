@@ -11,6 +11,7 @@ import os
 import sys
 
 import mpicomm
+from mpicomm._util import format_bytes
 
 from .collective import Collective
 from .errors import (EXIT_DAMAGED, EXIT_EXISTS, EXIT_FAILED, EXIT_INCOMPLETE, EXIT_OK, EXIT_PICKLE, EXIT_USAGE,
@@ -40,11 +41,7 @@ PICKLE_HELP = ("unnecessary, accepted for compatibility: DeepSpeed's files are p
 
 
 def _fmt_size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+    return format_bytes(n)
 
 
 def _numel(shape) -> int:
@@ -73,6 +70,11 @@ def _inspect(args: argparse.Namespace) -> int:
             print(f"    group {i}: {len(g['params'])} params, {hp}")
     if m.extra is not None:
         print(f"  extra {json.dumps(m.extra)}")
+    section = m.state or {}
+    for name, entry in sorted(section.get("items", {}).items()):
+        print(f"  state item {name!r}: {_item_parts(entry)}")
+    if "optimizer" in section:
+        print(f"  optimizer extra state: {_item_parts(section['optimizer'])}")
     if args.tensors:
         print(f"  {'kind':<8} {'key':<12} {'dtype':<9} {'offset':>14} {'nbytes':>12}  name shape")
         for t in m.tensors:
@@ -88,6 +90,15 @@ def _inspect(args: argparse.Namespace) -> int:
             print(f"  {r[0]:<{w}}  {r[1]:<{ws}}  {r[2]:<9} {r[3]:>10}")
         print("  (--tensors lists every stored tensor, optimizer state included; --json the manifest)")
     return EXIT_OK
+
+
+def _item_parts(entry: dict) -> str:
+    parts = []
+    if "value" in entry:
+        parts.append(f"replicated ({len(entry['tensors'])} tensor(s))")
+    if "ranks" in entry:
+        parts.append(f"per rank, saved by {len(entry['ranks'])} rank(s)")
+    return ", ".join(parts)
 
 
 def _verify(args: argparse.Namespace) -> int:

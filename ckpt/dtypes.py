@@ -3,13 +3,11 @@ from __future__ import annotations
 
 import torch
 
+from mpicomm.dtypes import BY_NAME
+
 from .errors import IncompatibleStateError
 
-DTYPES: dict[str, torch.dtype] = {
-    "float64": torch.float64, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-    "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8,
-    "bool": torch.bool,
-}
+DTYPES: dict[str, torch.dtype] = dict(BY_NAME)  # "float32" -> torch.float32, ... (mpicomm's names)
 _NAMES = {v: k for k, v in DTYPES.items()}
 
 

@@ -103,7 +103,6 @@ class OptimizerPlanner:
     """Saves and loads one kind of optimizer. ``masters`` are the model tensors whose weights the
     planner itself saves and loads (ZeRO's fp32 masters); the model planner skips them."""
 
-    kind = "plain"
     stage: int | None = None
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
@@ -188,13 +187,11 @@ def planner_for(optimizer: torch.optim.Optimizer | None) -> OptimizerPlanner | N
 
 # -- scalars and per-parameter state ----------------------------------------------------------
 
-def scalar(value: Any, what: str) -> dict[str, Any]:
-    """A per-parameter scalar (a 0-d tensor or a number) as JSON, with its dtype."""
-    if isinstance(value, torch.Tensor) and value.dim() == 0:
+def scalar(value: Any) -> dict[str, Any]:
+    """A per-parameter scalar (a 0-d tensor, a number or None) as JSON, with its dtype."""
+    if isinstance(value, torch.Tensor):
         return {"value": value.item(), "dtype": dtype_name(value.dtype)}
-    if isinstance(value, (bool, int, float)) or value is None:
-        return {"value": value, "dtype": None}
-    raise IncompatibleStateError(f"{what}: cannot store a {type(value).__name__}: expected a tensor or a number")
+    return {"value": value, "dtype": None}
 
 
 def unscalar(d: dict[str, Any]) -> Any:
@@ -211,7 +208,7 @@ def split_state(state: dict[str, Any], shape: torch.Size) -> tuple[dict[str, tor
         if isinstance(v, torch.Tensor) and v.shape == shape and not (v.dim() == 0 and key == "step"):
             tensors[key] = v
         elif (isinstance(v, torch.Tensor) and v.dim() == 0) or isinstance(v, (bool, int, float)) or v is None:
-            scalars[key] = scalar(v, f"state {key!r}")
+            scalars[key] = scalar(v)
         else:
             others[key] = v
     return tensors, scalars, others

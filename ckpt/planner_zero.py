@@ -30,7 +30,6 @@ def zero_padding(t: torch.Tensor, segments: list[Segment]) -> None:
 class ZeroPlanner(OptimizerPlanner):
     """Sharded fp32 masters and state; fp32 model weights are stored as the masters' bytes."""
 
-    kind = "zero"
     optimizer: ZeroOptimizer
 
     @property
@@ -108,6 +107,11 @@ class ZeroPlanner(OptimizerPlanner):
     def plan_load(self, m: Manifest, by_id: dict[int, int], rp: ReadPlan, has_state: bool,
                   extra: Callable[[], Any] | None = None) -> None:
         zero = self.optimizer
+        if extra is not None:
+            raise IncompatibleStateError(
+                "load: the checkpoint holds optimizer state beside the per-element tensors and scalars (entries "
+                "of a plain optimizer's state_dict()) that a ZeroOptimizer cannot take; load it into the plain "
+                "optimizer it was saved from")
         if has_state:
             self.check_groups(m, by_id)
         states = [self._plan_group(gi, m, by_id, rp, has_state) for gi in range(len(zero.groups))]

@@ -66,14 +66,3 @@ def decode(data: Any, tensors: list[torch.Tensor]) -> Any:
 
 def _hashable(key: Any) -> Any:
     return tuple(_hashable(k) for k in key) if isinstance(key, list) else key
-
-
-def tensor_refs(data: Any) -> list[int]:
-    """The tensor numbers ``data`` refers to, in order."""
-    if isinstance(data, list):
-        return [r for v in data for r in tensor_refs(v)]
-    if isinstance(data, dict):
-        if set(data) == {"@tensor"}:
-            return [data["@tensor"]]
-        return [r for v in data.values() for r in tensor_refs(v)]
-    return []

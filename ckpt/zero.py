@@ -48,13 +48,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
     zero gradient. Under ``with opt.no_sync():`` backward only accumulates locally (use it for
     all micro-batches but the last). ``clip_grad_norm_`` clips the averaged gradient;
     ``skip_nonfinite=True`` skips a step on every rank when any averaged gradient is inf/NaN
-    (counted in ``skipped_steps``). ``compressed.OnebitAdam`` as ``optimizer_class`` gives 1-bit
+    (counted in ``skipped_steps``). ``release_grads=True`` sets each parameter's ``grad`` to None
+    once all of it has been sent (less memory; gradients are then only available averaged, in
+    the shards). ``compressed.OnebitAdam`` as ``optimizer_class`` gives 1-bit
     Adam on the shards. Save and load with ``ckpt.save`` / ``ckpt.load``.
     """
 
     def __init__(self, optimizer_class: type[torch.optim.Optimizer], params: Iterable[Any],
                  stage: int = 1, comm: Any = None, bucket_bytes: int = 32 << 20, *,
-                 overlap: bool = True, skip_nonfinite: bool = False, **optimizer_kwargs: Any) -> None:
+                 overlap: bool = True, skip_nonfinite: bool = False, release_grads: bool = False,
+                 **optimizer_kwargs: Any) -> None:
         import mpicomm
 
         if stage not in STAGES:
@@ -117,9 +120,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # gradient traffic on a communicator of its own: buckets launched from hooks at different
         # times on different ranks can never be matched with the caller's collectives on ``comm``
         self._grad_comm = self.comm.dup() if self.world_size > 1 else self.comm
-        self._reducer = GradReducer(self._groups, self._grad_comm, stage, self.bucket_bytes)
+        self.release_grads = bool(release_grads)
+        self._reducer = GradReducer(self._groups, self._grad_comm, stage, self.bucket_bytes, self.release_grads)
         self._accumulating = False
-        self._seen: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}   # grad and its version at hook time
+        self._seen: dict[tuple[int, int], tuple[Any, int]] = {}   # grad (weak) and its version at hook time
         self._synced: tuple[float, float] | None = None                     # (norm_type, norm) once reduced
         self._finite: bool | None = None                                    # all averaged gradients finite
         self._hooks = []
@@ -148,8 +152,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
     # -- gradient hooks and accumulation --------------------------------------------------------
 
     def _on_grad(self, gi: int, pi: int, p: torch.Tensor) -> None:
-        if p.grad is not None:
-            self._seen[(gi, pi)] = (p.grad, p.grad._version)
+        if p.grad is not None:     # a weak reference: released or dropped gradients are freed
+            self._seen[(gi, pi)] = (weakref.ref(p.grad), p.grad._version)
         if self._accumulating or not self._averages_grads():
             return
         self._synced = None
@@ -190,9 +194,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _modified(self) -> int:
         n = 0
-        for (gi, pi), (t, version) in self._seen.items():
-            p = self._groups[gi].params[pi]
-            if p.grad is not t or t._version != version:
+        for (gi, pi), (ref, version) in self._seen.items():
+            if (gi, pi) in self._reducer.released:
+                continue
+            p, t = self._groups[gi].params[pi], ref()
+            if p.grad is not t or (t is not None and t._version != version):
                 n += 1
         return n
 
@@ -220,6 +226,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 ranks = "unknown (inf norm)" if by_max else \
                     [r for r in range(min(self.world_size, 53)) if int(vec[4]) >> r & 1]
                 raise RuntimeError(_MODIFIED.format(n=int(vec[2]), ranks=ranks))
+            if vec[3] > 0 and self.release_grads:
+                self._end_cycle()
+                raise RuntimeError("ZeroOptimizer(release_grads=True): backward ran again after gradients were "
+                                   "sent and released; run all micro-batches but the last under opt.no_sync()")
             if vec[3] > 0 and attempt == 0:
                 # a bucket's gradient grew after it was sent (backward again without no_sync):
                 # every rank sends all buckets again, now that all gradients are final

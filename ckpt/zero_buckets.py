@@ -36,8 +36,10 @@ class GradReducer:
     """Plans buckets over ``groups`` (objects with ``params``, ``layout``, ``master``) and reduces
     the model's gradients into each group's ``master.grad`` (this rank's mean-gradient shard)."""
 
-    def __init__(self, groups: list, comm: Any, stage: int, bucket_bytes: int) -> None:
+    def __init__(self, groups: list, comm: Any, stage: int, bucket_bytes: int, release: bool = False) -> None:
         self.groups = groups
+        self.release = release                             # drop p.grad once all of it is sent
+        self.released: set[tuple[int, int]] = set()
         self.comm = comm
         self.world = int(comm.size)
         self.rank = int(comm.rank)
@@ -118,6 +120,11 @@ class GradReducer:
         out = self._master_grad(b.group)[b.lo:b.hi]
         b.works = [self.comm.reduce_scatter_tensor(out, b.buf.view(-1), op="avg", async_op=True)]
         b.launched = True
+        if self.release:
+            for pi in b.params:
+                if all(self.buckets[bj].launched for bj in self.where[(b.group, pi)]):
+                    params[pi].grad = None
+                    self.released.add((b.group, pi))
 
     def _master_grad(self, gi: int) -> torch.Tensor:
         m = self.groups[gi].master
@@ -151,9 +158,6 @@ class GradReducer:
         for b in self.buckets:
             b.launched = False
         self.ready.clear()
+        self.released.clear()
         self.next = self.done = 0
         self.stale = False
-
-    def in_flight(self) -> bool:
-        """Whether some bucket has been launched in this cycle."""
-        return self.next > 0

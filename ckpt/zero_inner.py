@@ -52,7 +52,8 @@ def check_inner(cls: type) -> None:
         raise TypeError(f"ZeroOptimizer: cannot shard {cls.__name__}: it communicates by itself "
                         "(it takes a communicator), so it would average different ranks' different "
                         "shards with each other")
-    if not issubclass(cls, ELEMENTWISE):
+    if not issubclass(cls, ELEMENTWISE) and getattr(cls, "elementwise", None) is not True:
         warnings.warn(f"ZeroOptimizer: {cls.__name__} is not a known elementwise optimizer; sharding "
                       "is exact only if its update of each element reads that element's gradient and "
-                      "state alone (no per-tensor norms or shapes)", UserWarning, stacklevel=3)
+                      "state alone (no per-tensor norms or shapes); declare it with the class "
+                      "attribute elementwise = True", UserWarning, stacklevel=3)

@@ -25,6 +25,11 @@ _MAX_WORKSPACES = 4
 _KERNELS = (None, "host", "numba", "numpy", "torch")
 
 
+def _one_node(comm: mpicomm.Communicator) -> bool:
+    """Whether all of ``comm``'s ranks share one node (then phases go in one piece)."""
+    return comm.local_size == comm.size
+
+
 def _is_cupy(x: Any) -> bool:
     return hasattr(x, "__cuda_array_interface__") and type(x).__module__.startswith("cupy")
 
@@ -78,6 +83,8 @@ class MpiBackend:
         self.wire_bytes = 0
         self._workspaces: OrderedDict[tuple, engine.Workspace] = OrderedDict()
         self._families: dict[str, Any] = {}
+        # one node: shared memory, nothing to overlap; pieces would only add synchronisation
+        self._max_pieces = 1 if _one_node(self.comm) else None
 
     # ------------------------------------------------------------------------------------------
     def compressed_allreduce(self, buffer_m, worker_error, server_error, local_rank: int = 0):
@@ -113,7 +120,7 @@ class MpiBackend:
         (worker, server) scales of this rank; (0, 0) for an empty buffer.
         """
         n = _numel(inp)
-        lay = Layout(n, self.size)
+        lay = self.layout(n)
         self._check_buffers(inp, worker_error, server_error, lay)
         if deferred is not None:
             self._check_buffers(inp, deferred.xout, server_error, lay)
@@ -146,7 +153,7 @@ class MpiBackend:
         i (elements past n belong to the padding). Failures behave as ``compressed_allreduce``.
         """
         n = _numel(inp)
-        lay = Layout(n, self.size)
+        lay = self.layout(n)
         self._check_buffers(inp, worker_error, out, lay, names=("inp", "worker_error", "out"))
         if n == 0:
             return out
@@ -158,6 +165,10 @@ class MpiBackend:
         self.calls += 1
         self.wire_bytes += lay.wire_bytes() - (self.size - 1) * (lay.chunk_bytes + 4)
         return out
+
+    def layout(self, numel: int) -> Layout:
+        """The wire layout of a call on ``numel`` elements (``compressed.layout``)."""
+        return Layout(numel, self.size, self._max_pieces)
 
     def family_name(self, inp) -> str:
         """Kernel family a call on ``inp`` runs: 'numba', 'numpy' or 'torch'."""

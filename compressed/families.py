@@ -3,6 +3,12 @@
 The algorithm in ``engine`` calls only these methods, on flat float32 arrays of the family's
 kind (numpy for host, torch for torch) and uint8 message rows, so every family puts the same
 bytes on the wire (``layout``). Scales and sums of squares come back as Python floats.
+
+Why three families (``python -m bench compressed --sizes 16M --kernels K``, 2 ranks, one run
+each on a loaded machine, ms): the 1-bit allreduce took 40 with numba, 119 with numpy and 477
+with torch ops on CPU (compress 10 / 51 / 235, decompress 2.9 / 12.7 / 48.6; memcpy 4.2-5.0).
+numba is the default; numpy is the fallback when numba is not installed; torch is the family
+for device tensors (on CPU only when forced, e.g. to test that families interoperate).
 """
 from __future__ import annotations
 

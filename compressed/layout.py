@@ -6,8 +6,8 @@ device), so ranks that pick different kernels interoperate. With ``n`` elements 
 - the input is zero-padded to ``padded = padded_size(n, p)`` elements and cut in ``p`` chunks
   of ``chunk = padded / p`` elements; chunk ``j`` belongs to rank ``j``;
 - signs are packed 8 per byte, most significant bit first, bit 1 meaning ``x >= 0``: a chunk
-  is ``chunk_bytes = chunk / 8`` bytes, cut in pieces of at most ``PIECE_BYTES`` bytes
-  (``pieces()``: the same byte ranges in every chunk);
+  is ``chunk_bytes = chunk / 8`` bytes, cut in at most ``MAX_PIECES`` pieces of at least
+  ``PIECE_BYTES`` bytes (``pieces()``: the same byte ranges in every chunk);
 - phase 1, one ``all_to_all_single`` per piece ``k``: row ``j`` of the uint8 message is piece
   ``k`` of chunk ``j``'s worker signs; the last piece's rows end with ``P1_TRAILER`` bytes: the
   sender's float32 worker scale and ``n mod 2**32`` as uint32 (both little-endian), so every rank
@@ -16,13 +16,18 @@ device), so ranks that pick different kernels interoperate. With ``n`` elements 
   the last piece ends with ``P2_TRAILER`` bytes, the sender's float32 server scale.
 
 Several pieces let compression of the next piece overlap the transfer of the previous one.
+Between ranks of one node there is no transfer worth overlapping and every piece is one more
+synchronisation, so the communicator's ranks all on one node send one piece per phase (all
+ranks see the same node count, so they agree on the layout).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-#: Largest piece of a chunk sent in one message, in bytes of packed signs (a multiple of 8).
+#: Smallest piece worth a message of its own, in bytes of packed signs per chunk.
 PIECE_BYTES = 1 << 17
+#: Most pieces per phase: each is a synchronisation point, costly on a loaded machine.
+MAX_PIECES = 4
 #: Bytes after the last phase-1 piece of each row: float32 worker scale, uint32 numel mod 2**32.
 P1_TRAILER = 8
 #: Bytes after the last phase-2 piece: float32 server scale.
@@ -47,6 +52,8 @@ class Layout:
 
     numel: int
     world_size: int
+    #: Most pieces per phase (None: ``MAX_PIECES``); 1 when overlap buys nothing (one node).
+    max_pieces: int | None = None
 
     def __post_init__(self) -> None:
         padded_size(self.numel, self.world_size)  # validates
@@ -68,7 +75,9 @@ class Layout:
 
     def pieces(self) -> list[tuple[int, int]]:
         """Byte ranges [lo, hi) of a chunk's packed signs sent as one message each (>= 1)."""
-        cb, step = self.chunk_bytes, max(8, PIECE_BYTES - PIECE_BYTES % 8)
+        cb = self.chunk_bytes
+        most = MAX_PIECES if self.max_pieces is None else max(1, int(self.max_pieces))
+        step = max(8, PIECE_BYTES - PIECE_BYTES % 8, -(-cb // (8 * most)) * 8)
         return [(lo, min(lo + step, cb)) for lo in range(0, cb, step)] or [(0, 0)]
 
     def wire_bytes(self) -> int:

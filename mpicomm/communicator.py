@@ -19,6 +19,7 @@ from .buffers import IN, INOUT, OUT, Slot, host_overlap, prepare, to_tensor
 from .checking import agree
 from .device_paths import DevicePolicy
 from .errors import check_rank, check_type, describe, fail_value
+from .observe import log_init, observed, observed_as
 from .ops import ReduceOp, parse_op
 from .p2p import PointToPoint
 from .validate import move_type, per_rank_list, reduction, root_list, same_device, same_dtype, splits
@@ -121,6 +122,10 @@ class Communicator(PointToPoint):
         """Reduce ``tensor`` across ranks, in place."""
         if not async_op and not self.check and fastpath.run(self, "all_reduce", tensor, op=op):
             return None
+        return self._all_reduce(tensor, op, async_op)
+
+    @observed_as("all_reduce")
+    def _all_reduce(self, tensor, op, async_op):
         call = "all_reduce"
         op = parse_op(op, call)
         t = to_tensor(tensor, call, "tensor", writable=True)
@@ -140,6 +145,7 @@ class Communicator(PointToPoint):
         return self._launch(comm.Allreduce, comm.Iallreduce, (MPI.IN_PLACE, spec, mpi_op),
                             [slot], async_op, [tensor])
 
+    @observed
     def reduce(self, tensor, dst: int = 0, op=ReduceOp.SUM, async_op: bool = False) -> Work | None:
         """Reduce ``tensor`` across ranks into ``tensor`` on rank ``dst`` (others keep theirs)."""
         call = "reduce"
@@ -171,6 +177,10 @@ class Communicator(PointToPoint):
         if (not async_op and not self.check
                 and fastpath.run(self, "reduce_scatter_tensor", output, input, op=op)):
             return None
+        return self._reduce_scatter_tensor(output, input, op, async_op)
+
+    @observed_as("reduce_scatter_tensor")
+    def _reduce_scatter_tensor(self, output, input, op, async_op):
         call = "reduce_scatter_tensor"
         op = parse_op(op, call)
         out = to_tensor(output, call, "output", writable=True)
@@ -203,6 +213,10 @@ class Communicator(PointToPoint):
         """Copy ``tensor`` from rank ``src`` into ``tensor`` on every rank."""
         if not async_op and not self.check and fastpath.run(self, "broadcast", tensor, root=src):
             return None
+        return self._broadcast(tensor, src, async_op)
+
+    @observed_as("broadcast")
+    def _broadcast(self, tensor, src, async_op):
         call = "broadcast"
         src = check_rank(call, "src", src, self.size)
         t = to_tensor(tensor, call, "tensor", writable=self.rank != src)
@@ -220,6 +234,10 @@ class Communicator(PointToPoint):
         if (not async_op and not self.check
                 and fastpath.run(self, "all_gather_into_tensor", output_tensor, input_tensor)):
             return None
+        return self._all_gather_into_tensor(output_tensor, input_tensor, async_op)
+
+    @observed_as("all_gather_into_tensor")
+    def _all_gather_into_tensor(self, output_tensor, input_tensor, async_op):
         call = "all_gather_into_tensor"
         out = to_tensor(output_tensor, call, "output_tensor", writable=True)
         inp = to_tensor(input_tensor, call, "input_tensor", writable=False)
@@ -246,6 +264,7 @@ class Communicator(PointToPoint):
                             (send_spec, _spec(recv, inp.numel())), slots, async_op,
                             [output_tensor])
 
+    @observed
     def all_gather(self, tensor_list: list, tensor, async_op: bool = False) -> Work | None:
         """Gather every rank's ``tensor`` into ``tensor_list[r]`` on every rank."""
         call = "all_gather"
@@ -270,6 +289,10 @@ class Communicator(PointToPoint):
                 and input_split_sizes is None
                 and fastpath.run(self, "all_to_all_single", output, input)):
             return None
+        return self._all_to_all_single(output, input, output_split_sizes, input_split_sizes, async_op)
+
+    @observed_as("all_to_all_single")
+    def _all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, async_op):
         call = "all_to_all_single"
         out = to_tensor(output, call, "output", writable=True)
         inp = to_tensor(input, call, "input", writable=False)
@@ -311,6 +334,7 @@ class Communicator(PointToPoint):
         return self._launch(comm.Alltoallv, comm.Ialltoallv, args, [send, recv], async_op,
                             [output])
 
+    @observed
     def gather(self, tensor, gather_list: list | None = None, dst: int = 0,
                async_op: bool = False) -> Work | None:
         """Collect every rank's ``tensor`` into ``gather_list`` on rank ``dst``."""
@@ -334,6 +358,7 @@ class Communicator(PointToPoint):
                             (_spec(send, n), _spec(recv, n), dst), [send, recv], async_op,
                             gather_list, extra=[lambda: _unflatten_into(flat, outs)])
 
+    @observed
     def scatter(self, tensor, scatter_list: list | None = None, src: int = 0,
                 async_op: bool = False) -> Work | None:
         """Rank ``src`` sends ``scatter_list[r]`` into ``tensor`` on rank r."""
@@ -358,6 +383,7 @@ class Communicator(PointToPoint):
 
     # -- synchronisation and groups ---------------------------------------------------------
 
+    @observed
     def barrier(self, async_op: bool = False) -> Work | None:
         """Wait until every rank has entered the barrier."""
         return self._launch(self.mpi_comm.Barrier, self.mpi_comm.Ibarrier, (), [], async_op, [])
@@ -396,6 +422,7 @@ def init(check: bool | None = None) -> Communicator:
     global _world
     if _world is None:
         _world = Communicator(MPI.COMM_WORLD, check=check)
+        log_init(_world)
     elif check is not None:
         _world.check = bool(check)
     return _world

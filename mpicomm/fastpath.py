@@ -14,8 +14,9 @@ from typing import Callable
 import torch
 from mpi4py import MPI
 
-from . import dtypes, large
+from . import dtypes, large, observe
 from .buffers import host_overlap
+from .observe import _DEBUG, _debug_cache, _profiler
 from .ops import BITWISE, MPI_OPS, ReduceOp
 
 #: Set to False to send every call through the general path (tests compare the two).
@@ -63,8 +64,10 @@ def run(comm, call: str, out, inp=None, op=None, root=None) -> bool:
     ``out`` is the buffer written (the only buffer of in-place calls), ``inp`` the separate input,
     ``root`` the root rank of rooted calls.
     """
-    if not ENABLED or type(out) is not torch.Tensor or not out.is_cpu or not out.is_contiguous():
-        return False
+    if (not ENABLED or type(out) is not torch.Tensor or not out.is_cpu or not out.is_contiguous()
+            or _profiler._is_profiler_enabled
+            or (_debug_cache.get(_DEBUG) is not False and observe.log.isEnabledFor(_DEBUG))):
+        return False  # observed calls (profiler, DEBUG log) take the general path, which is traced
     rule = RULES[call]
     if rule.reduces:
         try:

@@ -6,6 +6,7 @@ from mpi4py import MPI
 from . import large
 from .buffers import IN, OUT, prepare, to_tensor
 from .errors import check_rank, fail_value
+from .observe import observed
 from .validate import move_type
 from .work import Work
 
@@ -13,18 +14,22 @@ from .work import Work
 class PointToPoint:
     """send/recv/isend/irecv of one tensor, numpy or cupy array."""
 
+    @observed
     def send(self, tensor, dst: int, tag: int = 0) -> None:
         """Send ``tensor`` to rank ``dst`` (blocking)."""
         self._p2p("send", tensor, dst, tag, async_op=False)
 
+    @observed
     def recv(self, tensor, src: int | None = None, tag: int = 0) -> int:
         """Receive into ``tensor`` from rank ``src`` (None: any rank); return the sender's rank."""
         return self._p2p("recv", tensor, src, tag, async_op=False)
 
+    @observed
     def isend(self, tensor, dst: int, tag: int = 0) -> Work:
         """Start sending ``tensor`` to rank ``dst``."""
         return self._p2p("isend", tensor, dst, tag, async_op=True)
 
+    @observed
     def irecv(self, tensor, src: int | None = None, tag: int = 0) -> Work:
         """Start receiving into ``tensor`` from rank ``src`` (None: any rank)."""
         return self._p2p("irecv", tensor, src, tag, async_op=True)

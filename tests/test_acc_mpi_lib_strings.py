@@ -3,10 +3,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from mpi4py import MPI
 
 from accelerators import mpi_lib
 from accelerators.__main__ import main
+
+pytestmark = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1,
+                                reason="prints from rank 0 only; run in the single-process pass")
 
 # As Open MPI 5.0.11 returns it: one line ending in a NUL byte.
 OPEN_MPI = ("Open MPI v5.0.11, package: Open MPI user Distribution, ident: 5.0.11, "

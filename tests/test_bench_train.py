@@ -26,7 +26,8 @@ def _run(n, tmp_path, *args, timeout=300):
     return proc.stdout, json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("n,model", [(1, "mlp"), (2, "mlp"), (2, "transformer")])
+@pytest.mark.parametrize("n,model", [pytest.param(1, "mlp", marks=pytest.mark.slow), (2, "mlp"),
+                                     pytest.param(2, "transformer", marks=pytest.mark.slow)])
 def test_peers_side_by_side(n, model, tmp_path):
     extra = ["--heads", "2", "--seq", "4"] if model == "transformer" else []
     stdout, doc = _run(n, tmp_path, *SMALL, "--model", model, *extra)

@@ -14,11 +14,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.slow
-def test_bench_ckpt_small_run(tmp_path):
+@pytest.mark.parametrize("n,save,load", [(1, 1, 1), (2, 1, 2), (3, 2, 3)])
+def test_bench_ckpt_small_run(n, save, load, tmp_path):
     out = tmp_path / "ckpt.json"
+    launch = [*mpiexec_cmd(n), sys.executable] if n > 1 else [sys.executable]
     proc = subprocess.run(
-        [*mpiexec_cmd(3), sys.executable, "-m", "bench", "ckpt", "--layers", "2", "--hidden", "96",
-         "--deepspeed", "no", "--no-sync", "--dir", str(tmp_path), "--json", str(out)],
+        [*launch, "-m", "bench", "ckpt", "--layers", "2", "--hidden", "96", "--save-ranks",
+         str(save), "--load-ranks", str(load), "--deepspeed", "no", "--no-sync", "--dir",
+         str(tmp_path), "--json", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "# wrong: 0" in proc.stdout
@@ -27,9 +30,16 @@ def test_bench_ckpt_small_run(tmp_path):
     for op in ("disk write+fdatasync", "ckpt.save (fsync)", "ckpt.load", "ckpt save + load",
                "DeepSpeed save+convert+load", "ckpt.save (no fsync)"):
         assert op in ops, ops
-    load = next(r for r in records if r["op"] == "ckpt.load")
-    assert load["note"] == "state checked" and load["size_bytes"] == 2 * (96 * 96 + 96) * 12
+    loaded = next(r for r in records if r["op"] == "ckpt.load")
+    assert loaded["note"] == "state checked" and loaded["size_bytes"] == 2 * (96 * 96 + 96) * 12
+    assert loaded["ranks"] == load
     ds = next(r for r in records if r["op"] == "DeepSpeed save+convert+load")
     assert ds["time_s"] is None and ds["note"] == "not run: --deepspeed no", ds
     assert "goal" not in proc.stdout and "speed-up" not in proc.stdout
-    assert sum(1 for r in records if r["op"].startswith("load peak RSS")) == 3
+    assert sum(1 for r in records if r["op"].startswith("load peak RSS")) == load
+
+
+def test_bench_ckpt_says_how_many_ranks_it_needs():
+    proc = subprocess.run([sys.executable, "-m", "bench", "ckpt", "--save-ranks", "2"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "expected at least 3 ranks" in proc.stderr, proc.stderr

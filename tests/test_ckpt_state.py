@@ -20,6 +20,7 @@ import torch
 from mpi4py import MPI
 
 import ckpt
+from ckpt import cli as ckpt_cli
 from ckpt.tree import decode, encode
 from mpitest import assert_all, mpiexec_cmd
 
@@ -112,6 +113,11 @@ def test_optimizer_state_dict_comes_back_whole(comm, world, shared_tmp_path, nam
     opt2 = OPTIMIZERS[name](other.parameters())
     ckpt.load(shared_tmp_path / "c", model=other, optimizer=opt2, comm=comm)
     assert_all(same(opt2.state_dict(), saved), f"{name}: {opt2.state_dict()} != {saved}")
+    if name == "custom":  # what a ZeroOptimizer cannot take is refused, not dropped
+        other = small_model(1)
+        zero = ckpt.ZeroOptimizer(Custom, other.parameters(), stage=1, comm=comm)
+        with pytest.raises(ckpt.IncompatibleStateError, match="a ZeroOptimizer cannot take"):
+            ckpt.load(shared_tmp_path / "c", model=other, optimizer=zero, comm=comm)
 
 
 class LocalAdam(torch.optim.Adam):
@@ -186,7 +192,7 @@ class AllRanks:
 
 
 @pytest.mark.mpi(min_size=1)
-def test_items_of_every_kind_round_trip(comm, world, shared_tmp_path):
+def test_items_of_every_kind_round_trip(comm, world, shared_tmp_path, capsys):
     rank = world.Get_rank()
     scheduler_model = small_model(0)
     sched = torch.optim.lr_scheduler.StepLR(torch.optim.SGD(scheduler_model.parameters(), lr=1.0), 2, 0.5)
@@ -195,29 +201,32 @@ def test_items_of_every_kind_round_trip(comm, world, shared_tmp_path):
         sched.step()
     weights = torch.arange(6, dtype=torch.float64).reshape(2, 3)
     data = {"epoch": 3, "names": ["a", "b"], "t": torch.tensor([1, 2], dtype=torch.int32), "inner": Counter(4)}
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 9, growth_interval=7)
     state = {"sched": sched, "w": weights, "data": data, "plain": 7, "mine": ckpt.PerRank(Counter(rank + 10)),
-             "all": AllRanks(rank), "rng": ckpt.RNG()}
+             "all": AllRanks(rank), "rng": ckpt.RNG(), "scaler": scaler}
     random.seed(1 + rank)
     np.random.seed(2 + rank)
     torch.manual_seed(3 + rank)
     ckpt.save(shared_tmp_path / "s", model=small_model(0), comm=comm, state=state)
     want_draws = (random.random(), float(np.random.rand()), float(torch.rand(1)))
-    saved_sched = sched.state_dict()
+    saved_sched, saved_scaler = sched.state_dict(), scaler.state_dict()
 
     sched2 = torch.optim.lr_scheduler.StepLR(torch.optim.SGD(small_model(0).parameters(), lr=1.0), 5, 0.1)
     w2 = torch.zeros(2, 3, dtype=torch.float64)
     data2 = {"epoch": 0, "names": [], "t": torch.zeros(2, dtype=torch.int32), "inner": Counter()}
     mine2, all2 = Counter(), AllRanks(-1)
+    scaler2 = torch.amp.GradScaler("cpu")
     random.seed(0)
     np.random.seed(0)
     torch.manual_seed(0)
     info = ckpt.load(shared_tmp_path / "s", model=small_model(5), comm=comm,
                      state={"sched": sched2, "w": w2, "data": data2, "plain": None, "mine": ckpt.PerRank(mine2),
-                            "all": all2, "rng": ckpt.RNG()})
+                            "all": all2, "rng": ckpt.RNG(), "scaler": scaler2})
     draws = (random.random(), float(np.random.rand()), float(torch.rand(1)))
     size = world.Get_size()
     assert_all(draws == want_draws, f"{draws} != {want_draws}")
-    assert_all(same(sched2.state_dict(), saved_sched))
+    assert_all(same(sched2.state_dict(), saved_sched) and same(scaler2.state_dict(), saved_scaler),
+               f"{scaler2.state_dict()} != {saved_scaler}")
     assert_all(torch.equal(w2, weights) and data2["epoch"] == 3 and data2["names"] == ["a", "b"]
                and torch.equal(data2["t"], data["t"]) and data2["inner"].n == 4, str(data2))
     assert_all(info.state["plain"] == 7 and info.state["w"] is w2)
@@ -229,6 +238,11 @@ def test_items_of_every_kind_round_trip(comm, world, shared_tmp_path):
         ckpt.load(shared_tmp_path / "s", model=small_model(5), comm=comm, state={"nope": Counter()})
     with pytest.raises(ckpt.IncompatibleStateError, match="'mine' was saved per rank only"):
         ckpt.load(shared_tmp_path / "s", model=small_model(5), comm=comm, state={"mine": Counter()})
+    if rank == 0:
+        code = ckpt_cli.main(["inspect", str(shared_tmp_path / "s")])
+        out = capsys.readouterr().out
+        assert code == 0 and f"state item 'mine': per rank, saved by {size} rank(s)" in out \
+            and "state item 'w': replicated (1 tensor(s))" in out, out
 
 
 @pytest.mark.mpi(min_size=2)
@@ -317,3 +331,35 @@ def test_format_version_1_checkpoint_still_loads():
     info = ckpt.load(path, model=model, optimizer=opt, comm=MPI.COMM_SELF)
     assert info.step == 2 and info.extra == {"epoch": 1} and info.manifest.state is None
     assert same(model.state_dict(), ref.state_dict()) and same(opt.state_dict(), ref_opt.state_dict())
+
+
+class Broken:
+    """state_dict() fails on one rank only."""
+
+    def __init__(self, fail: bool) -> None:
+        self.fail = fail
+
+    def per_rank_state_dict(self):
+        if self.fail:
+            raise RuntimeError("sampler state unavailable (simulated)")
+        return {"x": 1}
+
+    def load_per_rank_state_dict(self, saved, rank, size) -> None:
+        pass
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.timeout(60)
+def test_item_failing_on_one_rank_raises_everywhere(comm, world, shared_tmp_path):
+    last = world.Get_size() - 1
+    caught = None
+    try:
+        ckpt.save(shared_tmp_path / "b", model=small_model(0), comm=comm,
+                  state={"s": Broken(world.Get_rank() == last)})
+    except Exception as exc:  # noqa: BLE001
+        caught = exc
+    assert_all(isinstance(caught, RuntimeError) and "simulated" in str(caught), repr(caught))
+    if world.Get_size() > 1:
+        seen = world.allgather(str(caught))
+        assert_all(len(set(seen)) == 1 and f"save (planning) failed on rank {last} of" in seen[0], str(seen))
+    assert_all(not (shared_tmp_path / "b").exists())

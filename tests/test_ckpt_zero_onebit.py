@@ -6,7 +6,6 @@ elsewhere), compressed.OnebitAdam without ZeRO for convergence, the communicator
 """
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from mpi4py import MPI

@@ -7,6 +7,7 @@ and stepped with the same torch optimizer. Runs at 1 rank (plain pytest) and und
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -238,5 +239,48 @@ def test_inner_optimizers_that_cannot_shard_are_refused():
             super().__init__(params, {"lr": lr})
     with pytest.warns(UserWarning, match="not a known elementwise"):
         ckpt.ZeroOptimizer(Custom, p, comm=comm)
+
+    class Declared(Custom):
+        elementwise = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ckpt.ZeroOptimizer(Declared, p, comm=comm)
     with pytest.raises(ValueError, match="bucket_bytes"):
         ckpt.ZeroOptimizer(torch.optim.SGD, p, comm=comm, bucket_bytes=0, lr=0.1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("stage", [1, 3])
+def test_release_grads_same_result_and_frees_grads(mode, stage):
+    comm = mpicomm.init()
+    model, ref = make_model(), make_model()
+    opt = ckpt.ZeroOptimizer(torch.optim.AdamW, model.parameters(), stage=stage, comm=comm, bucket_bytes=48,
+                             release_grads=True, lr=0.02)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=0.02)
+    for s in range(3):
+        opt.zero_grad()
+        ropt.zero_grad()
+        for m in range(2):
+            if m == 0:
+                with opt.no_sync():
+                    loss_of(model, s, m, comm.rank).backward()
+            else:
+                loss_of(model, s, m, comm.rank).backward()
+            loss_of(ref, s, m, comm.rank).backward()
+        assert_all(all(p.grad is None for p in model.parameters()), "grads released after backward")
+        averaged_grads(ref)
+        n = opt.clip_grad_norm_(0.05)
+        rn = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        assert_close_all(n, rn, rtol=1e-5, what="norm")
+        opt.step()
+        ropt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert_close_all(p, q, atol=1e-5, what="parameters with released grads")
+    # a second backward after the gradients were sent and released cannot be averaged: refused
+    loss_of(model, 5, 0, comm.rank).backward()
+    loss_of(model, 5, 1, comm.rank).backward()
+
+    def refused():
+        with pytest.raises(RuntimeError, match="no_sync"):
+            opt.step()
+    check_all(refused)

@@ -218,6 +218,8 @@ def test_pipelined_pieces_match_simulation(world, comm, deferred, monkeypatch):
     from compressed import layout
 
     monkeypatch.setattr(layout, "PIECE_BYTES", 24)  # restored after the test
+    monkeypatch.setattr(layout, "MAX_PIECES", 1000)
+    monkeypatch.setattr(compressed.backend, "_one_node", lambda comm: False)  # pieces on one node too
 
     def run():
         p = comm.size

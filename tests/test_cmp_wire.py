@@ -63,6 +63,8 @@ def test_ranks_on_different_kernel_families_interoperate(world, comm, shift, mon
     from compressed import layout
 
     monkeypatch.setattr(layout, "PIECE_BYTES", 16)
+    monkeypatch.setattr(layout, "MAX_PIECES", 1000)
+    monkeypatch.setattr(compressed.backend, "_one_node", lambda comm: False)  # pieces on one node too
 
     def run():
         kernels = FAMILIES[(comm.rank + shift) % len(FAMILIES)]
@@ -87,7 +89,15 @@ def test_ranks_on_different_kernel_families_interoperate(world, comm, shift, mon
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("n", [1000, 1 << 20])
-def test_wire_bytes_counted_through_the_communicator(world, n):
+@pytest.mark.parametrize("pieces", [False, True])
+def test_wire_bytes_counted_through_the_communicator(world, n, pieces, monkeypatch):
+    """One message per phase on one node; in pieces (as between nodes) the same bytes."""
+    from compressed import layout
+
+    if pieces:
+        monkeypatch.setattr(layout, "PIECE_BYTES", 1024)
+        monkeypatch.setattr(compressed.backend, "_one_node", lambda comm: False)
+
     def run():
         counting = CountingCommunicator(world)
         p = counting.size
@@ -97,6 +107,8 @@ def test_wire_bytes_counted_through_the_communicator(world, n):
         backend.compressed_allreduce(g, torch.zeros(N), torch.zeros(N // p), 0)
         one_bit = counting.sent
         assert set(counting.calls) == {"all_to_all_single", "all_gather_into_tensor"}, counting.calls
+        want_calls = 2 * min(layout.MAX_PIECES, -(-N // p // 8 // 1024)) if pieces else 2
+        assert len(counting.calls) == want_calls, counting.calls
         assert backend.wire_bytes == one_bit, (backend.wire_bytes, one_bit)
         counting.sent = 0
         counting.all_reduce(torch.zeros(n))

@@ -169,7 +169,8 @@ def test_async_work_is_pending_until_the_peer_joins(plain, world):
     late = world.size - 1
     t = torch.full((1 << 22,), float(world.rank + 1))  # 16 MiB
     if world.rank == late:
-        store.wait(["launched/0"])  # rank 0 has launched (and returned) before this rank joins
+        # every other rank has launched (and returned) before this rank joins
+        store.wait([f"launched/{r}" for r in range(late)])
         work = dist.all_reduce(t, async_op=True)
         ok, pending_at_launch, fired = work.wait(), None, None
     else:
@@ -177,8 +178,7 @@ def test_async_work_is_pending_until_the_peer_joins(plain, world):
         work = dist.all_reduce(t, async_op=True)
         fut = work.get_future().then(lambda f: done.set())
         pending_at_launch = not work.is_completed()
-        if world.rank == 0:
-            store.set("launched/0", "1")
+        store.set(f"launched/{world.rank}", "1")
         fired = done.wait(60)  # no wait()/is_completed() in between: the progress thread did it
         ok = pending_at_launch and fired and fut.wait() is None and work.is_completed()
     assert_all(ok, f"pending at launch {pending_at_launch}, callback fired {fired}")
@@ -214,7 +214,7 @@ def test_wait_with_a_timeout_raises_and_the_call_goes_on(plain, world):
     store = dist.distributed_c10d._get_default_store()
     t = torch.full((1024,), float(world.rank + 1))
     if world.rank == world.size - 1:
-        store.wait(["waited/0"])
+        store.wait([f"waited/{r}" for r in range(world.size - 1)])  # every other rank timed out
         work = dist.all_reduce(t, async_op=True)
         raised = True
     else:
@@ -224,8 +224,7 @@ def test_wait_with_a_timeout_raises_and_the_call_goes_on(plain, world):
             work.wait(datetime.timedelta(milliseconds=200))
         except md.CollectiveTimeoutError as exc:
             raised = "wait(timeout=0.2 s)" in str(exc)
-        if world.rank == 0:
-            store.set("waited/0", "1")
+        store.set(f"waited/{world.rank}", "1")
     assert_all(raised, "wait(timeout) before the last rank joined must raise")
     assert_all(work.wait(), "the call completes afterwards")
     assert_close_all(t[:3], np.full(3, world.size * (world.size + 1) / 2))
@@ -259,3 +258,15 @@ def test_object_collectives_batched_p2p_and_coalescing(plain, world):
 def _rows_for(r: int, n: int) -> torch.Tensor:
     """Rank r sends j + 1 copies of 10 r + j to rank j."""
     return torch.cat([torch.full((j + 1,), float(10 * r + j)) for j in range(n)])
+
+
+def test_process_group_calls_appear_in_the_profiler(plain, world):
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        dist.all_reduce(torch.ones(8))
+        dist.all_gather_into_tensor(torch.empty(2 * world.size), torch.ones(2), async_op=True).wait()
+        dist.broadcast(torch.ones(2), 0)
+    names = {e.name for e in prof.events()}
+    want = {"mpicomm:all_reduce", "mpicomm:all_gather_into_tensor", "mpicomm:broadcast"}
+    assert_all(want <= names, f"missing {sorted(want - names)}")

@@ -12,6 +12,7 @@ import mpicomm
 
 from ..api import save
 from ..collective import Collective
+from ..dtypes import DTYPES
 from ..errors import ChecksumError, IncompatibleStateError
 from ..io import read_blocks
 from ..layout import ShardLayout
@@ -22,9 +23,7 @@ from .reader import DeepSpeedState, read_deepspeed, split_names
 from ..storage import read_manifest, resolve
 from .universal import write_params, write_shared
 
-_DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
-           "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32, "int16": torch.int16,
-           "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool}
+_DTYPES = DTYPES
 
 
 def _tag_folder(path: str) -> str:

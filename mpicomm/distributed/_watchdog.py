@@ -39,7 +39,8 @@ class _Watchdog:
                 self._thread = threading.Thread(target=self._run, name="mpicomm-watchdog",
                                                 daemon=True)
                 self._thread.start()
-        self._wake.set()
+        if not self._wake.is_set():  # the thread sleeps until a call is watched
+            self._wake.set()
         return key
 
     def finish(self, key: int) -> None:
@@ -56,7 +57,10 @@ class _Watchdog:
                 entries = list(self._entries.items())
             if not entries:
                 self._wake.clear()
-                self._wake.wait()
+                with self._lock:
+                    idle = not self._entries
+                if idle:
+                    self._wake.wait()
                 continue
             now = time.monotonic()
             for key, e in entries:

@@ -28,6 +28,8 @@ from ..work import Work
 
 _log = logging.getLogger("mpicomm")
 _timed_out: list[str] = []  # messages of the timeouts seen in this process
+_SET = threading.Event()  # the event of every work that completed at launch
+_SET.set()
 
 
 class CollectiveTimeoutError(dist.DistBackendError):
@@ -103,12 +105,16 @@ class MpicommWork(dist.Work):
         self._published = False
         self._source = source
         self._lock = threading.RLock()
-        self._event = threading.Event()
         self._error: BaseException | None = None
         self._future: torch.futures.Future | None = None
         self._threaded = False
-        if not self._inner:
-            self._poll(self._start)
+        if self._inner:
+            self._event = threading.Event()
+        else:  # completed at launch (a blocking call): finish now, share one set event
+            self._event = _SET
+            for step in self._finish:
+                step()
+            self._finish = []
 
     # -- completion -------------------------------------------------------------------------
 
