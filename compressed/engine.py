@@ -52,6 +52,15 @@ class Workspace:
         self.scratch: dict[str, Any] = {}
 
 
+#: Packed bytes of work (8 elements each) between two MPI progress calls.
+STEP_BYTES = 1 << 15
+
+
+def _steps(lo: int, hi: int) -> list[tuple[int, int]]:
+    """[lo, hi) in steps of at most STEP_BYTES bytes."""
+    return [(a, min(a + STEP_BYTES, hi)) for a in range(lo, hi, STEP_BYTES)] or [(lo, hi)]
+
+
 def _block(buf: torch.Tensor, p: int, lo: int, hi: int, trailer: int) -> torch.Tensor:
     """(p, hi - lo + trailer) message of piece [lo, hi) inside a buffer laid out by pieces."""
     return buf[p * lo:p * (hi + trailer)].reshape(p, hi - lo + trailer)
@@ -92,13 +101,14 @@ def _phase1(comm, fam, lay: Layout, g, e, ws: Workspace, deferred: Deferred | No
         trailer = P1_TRAILER if last else 0
         rows = _block(send, p, lo, hi, trailer)
         for j in range(p):
-            a, b = j * chunk + 8 * lo, j * chunk + 8 * hi
-            gp = g[min(a, m):min(b, m)]
-            if deferred is None:
-                ssq += fam.encode(gp, e[a:b], rows[j:j + 1, :hi - lo])
-            else:
-                ssq += fam.encode(gp, e[a:b], rows[j:j + 1, :hi - lo], deferred.xout[a:b],
-                                  deferred.worker_pending)
+            for sl, sh in _steps(lo, hi):  # MPI progress between steps: earlier pieces flow
+                a, b = j * chunk + 8 * sl, j * chunk + 8 * sh
+                gp, out = g[min(a, m):min(b, m)], rows[j:j + 1, sl - lo:sh - lo]
+                if deferred is None:
+                    ssq += fam.encode(gp, e[a:b], out)
+                else:
+                    ssq += fam.encode(gp, e[a:b], out, deferred.xout[a:b], deferred.worker_pending)
+                pend.progress()
         if last:
             scale = np.float32(math.sqrt(ssq / lay.padded))
             tail = np.zeros(2, np.uint32)
@@ -153,17 +163,21 @@ def _allreduce(comm, fam, lay, g, out, e, s, ws, deferred, pend):
     for k, (lo, hi) in enumerate(pieces):
         last = k == len(pieces) - 1
         trailer = P2_TRAILER if last else 0
-        sss += fam.server_accumulate(_block(recv, p, lo, hi, P1_TRAILER if last else 0)[:, :hi - lo],
-                                     coef, s[8 * lo:8 * hi], gsend[lo:hi], spend)
+        block = _block(recv, p, lo, hi, P1_TRAILER if last else 0)
+        for sl, sh in _steps(lo, hi):
+            sss += fam.server_accumulate(block[:, sl - lo:sh - lo], coef, s[8 * sl:8 * sh],
+                                         gsend[sl:sh], spend)
+            pend.progress()
         if last:
             sscale = np.float32(math.sqrt(sss / chunk))
             ws.gsend[hi:].copy_(_trailer(np.array([sscale], np.float32)).to(ws.gsend.device))
         pend.add(comm.all_gather_into_tensor(_block(ws.grecv, p, lo, hi, trailer),
                                              ws.gsend[lo:hi + trailer], async_op=True))
         if deferred is None:  # the worker error update overlaps the transfers
-            a, b = k * share, min((k + 1) * share, lay.padded)
-            fam.worker_residual(g[min(a, m):min(b, m)], e[a:b], float(scale))
-            pend.progress()
+            for a in range(k * share, min((k + 1) * share, lay.padded), 8 * STEP_BYTES):
+                b = min(a + 8 * STEP_BYTES, (k + 1) * share, lay.padded)
+                fam.worker_residual(g[min(a, m):min(b, m)], e[a:b], float(scale))
+                pend.progress()
     if deferred is None:
         fam.server_residual(s, float(sscale))
     pend.wait()

@@ -65,6 +65,7 @@ def test_ranks_on_different_kernel_families_interoperate(world, comm, shift, mon
     monkeypatch.setattr(layout, "PIECE_BYTES", 16)
     monkeypatch.setattr(layout, "MAX_PIECES", 1000)
     monkeypatch.setattr(compressed.backend, "_one_node", lambda comm: False)  # pieces on one node too
+    monkeypatch.setattr(compressed.engine, "STEP_BYTES", 8)  # many progress steps per piece
 
     def run():
         kernels = FAMILIES[(comm.rank + shift) % len(FAMILIES)]
