@@ -92,6 +92,7 @@ class _Slot:
     """Per communicator: its duplicate for background I/O, the snapshot pool, the save in flight."""
 
     def __init__(self, comm: Any) -> None:
+        self.source = comm.mpi_comm  # held, so that its id (the slot's key) is never reused
         self.dup = comm.dup()
         self.pool = SnapshotPool()
         self.pending: SaveHandle | None = None
@@ -102,7 +103,7 @@ _LOCK = threading.Lock()
 
 
 def _key(comm: Any) -> int:
-    return MPI.Comm.py2f(comm.mpi_comm)
+    return id(comm.mpi_comm)
 
 
 def wait_pending(comm: Any = None) -> None:
