@@ -2,7 +2,9 @@
 
 Run with at least max(N, M) ranks, e.g. ``mpiexec -n 3 python -m bench ckpt``. In one run it
 measures, on the same directory: the disk (one file of the checkpoint's size written from Python
-and fdatasync'ed), ``ckpt.save`` at ``--save-ranks`` (fsync'ed), ``ckpt.load`` at
+and fdatasync'ed), ``ckpt.save`` at ``--save-ranks`` (fsync'ed), how long ``ckpt.save(...,
+async_save=True)`` blocks and when it commits (a second async save: the first fills its reused
+snapshot memory), ``ckpt.load`` at
 ``--load-ranks`` with each rank's peak RSS growth, and checks the loaded state. When DeepSpeed is
 importable it then runs the same model through DeepSpeed (gloo, CPU): ``save_checkpoint`` at
 ``--save-ranks``, ``ds_to_universal``, and a universal ``load_checkpoint`` at ``--load-ranks``,
@@ -29,6 +31,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--load-ranks", type=int, default=3, help="ranks that load (default 3)")
     p.add_argument("--dir", default=None, help="where to write (default: a temporary directory in /tmp)")
     p.add_argument("--no-sync", action="store_true", help="also time a save without fsync")
+    p.add_argument("--no-async", action="store_true",
+                   help="skip the asynchronous save (how long save(async_save=True) blocks, and commits)")
     p.add_argument("--reference-s", type=float, default=None, metavar="SECONDS",
                    help="without DeepSpeed here: your own DeepSpeed save+convert+load seconds to "
                         "compare with (labelled as given, not measured in this run)")
@@ -199,6 +203,25 @@ def _deepspeed_available() -> bool:
     return importlib.util.find_spec("deepspeed") is not None
 
 
+def _async_save(comm, model, opt, path: str) -> tuple[float, float]:
+    """Seconds ``ckpt.save(async_save=True)`` blocks, and until its commit, for a second async
+    save (the first fills the reused snapshot memory); the slowest rank's times."""
+    from mpi4py import MPI
+
+    import ckpt
+
+    ckpt.save(path + "-async0", model=model, optimizer=opt, step=1, comm=comm, async_save=True).wait()
+    _polite_barrier(comm.mpi_comm)
+    t0 = time.perf_counter()
+    handle = ckpt.save(path + "-async1", model=model, optimizer=opt, step=1, comm=comm, async_save=True)
+    blocks = time.perf_counter() - t0
+    handle.wait()
+    total = time.perf_counter() - t0
+    if comm.rank == 0:
+        shutil.rmtree(path + "-async0", ignore_errors=True)
+    return comm.mpi_comm.allreduce(blocks, op=MPI.MAX), comm.mpi_comm.allreduce(total, op=MPI.MAX)
+
+
 def _one_step(args, comm):
     """The benchmark's model and ZeRO Adam after one step on random gradients."""
     import torch
@@ -284,6 +307,7 @@ def main(argv: list[str]) -> int:
             if stored != nbytes:  # the model and Adam state, nothing more, nothing less
                 raise RuntimeError(f"bench ckpt: expected {nbytes} tensor bytes in data.bin, "
                                    f"the manifest lists {stored}")
+            async_s = _async_save(save_c, model, opt, path) if not args.no_async else None
             del model, opt, m
             save_c.mpi_comm.Free()
         gc.collect()
@@ -291,6 +315,12 @@ def main(argv: list[str]) -> int:
         save_s = world.bcast(save_s, root=0)
         checksum_ref = world.bcast(checksum_ref, root=0)
         emit("ckpt.save (fsync)", args.save_ranks, nbytes, save_s, f"{disk_s / save_s:.2f} x the disk's speed")
+        if not args.no_async:
+            async_s = world.bcast(async_s if save_c is not None else None, root=0)
+            emit("ckpt.save async: blocks", args.save_ranks, nbytes, async_s[0],
+                 f"{async_s[0] / save_s:.3f} x the sync save's blocking time")
+            emit("ckpt.save async: committed", args.save_ranks, nbytes, async_s[1],
+                 "from the call to handle.wait() returning")
 
         # 3. load at --load-ranks; peak RSS growth against the rank's own partition
         load_c = _sub(world, args.load_ranks)

@@ -36,10 +36,13 @@ What lives where:
     zero           ZeroOptimizer; zero_buckets (gradient reduction), zero_inner (which inner
                    optimizers can shard), zero_onebit (1-bit Adam on the shards)
     cli            ``python -m ckpt``;  export: model-only safetensors;  deepspeed/: DeepSpeed import/export
+    async_save     ``save(async_save=True)``: snapshot, then write and commit in the background
 """
 from __future__ import annotations
 
 from .api import LoadResult, load, save
+from .async_save import AsyncSaveError, SaveHandle, wait_pending
+from .export import export_safetensors
 from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError, ChecksumError, CollectiveError,
                      IncompatibleStateError, RankFailure, StateMismatchError)
 from .layout import Segment, ShardLayout
@@ -51,6 +54,7 @@ from .zero import ZeroOptimizer
 from .deepspeed import PickleRefusedError, from_deepspeed, to_deepspeed_universal  # noqa: E402
 
 __all__ = [
+    "AsyncSaveError", "SaveHandle", "export_safetensors", "wait_pending",
     "CheckpointError", "CheckpointExistsError", "CheckpointNotFoundError", "ChecksumError", "CollectiveError",
     "DamagedCheckpointError", "FORMAT_VERSION", "IncompatibleStateError", "IncompleteCheckpointError", "LoadResult",
     "Manifest", "ManifestError", "PerRank", "PickleRefusedError", "RNG", "RankFailure", "Segment", "ShardLayout",

@@ -10,7 +10,9 @@ import torch
 
 import mpicomm
 
+from . import async_save as async_save_mod
 from . import items, safetensors_header
+from .async_save import SaveHandle
 from .collective import Collective
 from .errors import IncompatibleStateError, StateMismatchError
 from .io import DEFAULT_CHUNK_BYTES, read_items, write_items
@@ -59,7 +61,8 @@ class LoadResult:
 def save(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
          step: int | None = None, comm: Any = None, extra: Any = None, state: dict[str, Any] | None = None,
          sync: bool = True, overwrite: bool = False, update_latest: bool = True,
-         block_size: int = DEFAULT_BLOCK_SIZE, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Manifest:
+         block_size: int = DEFAULT_BLOCK_SIZE, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+         async_save: bool = False) -> Manifest | SaveHandle:
     """Save model weights, optimizer state, step, JSON-able ``extra`` and the ``state`` items
     (name -> object with state_dict(), tensor, or data nested in dicts/lists; ``ckpt.RNG()``,
     ``ckpt.PerRank(obj)`` and objects with ``per_rank_state_dict()`` per rank) to ``path``.
@@ -72,8 +75,16 @@ def save(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.op
     that concurrent saves commit one at a time; ``<parent>/latest`` then names it. A failure on
     any rank raises the same exception on every rank. ``sync`` makes the data and manifest
     durable (fsync) first.
+
+    ``async_save``: return a ``SaveHandle`` as soon as every rank has copied what it writes
+    into host memory it owns (reused across saves); the writing, checksums and commit run in a
+    background thread on a duplicate of ``comm`` (needs MPI_THREAD_MULTIPLE), and ``latest``
+    moves at the commit. ``handle.wait()`` returns the manifest; a failure is raised on every
+    rank at the next ``wait()``, ``save``, ``load`` or ``ckpt.wait_pending()``. A save waits for
+    the one in flight on the same communicator first.
     """
     comm = _communicator(comm, optimizer)
+    async_save_mod.wait_pending(comm)  # one save in flight per communicator; raises a failed one's error
     run = Collective(comm, "save")
     path = os.path.abspath(os.fspath(path))
     opt = planner_for(optimizer)
@@ -81,14 +92,22 @@ def save(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.op
         comm, model, opt, step, extra, state or {}, block_size, chunk_bytes))
     summaries = run.allgather(summary)
     run.everywhere("planning state items", lambda: _plan_items_save(comm, manifest, sp, captured, summaries))
-    tmp = run.on_root("creating the working directory", lambda: create_workdir(path, comm.size, overwrite))
-    pieces = run.everywhere("writing data", lambda: write_items(
-        comm.mpi_comm, os.path.join(tmp, DATA_NAME), sp.items(comm.rank, comm.size, block_size), sp.buffers,
-        file_size=manifest.files[DATA_NAME]["nbytes"], block_size=block_size, chunk_bytes=chunk_bytes, sync=sync))
-    gathered = run.gather([(p.offset, p.length, p.crc) for p in pieces])
-    return run.on_root("committing", lambda: commit_save(
-        tmp, path, manifest, [p for lst in gathered for p in lst], overwrite=overwrite, sync=sync,
-        update_latest=update_latest))
+    mine = sp.items(comm.rank, comm.size, block_size)
+
+    def finish(c: mpicomm.Communicator, buffers: list[torch.Tensor], manifest: Manifest) -> Manifest:
+        run = Collective(c, "save")
+        tmp = run.on_root("creating the working directory", lambda: create_workdir(path, c.size, overwrite))
+        pieces = run.everywhere("writing data", lambda: write_items(
+            c.mpi_comm, os.path.join(tmp, DATA_NAME), mine, buffers, file_size=manifest.files[DATA_NAME]["nbytes"],
+            block_size=block_size, chunk_bytes=chunk_bytes, sync=sync))
+        gathered = run.gather([(p.offset, p.length, p.crc) for p in pieces])
+        return run.on_root("committing", lambda: commit_save(
+            tmp, path, manifest, [p for lst in gathered for p in lst], overwrite=overwrite, sync=sync,
+            update_latest=update_latest))
+
+    if async_save:
+        return async_save_mod.start(comm, run, sp.buffers, manifest, finish)
+    return finish(comm, sp.buffers, manifest)
 
 
 def _plan_save(comm: mpicomm.Communicator, model: torch.nn.Module, opt: OptimizerPlanner | None, step: int | None,
@@ -165,6 +184,7 @@ def load(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.op
     in place (``load_state_dict``; per-rank objects ``load_per_rank_state_dict``), tensors,
     dicts and lists are filled in place; ``LoadResult.state`` has every item."""
     comm = _communicator(comm, optimizer)
+    async_save_mod.wait_pending(comm)  # a save in flight commits (or raises its failure) first
     run = Collective(comm, "load")
     text, ckdir = run.on_root("reading the manifest", lambda: (read_manifest(path).to_json(), resolve(path)))
     m = Manifest.from_json(text)
