@@ -179,6 +179,30 @@ def test_crc_damaged_entry_is_refused_on_every_rank(comm, world, shared_tmp_path
     assert not (shared_tmp_path / "ours").exists()
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("step", ["verify_files", "read_deepspeed"])
+def test_a_failure_on_the_last_rank_alone_raises_on_every_rank(comm, world, shared_tmp_path, monkeypatch, step):
+    """A rank that fails before the others reach a step's collective never leaves them waiting."""
+    from ckpt.deepspeed import api as ds_api
+
+    src = shared_tmp_path / "ds"
+    if world.Get_rank() == 0:
+        make(str(src), 1, 1)
+    world.Barrier()
+    if world.Get_rank() == world.Get_size() - 1:
+        def broken(*_a, **_k):
+            raise OSError("disk gone on this rank")
+        monkeypatch.setattr(ds_api, step, broken)
+
+    def refused():
+        with pytest.raises(OSError) as info:
+            from_deepspeed(src, shared_tmp_path / "ours", comm=comm)
+        assert f"rank {world.Get_size() - 1}" in str(info.value) and "disk gone" in str(info.value)
+    check_all(refused)
+    world.Barrier()
+    assert not (shared_tmp_path / "ours").exists()
+
+
 def test_truncated_zip_entry_is_refused(tmp_path):
     src = tmp_path / "ds"
     make(str(src), 3, 2)

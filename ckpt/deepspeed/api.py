@@ -19,7 +19,7 @@ from ..layout import ShardLayout
 from ..manifest import DamagedCheckpointError, Manifest, TensorEntry
 from ..progress import ProgressFn, report
 from ..zero import ZeroOptimizer
-from .reader import DeepSpeedState, read_deepspeed, split_names
+from .reader import DeepSpeedState, read_deepspeed, split_names, verify_files
 from ..storage import read_manifest, resolve
 from .universal import write_params, write_shared
 
@@ -93,9 +93,15 @@ def from_deepspeed(ds_checkpoint_dir: str | os.PathLike, path: str | os.PathLike
     comm = mpicomm.as_communicator(comm)
     run = Collective(comm, "from_deepspeed")
     folder = os.path.abspath(os.fspath(ds_checkpoint_dir))
-    # every zip entry is checked first, the work shared among the ranks (a collective step itself)
-    meta = run.everywhere("checking", lambda: read_deepspeed(_tag_folder(folder), names=[], comm=comm))
-    zero, model, step, extra = run.everywhere("reading", lambda: _read(_tag_folder(folder), meta, comm, progress))
+    # Each step below is local to its rank (no communication inside it), so a rank that fails
+    # early cannot leave the others waiting in a collective of the step; the wrapper then
+    # raises on every rank. Only "building" is collective (ZeroOptimizer's construction), and
+    # it runs once every rank has read its part.
+    tag = run.everywhere("finding the tag folder", lambda: _tag_folder(folder))
+    run.everywhere("checking", lambda: verify_files(tag, comm.rank, comm.size))  # this rank's share
+    meta = run.everywhere("reading the layout", lambda: read_deepspeed(tag, names=[], verify=False))
+    state, by_group, stage = run.everywhere("reading", lambda: _read(tag, meta, comm, progress))
+    zero, model, step, extra = run.everywhere("building", lambda: _build(tag, state, by_group, stage, comm))
     report(progress, "writing", 0, 1)
     m = save(path, model=model, optimizer=zero, step=step, comm=comm, extra=extra, overwrite=overwrite)
     report(progress, "writing", 1, 1)
@@ -103,14 +109,21 @@ def from_deepspeed(ds_checkpoint_dir: str | os.PathLike, path: str | os.PathLike
 
 
 def _read(folder: str, meta: DeepSpeedState, comm: mpicomm.Communicator, progress: ProgressFn | None
-          ) -> tuple[ZeroOptimizer, torch.nn.Module, int | None, dict[str, Any]]:
-    """This rank's part of the DeepSpeed checkpoint as a model and a ZeroOptimizer over ``comm``."""
+          ) -> tuple[DeepSpeedState, list[list[str]], int]:
+    """The tensors of DeepSpeed checkpoint ``folder`` that this rank needs (no communication),
+    with the parameter names of each group and our ZeRO stage."""
     stage = 3 if meta.stage == 3 else 1
     by_group: list[list[str]] = [[n for n in meta.names if meta.group[n] == gi]
                                  for gi in range(len(meta.param_groups))]
     layouts = [(names, ShardLayout([meta.numel(n) for n in names], comm.size, stage)) for names in by_group]
     state = read_deepspeed(folder, names=_needed(meta, layouts, comm.rank), progress=progress, verify=False)
+    return state, by_group, stage
 
+
+def _build(folder: str, state: DeepSpeedState, by_group: list[list[str]], stage: int,
+           comm: mpicomm.Communicator) -> tuple[ZeroOptimizer, torch.nn.Module, int | None, dict[str, Any]]:
+    """This rank's part of the DeepSpeed checkpoint as a model and a ZeroOptimizer over ``comm``
+    (collective: the ZeroOptimizer is built on every rank)."""
     entries: "OrderedDict[str, tuple[torch.Tensor, bool]]" = OrderedDict()
     order = list(state.model_state) + [n for n in state.names if n not in state.model_state]
     for name in order:
@@ -128,7 +141,7 @@ def _read(folder: str, meta: DeepSpeedState, comm: mpicomm.Communicator, progres
     groups = [{"params": [params[n] for n in names], **hp} for names, hp in zip(by_group, state.param_groups)]
     zero = ZeroOptimizer(_optimizer_class(state), groups, stage=stage, comm=comm)
 
-    for gi, (g, (names, _layout)) in enumerate(zip(zero.groups, layouts)):
+    for gi, (g, names) in enumerate(zip(zero.groups, by_group)):
         shard = {k: torch.zeros(g.layout.local_numel, dtype=torch.float32) for k in ("exp_avg", "exp_avg_sq")}
         for s in g.layout.segments(comm.rank):
             full = state.tensors[names[s.param]]

@@ -150,6 +150,16 @@ def _hyper(group: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k != "params"}
 
 
+def verify_files(folder: str | os.PathLike, rank: int = 0, size: int = 1) -> None:
+    """Check the CRC-32 and size of rank ``rank``'s share (of ``size``) of the zip entries of
+    DeepSpeed tag folder ``folder``; a damaged entry raises ZipEntryError here (no communication:
+    run it through ckpt's Collective to raise on every rank)."""
+    folder = os.fspath(folder)
+    if not os.path.isdir(folder):
+        raise CheckpointNotFoundError(f"no DeepSpeed checkpoint folder at {folder}")
+    check_files([_model_file(folder)] + [p for _, p in _optim_files(folder)], rank, size)
+
+
 def read_deepspeed(folder: str | os.PathLike, allow_pickle: bool = False, comm: Any = None,
                    names: Sequence[str] | None = None, progress: ProgressFn | None = None,
                    verify: bool = True) -> DeepSpeedState:
