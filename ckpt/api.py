@@ -88,6 +88,8 @@ def save(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.op
     run = Collective(comm, "save")
     path = os.path.abspath(os.fspath(path))
     opt = planner_for(optimizer)
+    if opt is not None:
+        run.everywhere("gathering the optimizer state", lambda: opt.prepare_save(comm.size))
     sp, manifest, captured, summary = run.everywhere("planning", lambda: _plan_save(
         comm, model, opt, step, extra, state or {}, block_size, chunk_bytes))
     summaries = run.allgather(summary)

@@ -118,6 +118,11 @@ class OptimizerPlanner:
     def check_size(self, size: int, what: str) -> None:
         """Raise if the optimizer cannot be saved or loaded by ``size`` ranks."""
 
+    def prepare_save(self, size: int) -> None:
+        """Run on every rank as a save step of its own, before planning: the collective calls
+        the optimizer needs to give its state (so no rank fails in between)."""
+        self.check_size(size, "save")
+
     def saves_weights(self, t: torch.Tensor) -> bool:
         return False
 

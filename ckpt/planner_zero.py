@@ -56,13 +56,22 @@ class ZeroPlanner(OptimizerPlanner):
     def loads_weights(self, t: torch.Tensor) -> bool:
         return id(t) in self._ids()  # gathered from the masters after the load
 
+    def prepare_save(self, size: int) -> None:
+        self.check_size(size, "save")
+        # collective for OnebitAdam after freeze_step (the exact mean momentum): every rank,
+        # every group, in order, in a step with nothing else that could fail on one rank first
+        self._states = [self.optimizer.shard_state(gi) for gi in range(len(self.optimizer.groups))]
+
     def plan_save(self, model: ModelState, index: dict[int, int], sp: SavePlan, rank: int) -> dict[str, Any]:
         zero = self.optimizer
+        states, self._states = getattr(self, "_states", None), None
+        if states is None:  # planned without prepare_save (not through ckpt.save)
+            states = [zero.shard_state(gi) for gi in range(len(zero.groups))]
         group_tensors: list[dict[str, torch.Tensor]] = []
         scalars: dict[str, dict[str, Any]] = {}
         self._check_inner_state()
         for gi, g in enumerate(zero.groups):
-            tensors, group_scalars, others = split_state(zero.shard_state(gi), g.master.shape)
+            tensors, group_scalars, others = split_state(states[gi], g.master.shape)
             if others:
                 raise IncompatibleStateError(
                     f"save: {self.class_name()} state {sorted(others)} of param group {gi} is neither a tensor "

@@ -58,6 +58,8 @@ class Custom(torch.optim.Optimizer):
     """Momentum SGD with every kind of state an optimizer may keep: int and 0-d tensor scalars,
     a per-parameter tensor of another shape, and top-level entries of its own (tensors and data)."""
 
+    elementwise = True  # ZeroOptimizer may shard it: every update is element by element
+
     def __init__(self, params, lr: float = 0.1) -> None:
         super().__init__(params, {"lr": lr})
         self.calls = 0
