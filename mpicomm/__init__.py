@@ -1,4 +1,15 @@
-"""mpicomm: MPI collectives over torch tensors, numpy and cupy arrays, for PyTorch training."""
+"""mpicomm: MPI collectives over torch tensors, numpy and cupy arrays, for PyTorch training.
+
+What lives where: ``communicator`` (the Communicator and ``init``/``as_communicator``: one
+launch path for blocking and async calls), ``p2p`` (its point-to-point calls), ``world`` (the
+same calls as module functions), ``fastpath`` (the one rule that sends plain host tensors
+straight to MPI), ``validate`` and ``errors`` (argument checks and their messages), ``buffers``
+(torch/numpy/cupy to MPI buffers and back), ``dtypes`` and ``ops`` (dtype and op tables),
+``device_paths`` (direct or staged device buffers), ``large`` (counts beyond 2^31 on MPI-3
+libraries), ``checking`` (checking mode), ``work`` and ``progress`` (async handles and the
+progress thread), ``observe`` (profiler events and logging), ``_util`` (env flags, byte sizes,
+env cleaning), and ``distributed/`` (the torch.distributed backend and DDP hook).
+"""
 from __future__ import annotations
 
 from . import distributed  # registers the "mpicomm" torch.distributed backend
