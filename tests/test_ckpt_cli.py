@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from mpicomm._util import clean_env
 import torch
 from mpi4py import MPI
 
@@ -109,7 +110,7 @@ def test_progress_only_on_rank_0_and_only_when_asked_or_a_terminal(monkeypatch):
 
 def test_convert_and_export_in_parallel_under_mpiexec(tmp_path):
     t = make(str(tmp_path / "ds"), 3, 2)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPI_LOCAL"))}
+    env = clean_env()
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
 
     def run(*args):

@@ -21,6 +21,7 @@ import subprocess
 import sys
 
 import pytest
+from mpicomm._util import clean_env
 import torch
 from mpi4py import MPI
 
@@ -54,7 +55,7 @@ def _free_port() -> int:
 
 def launch(n: int, *args: str, timeout: int = 300) -> None:
     """Run ds_make_checkpoint.py on ``n`` ranks; fail with its output if it fails."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPI_LOCAL"))}
+    env = clean_env()
     env["DS_TEST_PORT"] = str(_free_port())
     env.setdefault("OMP_NUM_THREADS", "1")
     env["DS_ACCELERATOR"] = "cpu"  # gloo on the CPU even where a GPU is present

@@ -14,6 +14,7 @@ import time
 import zlib
 
 import pytest
+from mpicomm._util import clean_env
 import torch
 from mpi4py import MPI
 
@@ -135,7 +136,7 @@ def start_job(tmp_path, *args: str, n: int = 2) -> subprocess.Popen:
     script = tmp_path / "ckpt_child.py"
     if not script.exists():
         script.write_text(CHILD)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPI_LOCAL"))}
+    env = clean_env()
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("OMP_NUM_THREADS", "1")
     return subprocess.Popen([*mpiexec_cmd(n), sys.executable, "-m", "mpi4py", str(script), *args],
