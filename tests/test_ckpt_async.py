@@ -9,9 +9,10 @@ import sys
 import threading
 
 import pytest
+from mpicomm._util import clean_env
 import torch
 from mpi4py import MPI
-from mpitest import check_all, mpiexec_path
+from mpitest import check_all, mpiexec_cmd
 
 import ckpt
 from ckpt import api as ckpt_api
@@ -193,9 +194,9 @@ def test_refused_without_thread_multiple(comm, world, tmp_path, monkeypatch):
 def test_job_killed_during_an_async_save_leaves_the_previous_checkpoint(tmp_path, ranks):
     if MPI.COMM_WORLD.Get_size() > 1:
         pytest.skip("launches its own mpiexec job")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPI_LOCAL"))}
+    env = clean_env()
     env["PYTHONPATH"] = os.path.dirname(HERE) + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [mpiexec_path(), "-n", str(ranks), sys.executable, "-m", "mpi4py", os.path.join(HERE, "ckpt_async_job.py"),
+    cmd = [*mpiexec_cmd(ranks), sys.executable, "-m", "mpi4py", os.path.join(HERE, "ckpt_async_job.py"),
            str(tmp_path)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode != 0, "the job was to be killed"

@@ -16,6 +16,7 @@ import sys
 
 import numpy as np
 import pytest
+from mpicomm._util import clean_env
 import torch
 from mpi4py import MPI
 
@@ -292,7 +293,7 @@ def test_replicated_item_that_differs_between_ranks_is_refused(comm, world, shar
 
 
 def _job(*args: str, n: int) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPI_LOCAL"))}
+    env = clean_env()
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("OMP_NUM_THREADS", "1")
     cmd = [*mpiexec_cmd(n), sys.executable, "-m", "mpi4py", os.path.join(ROOT, "tests", "ckpt_resume_job.py"), *args]
