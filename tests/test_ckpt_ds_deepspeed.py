@@ -56,14 +56,19 @@ def _free_port() -> int:
 def launch(n: int, *args: str, timeout: int = 300) -> None:
     """Run ds_make_checkpoint.py on ``n`` ranks; fail with its output if it fails."""
     env = clean_env()
-    env["DS_TEST_PORT"] = str(_free_port())
     env.setdefault("OMP_NUM_THREADS", "1")
     env["DS_ACCELERATOR"] = "cpu"  # gloo on the CPU even where a GPU is present
     cmd = [*mpiexec_cmd(n), sys.executable, "-m", "mpi4py", SCRIPT, *args]
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"timed out after {timeout} s: {' '.join(cmd)}\n{(exc.stderr or b'')[-3000:]!r}")
+    for attempt in range(3):
+        # the free port can be taken by another socket before DeepSpeed's store binds it: the
+        # job then fails at start-up (EADDRINUSE, its peers terminated); start it again on another
+        env["DS_TEST_PORT"] = str(_free_port())
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        except subprocess.TimeoutExpired as exc:
+            pytest.fail(f"timed out after {timeout} s: {' '.join(cmd)}\n{(exc.stderr or b'')[-3000:]!r}")
+        if out.returncode == 0 or "EADDRINUSE" not in out.stdout + out.stderr:
+            break
     assert out.returncode == 0, f"{' '.join(cmd)} exited {out.returncode}\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}"
 
 
