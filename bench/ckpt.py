@@ -226,11 +226,11 @@ def _one_step(args, comm):
     """The benchmark's model and ZeRO Adam after one step on random gradients."""
     import torch
 
-    import ckpt
+    from zero import ZeroOptimizer
 
     model = _model(args.layers, args.hidden, seed=0)
-    opt = ckpt.ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=args.stage, comm=comm,
-                             lr=1e-4)
+    opt = ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=args.stage, comm=comm,
+                        lr=1e-4)
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     opt.step()
@@ -245,6 +245,7 @@ def main(argv: list[str]) -> int:
     from mpi4py import MPI
 
     import ckpt
+    from zero import ZeroOptimizer
     from bench.common import Column, JsonWriter, Table, environment_info, header_lines
 
     world = MPI.COMM_WORLD
@@ -330,8 +331,8 @@ def main(argv: list[str]) -> int:
             model = _model(args.layers, args.hidden, seed=None)
             for p in model.parameters():  # a built model: its weights are resident before loading
                 p.detach().zero_()
-            opt = ckpt.ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=args.stage,
-                                     comm=load_c, lr=1.0)
+            opt = ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=args.stage,
+                                comm=load_c, lr=1.0)
             part = sum(g.master.numel() for g in opt.groups) * 4 * 3
             gc.collect()
             reset = _reset_peak_rss()

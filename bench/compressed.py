@@ -114,7 +114,7 @@ def _cases(ops, g, lay, world, backend, fam, kernels, rng) -> dict:
     """op -> (callable, peer, wire bytes per rank, correctness check or None), in table order."""
     import torch
 
-    from compressed.layout import fp32_allreduce_wire_bytes
+    from compressed.wire_format import fp32_allreduce_wire_bytes
 
     p = world.Get_size()
 
@@ -213,7 +213,7 @@ def _run(args, compressed) -> int:
     import torch
 
     from compressed.families import family_for
-    from compressed.layout import Layout, fp32_allreduce_wire_bytes
+    from compressed.wire_format import Layout, fp32_allreduce_wire_bytes
 
     world = MPI.COMM_WORLD
     p = world.Get_size()
@@ -233,7 +233,7 @@ def _run(args, compressed) -> int:
     most = len(backend.layout(max(args.sizes) // 4 or 1).pieces())
     rep.start(dtype="float32", extra=[
         f"kernels: {impl}; 1-bit messages: packed signs per chunk, scales in trailers "
-        f"(compressed.layout); {most} piece(s) per phase at the largest size "
+        f"(compressed.wire_format); {most} piece(s) per phase at the largest size "
         f"({'ranks on one node' if backend.comm.local_size == p else 'ranks on several nodes'})",
         "x_fp32: time / fp32 all_reduce time at the same size; local rows run on every rank at once",
     ])

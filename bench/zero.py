@@ -70,13 +70,13 @@ class ZeroRow:
     """ZeroOptimizer(AdamW): backward alone (no_sync), sent after backward, sent from hooks."""
 
     def __init__(self, args, mpi: MPI.Comm, stage: int) -> None:
-        import ckpt
+        from zero import ZeroOptimizer
         import mpicomm
 
         self.args, self.mpi = args, mpi
         self.model = make_model(args.hidden, args.layers)
-        self.opt = ckpt.ZeroOptimizer(torch.optim.AdamW, self.model.parameters(), stage=stage,
-                                      comm=mpicomm.init(), bucket_bytes=args.bucket_mb << 20, lr=1e-4)
+        self.opt = ZeroOptimizer(torch.optim.AdamW, self.model.parameters(), stage=stage,
+                                 comm=mpicomm.init(), bucket_bytes=args.bucket_mb << 20, lr=1e-4)
         self.ph = Phases()
 
     def step(self, s: int, rec: bool) -> None:
@@ -212,7 +212,7 @@ def _reset_peak() -> None:
 
 def mem_row(args, mpi: MPI.Comm, kind: str) -> float:
     """Peak MiB above the starting resident size while building and training one row."""
-    import ckpt
+    from zero import ZeroOptimizer
     import mpicomm
 
     gc.collect()
@@ -236,8 +236,8 @@ def mem_row(args, mpi: MPI.Comm, kind: str) -> float:
         fully_shard(model, mesh=mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     else:
-        opt = ckpt.ZeroOptimizer(torch.optim.AdamW, model.parameters(), stage=int(kind[4]),
-                                 comm=mpicomm.init(), bucket_bytes=args.bucket_mb << 20,
+        opt = ZeroOptimizer(torch.optim.AdamW, model.parameters(), stage=int(kind[4]),
+                            comm=mpicomm.init(), bucket_bytes=args.bucket_mb << 20,
                                  release_grads=kind.endswith("r"), lr=1e-4)
     for s in range(2):
         x, y = batch(args.mem_hidden, args.batch, s, mpi.rank)
@@ -353,7 +353,7 @@ def _nbytes(spec: Any) -> int | None:
 
 
 def bytes_row(args, mpi: MPI.Comm, kind: str, stage: int = 1) -> dict:
-    import ckpt
+    from zero import ZeroOptimizer
     import compressed
     import mpicomm
 
@@ -362,10 +362,10 @@ def bytes_row(args, mpi: MPI.Comm, kind: str, stage: int = 1) -> dict:
     comm.mpi_comm = CountingComm(comm.mpi_comm, counts)
     model = make_model(args.hidden, args.layers)
     if kind == "zero-adam":
-        opt: Any = ckpt.ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=stage, comm=comm, lr=1e-4)
+        opt: Any = ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=stage, comm=comm, lr=1e-4)
     elif kind == "zero-1bit":
-        opt = ckpt.ZeroOptimizer(compressed.OnebitAdam, model.parameters(), stage=stage, comm=comm, lr=1e-4,
-                                 freeze_step=1)
+        opt = ZeroOptimizer(compressed.OnebitAdam, model.parameters(), stage=stage, comm=comm, lr=1e-4,
+                            freeze_step=1)
     else:
         opt = compressed.OnebitAdam(model.parameters(), lr=1e-4, freeze_step=1, comm=comm)
     if hasattr(opt, "_grad_comm") and opt._grad_comm is not comm:

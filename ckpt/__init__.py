@@ -1,6 +1,6 @@
 """Sharded (ZeRO-style) training state saved and loaded with MPI collective I/O at any world size.
 
-    opt = ckpt.ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=1, comm=comm, lr=1e-3)
+    opt = zero.ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=1, comm=comm, lr=1e-3)
     ...train...
     ckpt.save("run/step100", model=model, optimizer=opt, step=100, comm=comm)   # collective
     info = ckpt.load("run", model=model, optimizer=opt, comm=comm)              # follows run/latest
@@ -30,11 +30,9 @@ What lives where:
     commit         atomic publish (rename / exchange) under a directory lock
     errors         CheckpointError and its subclasses, the CLI's exit codes
     io             collective MPI-IO of planned byte ranges, with checksums
-    plan, layout   pure byte-range and shard math;  manifest: the JSON format;  checksum: CRC-32
+    plan           pure byte-range math;  manifest: the JSON format;  checksum: CRC-32
     safetensors_header  the safetensors header that makes data.bin a safetensors file
-    dtypes         the dtype names of the format;  progress: progress bars
-    zero           ZeroOptimizer; zero_buckets (gradient reduction), zero_inner (which inner
-                   optimizers can shard), zero_onebit (1-bit Adam on the shards)
+    dtypes         the dtype names of the format;  progress_bar: the CLI's progress bars
     cli            ``python -m ckpt``;  export: model-only safetensors;  deepspeed/: DeepSpeed import/export
     async_save     ``save(async_save=True)``: snapshot, then write and commit in the background
 """
@@ -45,19 +43,18 @@ from .async_save import AsyncSaveError, SaveHandle, wait_pending
 from .export import export_safetensors
 from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError, ChecksumError, CollectiveError,
                      IncompatibleStateError, RankFailure, StateMismatchError)
-from .layout import Segment, ShardLayout
 from .manifest import (FORMAT_VERSION, DamagedCheckpointError, IncompleteCheckpointError, Manifest, ManifestError,
                        TensorEntry)
 from .stateful import RNG, PerRank, same_rank
 from .storage import incomplete_reason, read_manifest, resolve
-from .zero import ZeroOptimizer
+from zero import ZeroOptimizer  # a re-export for older code: the optimizer lives in the zero package
 from .deepspeed import PickleRefusedError, from_deepspeed, to_deepspeed_universal  # noqa: E402
 
 __all__ = [
     "AsyncSaveError", "SaveHandle", "export_safetensors", "wait_pending",
     "CheckpointError", "CheckpointExistsError", "CheckpointNotFoundError", "ChecksumError", "CollectiveError",
     "DamagedCheckpointError", "FORMAT_VERSION", "IncompatibleStateError", "IncompleteCheckpointError", "LoadResult",
-    "Manifest", "ManifestError", "PerRank", "PickleRefusedError", "RNG", "RankFailure", "Segment", "ShardLayout",
+    "Manifest", "ManifestError", "PerRank", "PickleRefusedError", "RNG", "RankFailure",
     "StateMismatchError", "TensorEntry", "ZeroOptimizer", "from_deepspeed", "incomplete_reason", "load",
     "read_manifest", "resolve", "same_rank", "save", "to_deepspeed_universal",
 ]

@@ -21,7 +21,7 @@ from .planner import (Match, ModelState, OptimizerPlanner, ReadPlan, SavePlan, c
                       plan_model_save, planner_for)
 from .stateful import is_per_rank, is_stateful, restore, split_item
 from .storage import commit_save, create_workdir, read_manifest, resolve, verify_data
-from .zero import ZeroOptimizer
+from zero import ZeroOptimizer
 
 
 def _communicator(comm: Any, optimizer: Any) -> mpicomm.Communicator:

@@ -18,7 +18,7 @@ from .errors import (EXIT_DAMAGED, EXIT_EXISTS, EXIT_FAILED, EXIT_INCOMPLETE, EX
                      CheckpointError, CheckpointExistsError, CollectiveError, StateMismatchError)
 from .io import read_blocks
 from .manifest import DATA_NAME, FORMAT_VERSION, ITEMSIZE, ManifestError
-from .progress import Bar
+from .progress_bar import Bar
 from .storage import read_manifest, resolve
 
 EXIT_CODES_HELP = f"""exit codes:

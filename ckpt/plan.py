@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Sequence
 
-from .layout import Segment, split_evenly
+from zero import Segment, split_evenly
 from .manifest import TensorEntry
 
 

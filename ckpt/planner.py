@@ -185,7 +185,7 @@ def planner_for(optimizer: torch.optim.Optimizer | None) -> OptimizerPlanner | N
         return None
     from .planner_plain import PlainPlanner
     from .planner_zero import ZeroPlanner
-    from .zero import ZeroOptimizer
+    from zero import ZeroOptimizer
 
     return ZeroPlanner(optimizer) if isinstance(optimizer, ZeroOptimizer) else PlainPlanner(optimizer)
 

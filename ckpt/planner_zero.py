@@ -9,11 +9,11 @@ import torch
 from . import plan
 from .dtypes import DTYPES, dtype_name
 from .errors import IncompatibleStateError
-from .layout import Segment
+from zero import Segment
 from .manifest import Manifest, ManifestError
 from .planner import ModelState, OptimizerPlanner, ReadPlan, SavePlan, split_state, unscalar
 from .stateful import is_per_rank
-from .zero import ZeroOptimizer
+from zero import ZeroOptimizer
 
 
 def zero_padding(t: torch.Tensor, segments: list[Segment]) -> None:

@@ -26,7 +26,7 @@ from .allreduce import OnebitAllreduce
 from .backend import MpiBackend
 from .ddp_hook import OnebitDDPState, onebit_ddp_hook
 from .errors import NonFiniteError, SizeMismatchError
-from .layout import padded_size
+from .wire_format import padded_size
 
 __all__ = ["MpiBackend", "OnebitAllreduce", "OnebitAdam", "OnebitDDPState", "onebit_ddp_hook",
            "NonFiniteError", "SizeMismatchError", "padded_size"]

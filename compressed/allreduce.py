@@ -14,7 +14,7 @@ from . import kernels as K
 from . import reshard
 from .backend import MpiBackend
 from .engine import Deferred
-from .layout import padded_size
+from .wire_format import padded_size
 
 __all__ = ["OnebitAllreduce"]
 

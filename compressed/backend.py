@@ -17,7 +17,7 @@ import mpicomm
 
 from . import engine
 from .families import family_for
-from .layout import Layout
+from .wire_format import Layout
 
 __all__ = ["MpiBackend"]
 
@@ -66,7 +66,7 @@ class MpiBackend:
     DeepSpeed compatibility only: whether device buffers go straight to MPI is mpicomm's device
     policy. ``kernels`` forces a kernel family: "numba" or "numpy" (host, CPU buffers), "host"
     (the default host one), "torch"; by default host kernels for CPU buffers and torch for
-    device buffers. Every family puts the same bytes on the wire (``compressed.layout``).
+    device buffers. Every family puts the same bytes on the wire (``compressed.wire_format``).
 
     ``wire_bytes`` counts the bytes this rank sent, ``calls`` the calls made.
     """
@@ -167,7 +167,7 @@ class MpiBackend:
         return out
 
     def layout(self, numel: int) -> Layout:
-        """The wire layout of a call on ``numel`` elements (``compressed.layout``)."""
+        """The wire layout of a call on ``numel`` elements (``compressed.wire_format``)."""
         return Layout(numel, self.size, self._max_pieces)
 
     def family_name(self, inp) -> str:

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from .errors import NonFiniteError, SizeMismatchError
-from .layout import P1_TRAILER, P2_TRAILER, Layout
+from .wire_format import P1_TRAILER, P2_TRAILER, Layout
 
 __all__ = ["Deferred", "Workspace", "allreduce", "reduce_scatter"]
 

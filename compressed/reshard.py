@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .layout import padded_size
+from .wire_format import padded_size
 
 __all__ = ["worker_error", "server_error", "allreduce_state"]
 

@@ -9,6 +9,7 @@ import tempfile
 import torch
 
 import ckpt
+from zero import ZeroOptimizer
 import mpicomm
 
 comm = mpicomm.init()
@@ -34,7 +35,7 @@ def train(model, opt, steps, seed):
 
 # 1. train at 2 ranks with ZeRO stage 1 and save (collective MPI-IO: every byte written once)
 model = make_model()
-opt = ckpt.ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=1, comm=comm, lr=1e-2)
+opt = ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=1, comm=comm, lr=1e-2)
 train(model, opt, 5, seed=comm.rank)
 ckpt.save(os.path.join(run_dir, "step5"), model=model, optimizer=opt, step=5, comm=comm)
 
@@ -42,7 +43,7 @@ ckpt.save(os.path.join(run_dir, "step5"), model=model, optimizer=opt, step=5, co
 solo = comm.split(0 if comm.rank == 0 else None)
 if solo is not None:
     model1 = make_model()
-    opt1 = ckpt.ZeroOptimizer(torch.optim.Adam, model1.parameters(), stage=3, comm=solo, lr=1e-2)
+    opt1 = ZeroOptimizer(torch.optim.Adam, model1.parameters(), stage=3, comm=solo, lr=1e-2)
     info = ckpt.load(run_dir, model=model1, optimizer=opt1, comm=solo)   # follows run_dir/latest
     same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
                                                   model1.state_dict().values()))

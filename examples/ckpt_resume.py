@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 import ckpt
+from zero import ZeroOptimizer
 import mpicomm
 
 comm = mpicomm.init()
@@ -40,7 +41,7 @@ class Sampler:
 def build(seed):
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(16, 1))
-    opt = ckpt.ZeroOptimizer(torch.optim.AdamW, model.parameters(), stage=1, comm=comm, lr=1e-2)
+    opt = ZeroOptimizer(torch.optim.AdamW, model.parameters(), stage=1, comm=comm, lr=1e-2)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10)
     return model, opt, sched, Sampler(comm.rank)
 

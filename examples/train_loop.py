@@ -10,6 +10,7 @@ import tempfile
 import torch
 
 import ckpt
+from zero import ZeroOptimizer
 import mpicomm
 
 comm = mpicomm.init()
@@ -26,7 +27,7 @@ def make_model():
 
 
 def make_optimizer(model):
-    opt = ckpt.ZeroOptimizer(torch.optim.AdamW, model.parameters(), stage=1, comm=comm,
+    opt = ZeroOptimizer(torch.optim.AdamW, model.parameters(), stage=1, comm=comm,
                              skip_nonfinite=True, lr=1e-2, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS)
     return opt, sched

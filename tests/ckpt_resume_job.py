@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 import ckpt
+from zero import ZeroOptimizer
 import mpicomm
 
 KINDS = {"plain": None, "zero1": 1, "zero3": 3}
@@ -53,7 +54,7 @@ def build(kind: str, seed: int, comm):
     if stage is None:
         opt = torch.optim.Adam(model.parameters(), lr=0.02)
     else:
-        opt = ckpt.ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=stage, comm=comm, lr=0.02)
+        opt = ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=stage, comm=comm, lr=0.02)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)
     return model, opt, sched, Sampler(comm.rank, seed=seed)
 
@@ -66,7 +67,7 @@ def step(model, opt, sched, sampler, comm) -> float:
     opt.zero_grad()
     loss = torch.nn.functional.mse_loss(model(x), y)
     loss.backward()
-    if not isinstance(opt, ckpt.ZeroOptimizer):
+    if not isinstance(opt, ZeroOptimizer):
         for p in model.parameters():  # plain optimizer: average gradients over the ranks
             comm.all_reduce(p.grad, op="avg")
     opt.step()

@@ -15,6 +15,7 @@ from mpi4py import MPI
 from mpitest import check_all, mpiexec_cmd
 
 import ckpt
+from zero import ZeroOptimizer
 from ckpt import api as ckpt_api
 from ckpt import async_save
 
@@ -29,7 +30,7 @@ def make(seed=0, dtype=torch.float32):
 def stepped(comm, kind, stage=1, dtype=torch.float32):
     net = make(0, dtype)
     if kind == "zero":
-        opt = ckpt.ZeroOptimizer(torch.optim.AdamW, net.parameters(), stage=stage, comm=comm, lr=0.01)
+        opt = ZeroOptimizer(torch.optim.AdamW, net.parameters(), stage=stage, comm=comm, lr=0.01)
     else:
         opt = torch.optim.AdamW(net.parameters(), lr=0.01)
     for s in range(2):
@@ -41,7 +42,7 @@ def stepped(comm, kind, stage=1, dtype=torch.float32):
 
 
 def opt_state(opt):
-    if isinstance(opt, ckpt.ZeroOptimizer):
+    if isinstance(opt, ZeroOptimizer):
         out = []
         for gi, g in enumerate(opt.groups):
             out.append(g.master.clone())
@@ -69,7 +70,7 @@ def test_changes_after_save_returns_are_not_saved(comm, world, shared_tmp_path, 
             p.fill_(123.0)
         for t in opt_state(opt):
             t.fill_(-1.0)
-        if isinstance(opt, ckpt.ZeroOptimizer):
+        if isinstance(opt, ZeroOptimizer):
             for g in opt.groups:
                 g.master.fill_(5.0)
     m = handle.wait()

@@ -26,6 +26,7 @@ import torch
 from mpi4py import MPI
 
 from ckpt.deepspeed import from_deepspeed, read_deepspeed, to_deepspeed_universal
+from zero import ZeroOptimizer
 from mpitest import mpiexec_cmd
 
 pytestmark = [
@@ -201,7 +202,7 @@ def test_deepspeed_loads_our_export_at_another_size_and_trains(ds_checkpoint, ou
 
 
 def test_deepspeed_loads_export_of_our_own_zero_checkpoint(tmp_path):
-    """A checkpoint trained and saved by ckpt.ZeroOptimizer (never DeepSpeed's) resumes in DeepSpeed."""
+    """A checkpoint trained and saved by ZeroOptimizer (never DeepSpeed's) resumes in DeepSpeed."""
     import mpicomm
 
     import ckpt
@@ -210,7 +211,7 @@ def test_deepspeed_loads_export_of_our_own_zero_checkpoint(tmp_path):
     comm = mpicomm.init()
     torch.manual_seed(0)
     net = TinyNet()
-    zero = ckpt.ZeroOptimizer(torch.optim.AdamW, net.parameters(), stage=1, comm=comm, lr=0.01,
+    zero = ZeroOptimizer(torch.optim.AdamW, net.parameters(), stage=1, comm=comm, lr=0.01,
                               betas=(0.9, 0.99), eps=1e-7, weight_decay=0.01)
     for x, y in batches(0, 3, 5, torch.float32):
         zero.zero_grad()

@@ -18,6 +18,7 @@ import torch
 from mpitest import assert_all, check_all
 
 import ckpt
+from zero import ZeroOptimizer
 from ckpt.deepspeed import (DeepSpeedFormatError, PickleRefusedError, from_deepspeed, read_deepspeed,
                             to_deepspeed_universal, write_universal)
 from ckpt.deepspeed.pickles import Loader, Stub
@@ -335,7 +336,7 @@ def test_from_deepspeed_loads_into_plain_and_zero_optimizers(comm, world, shared
 
     # a ZeroOptimizer gets the fp32 masters (exact even when the model is bf16)
     net2 = Net(dtype)
-    zero = ckpt.ZeroOptimizer(torch.optim.Adam, _net_groups(net2), stage=1, comm=comm)
+    zero = ZeroOptimizer(torch.optim.Adam, _net_groups(net2), stage=1, comm=comm)
     ckpt.load(ours, model=net2, optimizer=zero, comm=comm)
 
     def check_zero():

@@ -12,6 +12,7 @@ import torch
 from mpi4py import MPI
 
 import ckpt
+from zero import ZeroOptimizer
 import mpicomm
 from ckpt import api as ckpt_api
 from mpitest import assert_all, check_all
@@ -38,7 +39,7 @@ def train(model, opt, steps, rank, dtype=torch.float32):
         opt.step()
 
 
-def shard_tensors(opt: ckpt.ZeroOptimizer) -> list[torch.Tensor]:
+def shard_tensors(opt: ZeroOptimizer) -> list[torch.Tensor]:
     out = []
     for gi, g in enumerate(opt.groups):
         out.append(g.master)
@@ -62,17 +63,17 @@ def test_resume_continues_bit_identically(comm, world, shared_tmp_path, dtype_na
     path = str(shared_tmp_path / "ck")
 
     straight = make_model(dtype)
-    opt = ckpt.ZeroOptimizer(cls, straight.parameters(), stage=stage, comm=comm, **kw)
+    opt = ZeroOptimizer(cls, straight.parameters(), stage=stage, comm=comm, **kw)
     train(straight, opt, range(16), comm.rank, dtype)
     expected = shard_tensors(opt)
 
     first = make_model(dtype)
-    opt1 = ckpt.ZeroOptimizer(cls, first.parameters(), stage=stage, comm=comm, **kw)
+    opt1 = ZeroOptimizer(cls, first.parameters(), stage=stage, comm=comm, **kw)
     train(first, opt1, range(8), comm.rank, dtype)
     ckpt.save(path, model=first, optimizer=opt1, step=8, comm=comm)
 
     resumed = make_model(dtype, seed=7)
-    opt2 = ckpt.ZeroOptimizer(cls, resumed.parameters(), stage=stage, comm=comm, **kw)
+    opt2 = ZeroOptimizer(cls, resumed.parameters(), stage=stage, comm=comm, **kw)
     info = ckpt.load(path, model=resumed, optimizer=opt2, comm=comm)
     train(resumed, opt2, range(info.step, 16), comm.rank, dtype)
 
@@ -86,7 +87,7 @@ def test_resume_continues_bit_identically(comm, world, shared_tmp_path, dtype_na
 
 # -- plain (unsharded) torch optimizers -------------------------------------------------------
 
-def full_state_of_zero(opt: ckpt.ZeroOptimizer, comm) -> dict[int, dict[str, torch.Tensor]]:
+def full_state_of_zero(opt: ZeroOptimizer, comm) -> dict[int, dict[str, torch.Tensor]]:
     """Per-parameter state gathered and unpadded with plain slicing (stage 1 only)."""
     assert opt.stage == 1
     out: dict[int, dict[str, torch.Tensor]] = {}
@@ -113,7 +114,7 @@ def full_state_of_zero(opt: ckpt.ZeroOptimizer, comm) -> dict[int, dict[str, tor
 def test_zero_to_plain_and_back(comm, world, shared_tmp_path, opt_name):
     cls, kw = OPTIMIZERS[opt_name]
     model = make_model()
-    zero = ckpt.ZeroOptimizer(cls, model.parameters(), stage=1, comm=comm, **kw)
+    zero = ZeroOptimizer(cls, model.parameters(), stage=1, comm=comm, **kw)
     train(model, zero, range(5), comm.rank)
     ckpt.save(shared_tmp_path / "a", model=model, optimizer=zero, step=5, comm=comm)
     expected = full_state_of_zero(zero, comm)
@@ -139,7 +140,7 @@ def test_zero_to_plain_and_back(comm, world, shared_tmp_path, opt_name):
     train(plain_model, plain, range(5, 7), 0)
     ckpt.save(shared_tmp_path / "b", model=plain_model, optimizer=plain, step=7, comm=comm)
     back_model = make_model(seed=4)
-    back = ckpt.ZeroOptimizer(cls, back_model.parameters(), stage=3, comm=comm, **kw)
+    back = ZeroOptimizer(cls, back_model.parameters(), stage=3, comm=comm, **kw)
     ckpt.load(shared_tmp_path / "b", model=back_model, optimizer=back, comm=comm)
     sd = plain.state_dict()
 
@@ -163,7 +164,7 @@ def test_zero_to_plain_and_back(comm, world, shared_tmp_path, opt_name):
 @pytest.mark.mpi(min_size=1)
 def test_format_is_canonical_json_and_raw_bytes(comm, world, shared_tmp_path):
     model = make_model(torch.bfloat16)
-    opt = ckpt.ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=3, comm=comm, lr=0.01)
+    opt = ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=3, comm=comm, lr=0.01)
     train(model, opt, range(3), comm.rank, torch.bfloat16)
     ckpt.save(shared_tmp_path / "c", model=model, optimizer=opt, step=3, comm=comm,
               extra={"note": "hi"}, block_size=64, chunk_bytes=128)
@@ -220,7 +221,7 @@ def test_buffers_and_tied_weights_round_trip(comm, world, shared_tmp_path):
     model = build(0)
     model.train()
     model(torch.arange(8) % 11)  # updates BatchNorm running stats and num_batches_tracked
-    opt = ckpt.ZeroOptimizer(torch.optim.SGD, model.parameters(), stage=1, comm=comm, lr=0.1, momentum=0.5)
+    opt = ZeroOptimizer(torch.optim.SGD, model.parameters(), stage=1, comm=comm, lr=0.1, momentum=0.5)
     opt.zero_grad()
     model(torch.arange(5)).sum().backward()
     opt.step()
@@ -228,7 +229,7 @@ def test_buffers_and_tied_weights_round_trip(comm, world, shared_tmp_path):
 
     for with_opt in (True, False):
         other = build(9)
-        opt2 = ckpt.ZeroOptimizer(torch.optim.SGD, other.parameters(), stage=3, comm=comm, lr=0.1,
+        opt2 = ZeroOptimizer(torch.optim.SGD, other.parameters(), stage=3, comm=comm, lr=0.1,
                                   momentum=0.5) if with_opt else None
         ckpt.load(shared_tmp_path / "t", model=other, optimizer=opt2, comm=comm)
 
@@ -245,7 +246,7 @@ def test_buffers_and_tied_weights_round_trip(comm, world, shared_tmp_path):
 @pytest.mark.mpi(min_size=1)
 def test_corruption_is_detected_in_the_bytes_read(comm, world, shared_tmp_path):
     model = make_model()
-    opt = ckpt.ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=1, comm=comm, lr=0.01)
+    opt = ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=1, comm=comm, lr=0.01)
     train(model, opt, range(2), comm.rank)
     path = shared_tmp_path / "k"
     m = ckpt.save(path, model=model, optimizer=opt, step=2, comm=comm, block_size=64, chunk_bytes=64)
@@ -262,7 +263,7 @@ def test_corruption_is_detected_in_the_bytes_read(comm, world, shared_tmp_path):
     caught = None
     m2 = make_model(seed=1)
     try:
-        ckpt.load(path, model=m2, optimizer=ckpt.ZeroOptimizer(torch.optim.Adam, m2.parameters(), comm=comm),
+        ckpt.load(path, model=m2, optimizer=ZeroOptimizer(torch.optim.Adam, m2.parameters(), comm=comm),
                   comm=comm)
     except ckpt.ChecksumError as exc:
         caught = str(exc)
@@ -332,7 +333,7 @@ def test_overwrite_and_latest(comm, world, shared_tmp_path):
 def test_load_rejects_mismatches(comm, shared_tmp_path):
     path = shared_tmp_path / "mm"
     model = make_model()
-    opt = ckpt.ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=1, comm=comm, lr=0.01)
+    opt = ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=1, comm=comm, lr=0.01)
     train(model, opt, range(1), comm.rank)
     ckpt.save(path, model=model, optimizer=opt, step=1, comm=comm)
     wrong = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
@@ -340,7 +341,7 @@ def test_load_rejects_mismatches(comm, shared_tmp_path):
         ckpt.load(path, model=wrong, comm=comm)
     with pytest.raises(TypeError, match="Adam state, the optimizer is torch.optim.sgd.SGD"):
         m2 = make_model()
-        ckpt.load(path, model=m2, optimizer=ckpt.ZeroOptimizer(torch.optim.SGD, m2.parameters(), comm=comm, lr=1),
+        ckpt.load(path, model=m2, optimizer=ZeroOptimizer(torch.optim.SGD, m2.parameters(), comm=comm, lr=1),
                   comm=comm)
     with pytest.raises(KeyError, match="missing"):
         ckpt.load(path, model=torch.nn.Sequential(torch.nn.Linear(5, 7)), comm=comm)
@@ -381,7 +382,7 @@ def test_tensor_over_2gib(comm, world, shared_tmp_path):
 def test_zero_matches_plain_optimizer(comm, world, dtype_name, stage, bucket_bytes):
     dtype = DTYPES[dtype_name]
     model = make_model(dtype)
-    zero = ckpt.ZeroOptimizer(torch.optim.AdamW, model.parameters(), stage=stage, comm=comm,
+    zero = ZeroOptimizer(torch.optim.AdamW, model.parameters(), stage=stage, comm=comm,
                               bucket_bytes=bucket_bytes, lr=0.01, weight_decay=0.1)
     train(model, zero, range(4), comm.rank, dtype)
 
@@ -424,7 +425,7 @@ def test_cli_inspect_and_verify(tmp_path):
 
     comm = MPI.COMM_SELF  # a one-rank save inside this process; mpi4py communicators are accepted
     model = make_model()
-    opt = ckpt.ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=3, comm=mpicomm.as_communicator(comm), lr=0.01)
+    opt = ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=3, comm=mpicomm.as_communicator(comm), lr=0.01)
     train(model, opt, range(2), 0)
     ckpt.save(tmp_path / "c", model=model, optimizer=opt, step=2, comm=comm, extra={"epoch": 1})
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -452,7 +453,7 @@ def test_cli_inspect_and_verify(tmp_path):
 def test_lr_scheduler_drives_the_sharded_optimizer():
     comm = mpicomm.as_communicator(MPI.COMM_SELF)
     model = make_model()
-    zero = ckpt.ZeroOptimizer(torch.optim.SGD, model.parameters(), stage=1, comm=comm, lr=0.5)
+    zero = ZeroOptimizer(torch.optim.SGD, model.parameters(), stage=1, comm=comm, lr=0.5)
     sched = torch.optim.lr_scheduler.StepLR(zero, step_size=1, gamma=0.1)
     before = [p.detach().clone() for p in model.parameters()]
     for p in model.parameters():
@@ -478,7 +479,7 @@ def test_low_precision_plain_checkpoint_into_zero(comm, world, shared_tmp_path):
     ckpt.save(shared_tmp_path / "p", model=model, optimizer=plain, step=3, comm=comm)
 
     other = make_model(torch.bfloat16, seed=5)
-    zero = ckpt.ZeroOptimizer(torch.optim.SGD, other.parameters(), stage=3, comm=comm, lr=0.05, momentum=0.9)
+    zero = ZeroOptimizer(torch.optim.SGD, other.parameters(), stage=3, comm=comm, lr=0.05, momentum=0.9)
     ckpt.load(shared_tmp_path / "p", model=other, optimizer=zero, comm=comm)
     params = list(model.parameters())
 
@@ -504,7 +505,7 @@ def test_low_precision_plain_checkpoint_into_zero(comm, world, shared_tmp_path):
 @pytest.mark.parametrize("stage", [1, 3])
 def test_every_byte_written_once_and_each_rank_reads_its_own(comm, world, shared_tmp_path, monkeypatch, stage):
     model = make_model(torch.bfloat16)
-    opt = ckpt.ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=stage, comm=comm, lr=0.01)
+    opt = ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=stage, comm=comm, lr=0.01)
     train(model, opt, range(2), comm.rank, torch.bfloat16)
     seen = {}
     real_write, real_read = ckpt_api.write_items, ckpt_api.read_items
@@ -521,7 +522,7 @@ def test_every_byte_written_once_and_each_rank_reads_its_own(comm, world, shared
     monkeypatch.setattr(ckpt_api, "read_items", spy_read)
     m = ckpt.save(shared_tmp_path / "w", model=model, optimizer=opt, step=2, comm=comm)
     other = make_model(torch.bfloat16, seed=3)
-    opt2 = ckpt.ZeroOptimizer(torch.optim.Adam, other.parameters(), stage=4 - stage if stage == 3 else 3,
+    opt2 = ZeroOptimizer(torch.optim.Adam, other.parameters(), stage=4 - stage if stage == 3 else 3,
                               comm=comm, lr=0.01)
     ckpt.load(shared_tmp_path / "w", model=other, optimizer=opt2, comm=comm)
     writes = world.allgather(seen["write"])

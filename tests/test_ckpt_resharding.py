@@ -15,6 +15,7 @@ import torch
 from mpi4py import MPI
 
 import ckpt
+from zero import ZeroOptimizer
 import mpicomm
 from mpitest import check_all
 
@@ -97,7 +98,7 @@ def _unpad(rows: torch.Tensor, numels, stage: int):
     return out
 
 
-def gather_full(opt: ckpt.ZeroOptimizer, comm) -> dict:
+def gather_full(opt: ZeroOptimizer, comm) -> dict:
     """{"master": [...], key: [...] per state tensor, "scalars": {key: [...]}} over all params."""
     full: dict = {"master": [], "scalars": {}}
     for gi, g in enumerate(opt.groups):
@@ -223,7 +224,7 @@ def test_reshard(world, shared_tmp_path, dtype_name, stage, opt_name, move):
     ref = None
     if save_c is not None:
         model = make_model(dtype, seed=1)
-        opt = ckpt.ZeroOptimizer(cls, model.parameters(), stage=stage, comm=save_c, **kw)
+        opt = ZeroOptimizer(cls, model.parameters(), stage=stage, comm=save_c, **kw)
         train(model, opt, range(STEPS), save_c.rank, dtype)
         ckpt.save(path, model=model, optimizer=opt, step=STEPS, comm=save_c, extra={"move": [n_save, n_load]})
         ref = snapshot(model, opt, save_c)
@@ -237,7 +238,7 @@ def test_reshard(world, shared_tmp_path, dtype_name, stage, opt_name, move):
         other = 3 if stage == 1 else 1
         # (a) same stage, with optimizer state; then train on and compare with a plain optimizer
         model = make_model(dtype, seed=2)
-        opt = ckpt.ZeroOptimizer(cls, model.parameters(), stage=stage, comm=load_c, **{**kw, "lr": 0.5})
+        opt = ZeroOptimizer(cls, model.parameters(), stage=stage, comm=load_c, **{**kw, "lr": 0.5})
         info = ckpt.load(path, model=model, optimizer=opt, comm=load_c)
         assert (info.step, info.extra, info.world_size, info.stage) == \
             (STEPS, {"move": [n_save, n_load]}, n_save, stage)
@@ -252,7 +253,7 @@ def test_reshard(world, shared_tmp_path, dtype_name, stage, opt_name, move):
 
         # (b) the other stage, with optimizer state
         model = make_model(dtype, seed=3)
-        opt = ckpt.ZeroOptimizer(cls, model.parameters(), stage=other, comm=load_c, **kw)
+        opt = ZeroOptimizer(cls, model.parameters(), stage=other, comm=load_c, **kw)
         ckpt.load(path, model=model, optimizer=opt, comm=load_c)
         assert_model_equal(model, ref["model"], f"model after load at stage {other}")
         assert_full_equal(gather_full(opt, load_c), ref["full"], f"optimizer after load at stage {other}")
@@ -262,7 +263,7 @@ def test_reshard(world, shared_tmp_path, dtype_name, stage, opt_name, move):
         info = ckpt.load(path, model=model, comm=load_c)
         assert not info.optimizer_loaded
         assert_model_equal(model, ref["model"], "model-only load")
-        opt = ckpt.ZeroOptimizer(cls, model.parameters(), stage=stage, comm=load_c, **kw)
+        opt = ZeroOptimizer(cls, model.parameters(), stage=stage, comm=load_c, **kw)
         reference = Reference(ref["model"], [p.detach().float() for p in model.parameters()], opt_name)
         train(model, opt, range(STEPS, 2 * STEPS), r, dtype)
         reference.train(range(STEPS, 2 * STEPS), n_load)

@@ -16,6 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import ckpt
+from zero import ZeroOptimizer
 from ckpt import cli as ckpt_cli
 from ckpt.export import export_safetensors
 from ckpt.manifest import FORMAT_VERSION, Manifest
@@ -40,7 +41,7 @@ class Net(torch.nn.Module):
 def trained(dtype, opt_kind, comm, stage=1, steps=2):
     net = Net(dtype)
     if opt_kind == "zero":
-        opt = ckpt.ZeroOptimizer(torch.optim.AdamW, net.parameters(), stage=stage, comm=comm, lr=0.01)
+        opt = ZeroOptimizer(torch.optim.AdamW, net.parameters(), stage=stage, comm=comm, lr=0.01)
     else:
         opt = torch.optim.AdamW(net.parameters(), lr=0.01)
     for s in range(steps):

@@ -21,6 +21,7 @@ import torch
 from mpi4py import MPI
 
 import ckpt
+from zero import ZeroOptimizer
 from ckpt import cli as ckpt_cli
 from ckpt.tree import decode, encode
 from mpitest import assert_all, mpiexec_cmd
@@ -118,7 +119,7 @@ def test_optimizer_state_dict_comes_back_whole(comm, world, shared_tmp_path, nam
     assert_all(same(opt2.state_dict(), saved), f"{name}: {opt2.state_dict()} != {saved}")
     if name == "custom":  # what a ZeroOptimizer cannot take is refused, not dropped
         other = small_model(1)
-        zero = ckpt.ZeroOptimizer(Custom, other.parameters(), stage=1, comm=comm)
+        zero = ZeroOptimizer(Custom, other.parameters(), stage=1, comm=comm)
         with pytest.raises(ckpt.IncompatibleStateError, match="a ZeroOptimizer cannot take"):
             ckpt.load(shared_tmp_path / "c", model=other, optimizer=zero, comm=comm)
 
@@ -159,7 +160,7 @@ def test_optimizer_with_per_rank_state(comm, world, shared_tmp_path):
 @pytest.mark.mpi(min_size=1)
 def test_zero_refuses_optimizer_state_it_cannot_store(comm, shared_tmp_path):
     model = small_model(0)
-    opt = ckpt.ZeroOptimizer(Custom, model.parameters(), stage=1, comm=comm)
+    opt = ZeroOptimizer(Custom, model.parameters(), stage=1, comm=comm)
     for p in model.parameters():
         p.grad = torch.ones_like(p)
     opt.step()

@@ -8,7 +8,7 @@ import torch
 import compressed
 from compressed import kernels as K
 from compressed import torch_kernels as TK
-from compressed.layout import Layout
+from compressed.wire_format import Layout
 
 HEADER_BYTES = 4  # bytes kept in front of each row: the kernels must work on strided rows
 

@@ -15,10 +15,10 @@ from ..collective import Collective
 from ..dtypes import DTYPES
 from ..errors import ChecksumError, IncompatibleStateError
 from ..io import read_blocks
-from ..layout import ShardLayout
+from zero import ShardLayout
 from ..manifest import DamagedCheckpointError, Manifest, TensorEntry
-from ..progress import ProgressFn, report
-from ..zero import ZeroOptimizer
+from ..progress_bar import ProgressFn, report
+from zero import ZeroOptimizer
 from .reader import DeepSpeedState, read_deepspeed, split_names, verify_files
 from ..storage import read_manifest, resolve
 from .universal import write_params, write_shared

@@ -12,7 +12,7 @@ from typing import Any, Sequence
 import torch
 
 from ..errors import CheckpointError, CheckpointNotFoundError
-from ..progress import ProgressFn, report
+from ..progress_bar import ProgressFn, report
 from .pickles import Loader, check_files
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")

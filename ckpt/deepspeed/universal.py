@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ..progress import ProgressFn, report
+from ..progress_bar import ProgressFn, report
 from .reader import DeepSpeedState
 
 UNIVERSAL_VERSION = 0.4          # DeepSpeed's universal_checkpoint_version that this layout matches

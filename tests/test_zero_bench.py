@@ -8,7 +8,7 @@ import pathlib
 import subprocess
 import sys
 
-from compressed.layout import P1_TRAILER
+from compressed.wire_format import P1_TRAILER
 from mpitest import mpiexec_cmd
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -34,7 +34,7 @@ def test_bench_zero_counts_bytes(tmp_path):
     assert z1["Allgather"] == 4 * local1                      # this rank's fp32 master shard
     ob = rows["ZeRO-1 1-bit Adam (frozen)"]["by_call"]
     chunk = math.ceil(local1 / 8) * 8
-    # one sign bit per element, each row ending with the sender's scale (compressed.layout)
+    # one sign bit per element, each row ending with the sender's scale (compressed.wire_format)
     assert ob["Alltoall"] == world * (chunk // 8 + P1_TRAILER)
     assert "Reduce_scatter_block" not in ob and ob["Allgather"] == 4 * local1   # weights only, no fp32 else
     assert ob["Allreduce"] == z1["Allreduce"] == 5 * 8       # the one small check per step

@@ -11,6 +11,7 @@ import torch
 from mpi4py import MPI
 
 import ckpt
+from zero import ZeroOptimizer
 import compressed
 import mpicomm
 from mpitest import assert_all, assert_close_all
@@ -48,9 +49,9 @@ def train(model, opt, steps: int, rank: int, dtype=torch.float32) -> float:
 def test_warmup_equals_zero_adam(mode, stage, wd):
     comm = mpicomm.init()
     a, b = make_model(), make_model()
-    oa = ckpt.ZeroOptimizer(compressed.OnebitAdam, a.parameters(), stage=stage, comm=comm, lr=1e-2,
+    oa = ZeroOptimizer(compressed.OnebitAdam, a.parameters(), stage=stage, comm=comm, lr=1e-2,
                             weight_decay=wd, freeze_step=100)
-    ob = ckpt.ZeroOptimizer(torch.optim.Adam, b.parameters(), stage=stage, comm=comm, lr=1e-2, weight_decay=wd)
+    ob = ZeroOptimizer(torch.optim.Adam, b.parameters(), stage=stage, comm=comm, lr=1e-2, weight_decay=wd)
     train(a, oa, 5, comm.rank)
     train(b, ob, 5, comm.rank)
     for p, q in zip(a.parameters(), b.parameters()):
@@ -99,7 +100,7 @@ class Calls:
 def test_frozen_phase_compressed_and_ranks_agree(stage):
     comm = mpicomm.init()
     model = make_model()
-    opt = ckpt.ZeroOptimizer(compressed.OnebitAdam, model.parameters(), stage=stage, comm=comm, lr=1e-2,
+    opt = ZeroOptimizer(compressed.OnebitAdam, model.parameters(), stage=stage, comm=comm, lr=1e-2,
                              freeze_step=3)
     train(model, opt, 4, comm.rank)          # the first frozen step gathers the momentum once
     calls = Calls(opt._grad_comm, opt.comm)
@@ -130,10 +131,10 @@ def test_converges_like_onebit_adam(mode, stage, dtype):
     ref = train(ref_model, compressed.OnebitAdam(ref_model.parameters(), lr=1e-2, freeze_step=20, comm=comm),
                 100, comm.rank)
     model = make_model(dtype)
-    start = train(model, ckpt.ZeroOptimizer(compressed.OnebitAdam, model.parameters(), stage=stage, comm=comm,
+    start = train(model, ZeroOptimizer(compressed.OnebitAdam, model.parameters(), stage=stage, comm=comm,
                                             lr=0.0, freeze_step=20), 1, comm.rank, dtype)
     model = make_model(dtype)
-    opt = ckpt.ZeroOptimizer(compressed.OnebitAdam, model.parameters(), stage=stage, comm=comm, lr=1e-2,
+    opt = ZeroOptimizer(compressed.OnebitAdam, model.parameters(), stage=stage, comm=comm, lr=1e-2,
                              freeze_step=20)
     got = train(model, opt, 100, comm.rank, dtype)
     assert_all(opt.optimizer.frozen and got < start / 3, f"loss {got} from {start}: did not train")
@@ -145,13 +146,13 @@ def test_converges_like_onebit_adam(mode, stage, dtype):
 def test_resume_after_freeze_is_exact_at_the_same_size(shared_tmp_path, stage):
     comm = mpicomm.init()
     model = make_model()
-    opt = ckpt.ZeroOptimizer(compressed.OnebitAdam, model.parameters(), stage=stage, comm=comm, lr=1e-2,
+    opt = ZeroOptimizer(compressed.OnebitAdam, model.parameters(), stage=stage, comm=comm, lr=1e-2,
                              freeze_step=5)
     train(model, opt, 30, comm.rank)
     path = str(shared_tmp_path / "ob")
     ckpt.save(path, model=model, optimizer=opt, step=30, comm=comm)
     model2 = make_model()
-    opt2 = ckpt.ZeroOptimizer(compressed.OnebitAdam, model2.parameters(), stage=stage, comm=comm, lr=1e-2,
+    opt2 = ZeroOptimizer(compressed.OnebitAdam, model2.parameters(), stage=stage, comm=comm, lr=1e-2,
                               freeze_step=5)
     ckpt.load(path, model=model2, optimizer=opt2, comm=comm)
     assert_all(opt2.optimizer.global_step == 30 and opt2.optimizer.frozen, "step count restored")
@@ -166,7 +167,7 @@ def test_resume_after_freeze_at_another_size_restarts_local_momenta(world, share
     comm = mpicomm.init()
     path = str(shared_tmp_path / "ob")
     model = make_model()
-    opt = ckpt.ZeroOptimizer(compressed.OnebitAdam, model.parameters(), stage=1, comm=comm, lr=1e-2,
+    opt = ZeroOptimizer(compressed.OnebitAdam, model.parameters(), stage=1, comm=comm, lr=1e-2,
                              freeze_step=5)
     train(model, opt, 30, comm.rank)
     ckpt.save(path, model=model, optimizer=opt, step=30, comm=comm)
@@ -175,7 +176,7 @@ def test_resume_after_freeze_at_another_size_restarts_local_momenta(world, share
     one = None if c == MPI.COMM_NULL else mpicomm.Communicator(c)
     if one is not None:                       # rank 0 alone resumes the 2+-rank run
         model2 = make_model()
-        opt2 = ckpt.ZeroOptimizer(compressed.OnebitAdam, model2.parameters(), stage=1, comm=one, lr=1e-2,
+        opt2 = ZeroOptimizer(compressed.OnebitAdam, model2.parameters(), stage=1, comm=one, lr=1e-2,
                                   freeze_step=5)
         ckpt.load(path, model=model2, optimizer=opt2, comm=one)
         b = train(model2, opt2, 20, 0)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ckpt import checksum, plan
-from ckpt.layout import ShardLayout, split_evenly
+from zero import ShardLayout, split_evenly
 from ckpt.manifest import FORMAT_VERSION, Manifest, ManifestError, Packer, ParamInfo, jsonable, like
 
 NUMELS = [[7], [35, 7, 21, 3], [1, 1, 1], [0, 5, 0, 9], [4096], [13, 64, 9, 2, 100]]

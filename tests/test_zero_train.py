@@ -15,6 +15,7 @@ import torch
 from mpi4py import MPI
 
 import ckpt
+from zero import ZeroOptimizer
 import mpicomm
 from mpitest import assert_all, assert_close_all, check_all
 
@@ -60,7 +61,7 @@ def run_pair(stage, opt_name, micro, no_sync, max_norm, norm_type, steps=3, buck
     comm = mpicomm.init()
     cls, kw = OPTS[opt_name]
     model, ref = make_model(), make_model()
-    opt = ckpt.ZeroOptimizer(cls, model.parameters(), stage=stage, comm=comm, bucket_bytes=bucket_bytes, **kw)
+    opt = ZeroOptimizer(cls, model.parameters(), stage=stage, comm=comm, bucket_bytes=bucket_bytes, **kw)
     ropt = cls(ref.parameters(), **kw)
     norms, rnorms = [], []
     for s in range(steps):
@@ -112,7 +113,7 @@ def test_clip_with_accumulation(mode, stage, no_sync):
 def test_no_clip_when_norm_is_small_and_overlap_off(mode, stage):
     comm = mpicomm.init()
     model, ref = make_model(), make_model()
-    opt = ckpt.ZeroOptimizer(torch.optim.SGD, model.parameters(), stage=stage, comm=comm, overlap=False, lr=0.1)
+    opt = ZeroOptimizer(torch.optim.SGD, model.parameters(), stage=stage, comm=comm, overlap=False, lr=0.1)
     ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for s in range(2):
         opt.zero_grad()
@@ -134,7 +135,7 @@ def test_no_clip_when_norm_is_small_and_overlap_off(mode, stage):
 def test_overlap_launches_buckets_during_backward(stage):
     comm = mpicomm.init()
     model = make_model()
-    opt = ckpt.ZeroOptimizer(torch.optim.SGD, model.parameters(), stage=stage, comm=comm, bucket_bytes=48, lr=0.1)
+    opt = ZeroOptimizer(torch.optim.SGD, model.parameters(), stage=stage, comm=comm, bucket_bytes=48, lr=0.1)
     loss_of(model, 0, 0, comm.rank).backward()
     launched = opt._reducer.next
     assert_all(launched == len(opt._reducer.buckets) > 2,
@@ -147,7 +148,7 @@ def test_overlap_launches_buckets_during_backward(stage):
 def test_skip_nonfinite_skips_everywhere(mode, stage, caplog):
     comm = mpicomm.init()
     model, ref = make_model(), make_model()
-    opt = ckpt.ZeroOptimizer(torch.optim.AdamW, model.parameters(), stage=stage, comm=comm, skip_nonfinite=True,
+    opt = ZeroOptimizer(torch.optim.AdamW, model.parameters(), stage=stage, comm=comm, skip_nonfinite=True,
                              lr=0.02)
     ropt = torch.optim.AdamW(ref.parameters(), lr=0.02)
     bad_rank = comm.size - 1
@@ -178,7 +179,7 @@ def test_skip_nonfinite_skips_everywhere(mode, stage, caplog):
 def test_error_if_nonfinite(mode):
     comm = mpicomm.init()
     model = make_model()
-    opt = ckpt.ZeroOptimizer(torch.optim.SGD, model.parameters(), comm=comm, lr=0.1)
+    opt = ZeroOptimizer(torch.optim.SGD, model.parameters(), comm=comm, lr=0.1)
     (loss_of(model, 0, 0, comm.rank) * (math.inf if comm.rank == 0 else 1.0)).backward()
     check_all(lambda: pytest.raises(RuntimeError, opt.clip_grad_norm_, 1.0, error_if_nonfinite=True))
 
@@ -189,7 +190,7 @@ def test_error_if_nonfinite(mode):
 def test_torch_clip_on_zero_params_is_refused(mode, stage, overlap):
     comm = mpicomm.init()
     model = make_model()
-    opt = ckpt.ZeroOptimizer(torch.optim.SGD, model.parameters(), stage=stage, comm=comm, overlap=overlap, lr=0.1)
+    opt = ZeroOptimizer(torch.optim.SGD, model.parameters(), stage=stage, comm=comm, overlap=overlap, lr=0.1)
     loss_of(model, 0, 0, comm.rank).backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
     before = [p.detach().clone() for p in model.parameters()]
@@ -210,7 +211,7 @@ def test_torch_clip_on_zero_params_is_refused(mode, stage, overlap):
 def test_one_rank_scaling_its_grads_is_refused_everywhere():
     comm = mpicomm.init()
     model = make_model()
-    opt = ckpt.ZeroOptimizer(torch.optim.SGD, model.parameters(), comm=comm, lr=0.1)
+    opt = ZeroOptimizer(torch.optim.SGD, model.parameters(), comm=comm, lr=0.1)
     loss_of(model, 0, 0, comm.rank).backward()
     if comm.rank == 1:
         list(model.parameters())[-1].grad.mul_(0.5)
@@ -226,27 +227,27 @@ def test_inner_optimizers_that_cannot_shard_are_refused():
     p = [torch.nn.Parameter(torch.randn(4, 3))]
     for cls in (torch.optim.LBFGS, torch.optim.Adafactor, torch.optim.Muon, torch.optim.SparseAdam):
         with pytest.raises(TypeError, match="cannot shard"):
-            ckpt.ZeroOptimizer(cls, p, comm=comm)
+            ZeroOptimizer(cls, p, comm=comm)
 
     class Talker(torch.optim.SGD):
         def __init__(self, params, lr=0.1, comm=None):
             super().__init__(params, lr=lr)
     with pytest.raises(TypeError, match="communicates by itself"):
-        ckpt.ZeroOptimizer(Talker, p, comm=comm)
+        ZeroOptimizer(Talker, p, comm=comm)
 
     class Custom(torch.optim.Optimizer):
         def __init__(self, params, lr=0.1):
             super().__init__(params, {"lr": lr})
     with pytest.warns(UserWarning, match="not a known elementwise"):
-        ckpt.ZeroOptimizer(Custom, p, comm=comm)
+        ZeroOptimizer(Custom, p, comm=comm)
 
     class Declared(Custom):
         elementwise = True
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        ckpt.ZeroOptimizer(Declared, p, comm=comm)
+        ZeroOptimizer(Declared, p, comm=comm)
     with pytest.raises(ValueError, match="bucket_bytes"):
-        ckpt.ZeroOptimizer(torch.optim.SGD, p, comm=comm, bucket_bytes=0, lr=0.1)
+        ZeroOptimizer(torch.optim.SGD, p, comm=comm, bucket_bytes=0, lr=0.1)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -254,7 +255,7 @@ def test_inner_optimizers_that_cannot_shard_are_refused():
 def test_release_grads_same_result_and_frees_grads(mode, stage):
     comm = mpicomm.init()
     model, ref = make_model(), make_model()
-    opt = ckpt.ZeroOptimizer(torch.optim.AdamW, model.parameters(), stage=stage, comm=comm, bucket_bytes=48,
+    opt = ZeroOptimizer(torch.optim.AdamW, model.parameters(), stage=stage, comm=comm, bucket_bytes=48,
                              release_grads=True, lr=0.02)
     ropt = torch.optim.AdamW(ref.parameters(), lr=0.02)
     for s in range(3):

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .layout import ceil_div
+from .partition import ceil_div
 
 
 @dataclass

@@ -10,13 +10,13 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from .layout import STAGES, ShardLayout
-from .zero_buckets import GradReducer
-from .zero_inner import check_inner, is_onebit
-from .zero_onebit import ShardedOnebitAdam
+from .partition import STAGES, ShardLayout
+from .buckets import GradReducer
+from .inner import check_inner, is_onebit
+from .onebit import ShardedOnebitAdam
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-log = logging.getLogger("ckpt.zero")
+log = logging.getLogger("zero")
 
 _MODIFIED = (
     "ZeroOptimizer: the gradients of {n} parameter(s) were modified in place after backward and "
@@ -28,12 +28,22 @@ _MODIFIED = (
 
 
 @dataclass
-class _Group:
+class ShardGroup:
+    """One parameter group of a ZeroOptimizer as this rank holds it (``opt.groups[gi]``).
+
+    ``params``: the model's parameters of the group, in order; ``layout``: which elements of them
+    each rank owns (a ``ShardLayout``); ``master``: this rank's fp32 shard of the flattened group,
+    ``layout.local_numel`` elements, the element of ``layout.segments(rank)`` at ``local`` holding
+    parameter ``param``'s element ``start``; ``dtype``: the model weights' dtype. The wrapped
+    optimizer's state for the shard is ``opt.shard_state(gi)`` / ``opt.set_shard_state(gi, state)``.
+    Checkpointing (``ckpt``) reads and writes a ZeroOptimizer through these alone.
+    """
+
     params: list[torch.Tensor]
     layout: ShardLayout
-    master: torch.Tensor                     # this rank's fp32 shard, local_numel elements
-    dtype: torch.dtype                       # the model weights' dtype in this group
-    buckets: list | None = None              # column ranges for gather_params
+    master: torch.Tensor
+    dtype: torch.dtype
+    buckets: list | None = None              # column ranges for gather_params (internal)
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -84,7 +94,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise ValueError("ZeroOptimizer: got an empty parameter list")
         if not isinstance(groups[0], dict):
             groups = [{"params": groups}]
-        self._groups: list[_Group] = []
+        self._groups: list[ShardGroup] = []
         inner_groups = []
         seen: set[int] = set()
         for gi, g in enumerate(groups):
@@ -106,7 +116,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for s in layout.segments(self.rank):
                 master[s.local:s.local + s.length].copy_(
                     ps[s.param].detach().reshape(-1)[s.start:s.start + s.length])
-            self._groups.append(_Group(ps, layout, master, ps[0].dtype if ps else torch.float32))
+            self._groups.append(ShardGroup(ps, layout, master, ps[0].dtype if ps else torch.float32))
             opts = {k: v for k, v in g.items() if k != "params"}
             inner_groups.append({"params": [master], **opts})
         if is_onebit(optimizer_class):
@@ -276,7 +286,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     # -- training -------------------------------------------------------------------------------
 
-    def _buckets(self, g: _Group) -> list[tuple[int, int, list[tuple[int, int, int, int, int]]]]:
+    def _buckets(self, g: ShardGroup) -> list[tuple[int, int, list[tuple[int, int, int, int, int]]]]:
         """Column ranges [c0, c1) of the (world, local) padded buffer, at most ``bucket_bytes``
         of fp32 per range, with the pieces (rank, param, param start, column, length) in each."""
         if g.buckets is None:
@@ -357,7 +367,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     # -- access for ckpt.save / ckpt.load -----------------------------------------------------
 
     @property
-    def groups(self) -> list[_Group]:
+    def groups(self) -> list[ShardGroup]:
         """The per-group shards (params, layout, fp32 master shard)."""
         return self._groups
 
