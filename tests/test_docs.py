@@ -308,3 +308,40 @@ def test_command_check_catches_unknown_options():
         check_command("x", "./scripts/no-such.sh")
     with pytest.raises(AssertionError, match="neither run nor checked"):
         check_command("x", "rm -rf /tmp/something")
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[`*_]", "", heading.strip().lower())
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def _anchors(page: pathlib.Path) -> set[str]:
+    text = re.sub(r"(?ms)^\s*(```|~~~).*?^\s*\1", "", page.read_text())   # not in code blocks
+    return {_slug(m.group(1)) for m in re.finditer(r"(?m)^#+\s+(.*)$", text)}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[_rel(p) for p in PAGES])
+def test_links_resolve(page):
+    """Every relative link of a page names a file that exists, and a heading in it for #anchors."""
+    text = re.sub(r"(?ms)^\s*(```|~~~).*?^\s*\1", "", page.read_text())
+    bad = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"^[a-z]+:", target):
+            continue
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        if not dest.exists():
+            bad.append(f"{target}: no such file")
+        elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+            bad.append(f"{target}: no heading with anchor #{anchor} in {_rel(dest)}")
+    assert not bad, f"{_rel(page)}: broken links: " + "; ".join(bad)
+
+
+def test_link_check_catches_a_broken_anchor(tmp_path):
+    page = tmp_path / "p.md"
+    page.write_text("# Title: one (two)\n\n[ok](#title-one-two) [bad](#nowhere) [gone](missing.md)\n")
+    with pytest.raises(AssertionError) as exc:
+        test_links_resolve(page)
+    assert "#nowhere" in str(exc.value) and "missing.md: no such file" in str(exc.value)
+    assert "title-one-two" not in str(exc.value)
