@@ -132,57 +132,63 @@ class ZeroOneAdam(torch.optim.Optimizer):
             if key.startswith("grad:"):
                 self.onebit.reset(key)
         grads = [U.with_weight_decay(p.grad, p, g["weight_decay"]) for _, g, p in active]
-        if all(bool(torch.isfinite(g).all()) for g in grads):
-            touched = set()
-            for (gi, group, p), g in zip(active, grads):
-                beta1, beta2 = group["betas"]
-                st = U.moments(self.state[p], p)
-                st["exp_avg"].lerp_(g, 1 - beta1)
-                den = U.denom(st["exp_avg_sq"], beta2, self.var_updates, group["eps"])
-                step = U.step_size(group["lr"], beta1, t)
-                upd = st["exp_avg"].div(den).mul_(step)
-                _set(p, p.float().sub_(upd))
-                acc = self._acc.get(p)
-                if acc is None:
-                    acc = self._acc[p] = torch.zeros_like(upd)
-                acc.sub_(upd)
-                if gi not in touched:
-                    touched.add(gi)
-                    self.lrs[gi] += step
-        else:
+        finite = all(bool(torch.isfinite(g).all()) for g in grads)
+        if not finite:
             self._poisoned = True   # not applied; every rank learns it at the sync
+        lrs = list(self.lrs)
+        plan = []                   # (gi, p, new momentum, denominator, update of p, new accumulator)
+        for (gi, group, p), g in zip(active, grads):
+            beta1, beta2 = group["betas"]
+            st = U.moments(self.state[p], p)
+            den = U.denom(st["exp_avg_sq"], beta2, self.var_updates, group["eps"])
+            acc = self._acc.get(p)
+            if acc is None:
+                acc = torch.zeros_like(den)
+            if finite:
+                step = U.step_size(group["lr"], beta1, t)
+                m = torch.lerp(st["exp_avg"], g, 1 - beta1)
+                upd = m.div(den).mul_(step)
+                plan.append((gi, p, m, den, upd, acc - upd))
+            else:
+                plan.append((gi, p, st["exp_avg"], den, None, acc))
+        if finite:
+            for gi in sorted({gi for gi, *_ in plan}):
+                lrs[gi] += U.step_size(self.param_groups[gi]["lr"], self.param_groups[gi]["betas"][0], t)
         if t % self.local_step_interval == 0:
-            self._sync(active)
-        else:
+            self._sync(plan, lrs)
+        else:                       # a local step: nothing sent
+            for gi, p, m, den, upd, acc in plan:
+                self.state[p]["exp_avg"].copy_(m)
+                if upd is not None:
+                    _set(p, p.float().sub_(upd))
+                self._acc[p] = acc
+            self.lrs = lrs
             self.last_round = "local"
         self.local_step_counter += 1
         if self.local_step_counter == self.local_step_scaler:
             self.local_step_counter = 0
             self.local_step_interval = min(self.local_step_clipper, self.local_step_interval * 2)
 
-    def _sync(self, active: list) -> None:
-        """Average the accumulated updates (one compressed allreduce); replace the local steps."""
-        dens, bufs = [], []
-        for _, group, p in active:
-            st = U.moments(self.state[p], p)
-            den = U.denom(st["exp_avg_sq"], group["betas"][1], self.var_updates, group["eps"])
-            acc = self._acc.get(p)
-            dens.append(den)
-            bufs.append(acc * den if acc is not None else torch.zeros_like(den))
-        if self._poisoned and bufs:
-            bufs[0].view(-1)[:1] = float("nan")   # tells every rank through the exchange
+    def _sync(self, plan: list, lrs: list[float]) -> None:
+        """Average the accumulated updates (one compressed allreduce) and replace this interval's
+        local steps by the averaged update; nothing changes if the exchange raises."""
+        bufs = [acc * den for _, _, _, den, _, acc in plan]
         poisoned, self._poisoned = self._poisoned, False
-        if poisoned and not bufs:
-            raise NonFiniteError(f"{type(self).__name__}: a local step's gradient was not finite")
+        if poisoned:
+            if not bufs or bufs[0].numel() == 0:
+                raise NonFiniteError(f"{type(self).__name__}: a local step's gradient was not finite")
+            bufs[0].view(-1)[0] = float("nan")   # tells every rank through the exchange
         means = mean_compressed(self.onebit, bufs, "update")
-        for (gi, group, p), den, mean in zip(active, dens, means):
-            acc = self._acc.pop(p, None)
+        for (gi, p, m, den, _, _), mean in zip(plan, means):
             new = p.float()
-            if acc is not None:
-                new.sub_(acc)
+            old = self._acc.get(p)
+            if old is not None:
+                new.sub_(old)       # back to the weights of the last sync
             _set(p, new.add_(mean / den))
-            if self.lrs[gi] > 0:
-                self.state[p]["exp_avg"].copy_(mean).div_(-self.lrs[gi])
+            if lrs[gi] > 0:
+                self.state[p]["exp_avg"].copy_(mean).div_(-lrs[gi])
+            else:
+                self.state[p]["exp_avg"].copy_(m)
         self._acc.clear()
         self.lrs = [0.0] * len(self.param_groups)
         self.last_round = "sync"
