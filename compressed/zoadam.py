@@ -32,7 +32,11 @@ class ZeroOneAdam(torch.optim.Optimizer):
     ``local_step_interval`` steps one compressed allreduce averages the update accumulated since
     the last sync (``sum lr_k m_k``), each rank replaces its local steps by the averaged one, and
     the momentum restarts from the average (``- sum / sum lr_k``). The interval starts at 1 and
-    doubles every ``local_step_scaler`` frozen steps, up to ``local_step_clipper``.
+    doubles every ``local_step_scaler`` frozen steps, up to ``local_step_clipper``. Inside an
+    interval each rank keeps an fp32 copy of the weights of the last sync beside the accumulated
+    update (two model-sized buffers): a sync writes ``sync weights + averaged update``, so the
+    ranks' weights are bitwise equal after every sync (undoing the local steps by subtraction,
+    as DeepSpeed does, leaves rank-dependent rounding).
 
     The update itself is the 1-bit Adam family's (``compressed.adam_update``: bias-corrected, L2
     weight decay in the gradient, moments fp32), so before any compression this is
@@ -44,8 +48,8 @@ class ZeroOneAdam(torch.optim.Optimizer):
     ``NonFiniteError`` at the next sync (the first exchange that can tell them), changing
     nothing there. ``last_round`` says what the last step sent: "exact", "compressed", "local"
     (nothing) or "sync". ``state_dict()`` holds the moments and counters; ``per_rank_state_dict()``
-    adds this rank's error feedback and, inside a local interval, its local weights, momentum
-    and accumulated update.
+    adds this rank's error feedback and, inside a local interval, its local weights, momentum,
+    accumulated update and the weights of the last sync.
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
@@ -67,6 +71,7 @@ class ZeroOneAdam(torch.optim.Optimizer):
         self.lrs = [0.0] * len(self.param_groups)      # per group: sum of step sizes since the sync
         self.last_round: str | None = None
         self._acc: dict[torch.Tensor, torch.Tensor] = {}  # local accumulated update, per parameter
+        self._base: dict[torch.Tensor, torch.Tensor] = {}  # fp32 weights of the last sync
         self._poisoned = False
 
     @property
@@ -159,6 +164,8 @@ class ZeroOneAdam(torch.optim.Optimizer):
         else:                       # a local step: nothing sent
             for gi, p, m, den, upd, acc in plan:
                 self.state[p]["exp_avg"].copy_(m)
+                if p not in self._base:
+                    self._base[p] = p.detach().float().clone()
                 if upd is not None:
                     _set(p, p.float().sub_(upd))
                 self._acc[p] = acc
@@ -180,16 +187,14 @@ class ZeroOneAdam(torch.optim.Optimizer):
             bufs[0].view(-1)[0] = float("nan")   # tells every rank through the exchange
         means = mean_compressed(self.onebit, bufs, "update")
         for (gi, p, m, den, _, _), mean in zip(plan, means):
-            new = p.float()
-            old = self._acc.get(p)
-            if old is not None:
-                new.sub_(old)       # back to the weights of the last sync
-            _set(p, new.add_(mean / den))
+            base = self._base.get(p)   # the weights of the last sync: the same on every rank
+            _set(p, (base if base is not None else p.float()).add(mean / den))
             if lrs[gi] > 0:
                 self.state[p]["exp_avg"].copy_(mean).div_(-lrs[gi])
             else:
                 self.state[p]["exp_avg"].copy_(m)
         self._acc.clear()
+        self._base.clear()
         self.lrs = [0.0] * len(self.param_groups)
         self.last_round = "sync"
 
@@ -221,17 +226,19 @@ class ZeroOneAdam(torch.optim.Optimizer):
         if extra is not None:
             self._set_counters(extra)
         self._acc.clear()
+        self._base.clear()
 
     def per_rank_state_dict(self) -> dict:
         """This rank's part of a checkpoint: counters, error feedback and, inside a local
         interval, the local weights, momentum and accumulated update (in parameter order)."""
         params = [p for g in self.param_groups for p in g["params"]]
         local = None
-        if self._acc:
+        if self._acc or self._base:
             local = {"params": [p.detach().clone() for p in params],
                      "exp_avg": [self.state[p]["exp_avg"].clone() if "exp_avg" in self.state[p] else None
                                  for p in params],
-                     "accumulator": [self._acc[p].clone() if p in self._acc else None for p in params]}
+                     "accumulator": [self._acc[p].clone() if p in self._acc else None for p in params],
+                     "sync_params": [self._base[p].clone() if p in self._base else None for p in params]}
         return {"zero_one": self._counters(), "allreduce": self.onebit.per_rank_state_dict(),
                 "local": local}
 
@@ -243,6 +250,7 @@ class ZeroOneAdam(torch.optim.Optimizer):
         self._set_counters(U.same_counters(type(self).__name__, saved, "zero_one"))
         self.onebit.load_per_rank_state_dict([s["allreduce"] for s in saved], rank, size)
         self._acc.clear()
+        self._base.clear()
         locals_ = [s.get("local") for s in saved]
         if all(x is None for x in locals_):
             return
@@ -256,6 +264,8 @@ class ZeroOneAdam(torch.optim.Optimizer):
                         self.state[p]["exp_avg"] = mine["exp_avg"][i].to(p.device, torch.float32).clone()
                     if mine["accumulator"][i] is not None:
                         self._acc[p] = mine["accumulator"][i].to(p.device, torch.float32).clone()
+                    if mine["sync_params"][i] is not None:
+                        self._base[p] = mine["sync_params"][i].to(p.device, torch.float32).clone()
                 return
             for i, p in enumerate(params):
                 p.copy_(_mean([x["params"][i] for x in locals_]))

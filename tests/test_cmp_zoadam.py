@@ -147,6 +147,9 @@ def test_every_step_matches_the_float64_simulation(world, comm):
                 p.grad = torch.from_numpy(g.astype(np.float32))
             opt.step()
             got.append(opt.last_round)
+            if opt.last_round == "sync":   # the same weights, bit for bit, on every rank
+                flat = torch.cat([p.detach().reshape(-1) for p in ps]).numpy()
+                assert all(np.array_equal(flat, o) for o in world.allgather(flat)), f"step {t + 1}"
             for p, want in zip(ps, history[t]):
                 np.testing.assert_allclose(p.detach().double().numpy(), want, rtol=1e-4, atol=1e-5,
                                            err_msg=f"step {t + 1} ({ROUNDS[t]})")
