@@ -63,11 +63,14 @@ class GroupTransport:
         self.local_size = self.size
         self.backend = str(dist.get_backend(group))
 
+    # the engine's (ranks, bytes) message views go flat: gloo matches shapes chunk by chunk
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
-        return self._dist.all_to_all_single(output, input, group=self.group, async_op=async_op)
+        return self._dist.all_to_all_single(output.view(-1), input.view(-1), group=self.group,
+                                            async_op=async_op)
 
     def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
-        return self._dist.all_gather_into_tensor(output, input, group=self.group, async_op=async_op)
+        gather = getattr(self._dist, "all_gather_single", None) or self._dist.all_gather_into_tensor
+        return gather(output.view(-1), input.view(-1), group=self.group, async_op=async_op)
 
     def all_reduce(self, tensor: torch.Tensor, op: Any = "sum", async_op: bool = False):
         """In place; ``op`` as mpicomm takes it ("sum", "avg", ... or a ReduceOp). AVG is a SUM
