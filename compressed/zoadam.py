@@ -141,34 +141,27 @@ class ZeroOneAdam(torch.optim.Optimizer):
         if not finite:
             self._poisoned = True   # not applied; every rank learns it at the sync
         lrs = list(self.lrs)
-        plan = []                   # (gi, p, new momentum, denominator, update of p, new accumulator)
-        for (gi, group, p), g in zip(active, grads):
-            beta1, beta2 = group["betas"]
-            st = U.moments(self.state[p], p)
-            den = U.denom(st["exp_avg_sq"], beta2, self.var_updates, group["eps"])
-            acc = self._acc.get(p)
-            if acc is None:
-                acc = torch.zeros_like(den)
-            if finite:
-                step = U.step_size(group["lr"], beta1, t)
-                m = torch.lerp(st["exp_avg"], g, 1 - beta1)
-                upd = m.div(den).mul_(step)
-                plan.append((gi, p, m, den, upd, acc - upd))
-            else:
-                plan.append((gi, p, st["exp_avg"], den, None, acc))
         if finite:
-            for gi in sorted({gi for gi, *_ in plan}):
+            for gi in sorted({gi for gi, _, _ in active}):
                 lrs[gi] += U.step_size(self.param_groups[gi]["lr"], self.param_groups[gi]["betas"][0], t)
         if t % self.local_step_interval == 0:
-            self._sync(plan, lrs)
-        else:                       # a local step: nothing sent
-            for gi, p, m, den, upd, acc in plan:
-                self.state[p]["exp_avg"].copy_(m)
+            self._sync(self._plan(active, grads, t, finite), lrs)
+        else:                       # a local step: nothing sent, nothing can fail: in place
+            for (gi, group, p), g in zip(active, grads):
+                if not finite:
+                    break
+                beta1, beta2 = group["betas"]
+                st = U.moments(self.state[p], p)
                 if p not in self._base:
                     self._base[p] = p.detach().float().clone()
-                if upd is not None:
-                    _set(p, p.float().sub_(upd))
-                self._acc[p] = acc
+                acc = self._acc.get(p)
+                if acc is None:
+                    acc = self._acc[p] = torch.zeros_like(st["exp_avg"])
+                st["exp_avg"].lerp_(g, 1 - beta1)
+                den = U.denom(st["exp_avg_sq"], beta2, self.var_updates, group["eps"])
+                step = U.step_size(group["lr"], beta1, t)
+                acc.addcdiv_(st["exp_avg"], den, value=-step)
+                U.apply_(p, st["exp_avg"], den, step)
             self.lrs = lrs
             self.last_round = "local"
         self.local_step_counter += 1
@@ -176,17 +169,34 @@ class ZeroOneAdam(torch.optim.Optimizer):
             self.local_step_counter = 0
             self.local_step_interval = min(self.local_step_clipper, self.local_step_interval * 2)
 
+    def _plan(self, active: list, grads: list, t: int, finite: bool) -> list:
+        """A sync step's new values, computed aside: (group index, p, new momentum, denominator,
+        new accumulated update) per parameter."""
+        plan = []
+        for (gi, group, p), g in zip(active, grads):
+            beta1, beta2 = group["betas"]
+            st = U.moments(self.state[p], p)
+            den = U.denom(st["exp_avg_sq"], beta2, self.var_updates, group["eps"])
+            acc = self._acc.get(p)
+            acc = torch.zeros_like(den) if acc is None else acc
+            if finite:
+                m = torch.lerp(st["exp_avg"], g, 1 - beta1)
+                plan.append((gi, p, m, den, acc.addcdiv(m, den, value=-U.step_size(group["lr"], beta1, t))))
+            else:
+                plan.append((gi, p, st["exp_avg"], den, acc))
+        return plan
+
     def _sync(self, plan: list, lrs: list[float]) -> None:
         """Average the accumulated updates (one compressed allreduce) and replace this interval's
         local steps by the averaged update; nothing changes if the exchange raises."""
-        bufs = [acc * den for _, _, _, den, _, acc in plan]
+        bufs = [acc * den for _, _, _, den, acc in plan]
         poisoned, self._poisoned = self._poisoned, False
         if poisoned:
             if not bufs or bufs[0].numel() == 0:
                 raise NonFiniteError(f"{type(self).__name__}: a local step's gradient was not finite")
             bufs[0].view(-1)[0] = float("nan")   # tells every rank through the exchange
         means = mean_compressed(self.onebit, bufs, "update")
-        for (gi, p, m, den, _, _), mean in zip(plan, means):
+        for (gi, p, m, den, _), mean in zip(plan, means):
             base = self._base.get(p)   # the weights of the last sync: the same on every rank
             _set(p, (base if base is not None else p.float()).add(mean / den))
             if lrs[gi] > 0:
