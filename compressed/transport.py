@@ -31,7 +31,7 @@ def is_process_group(obj: Any) -> bool:
 
 def as_comm(comm: Any) -> Any:
     """The transport for ``comm``: a process group becomes a ``GroupTransport``; anything else
-    goes through ``mpicomm.as_communicator`` (Communicator, mpi4py communicator, None = world)."""
+    goes through ``mpicomm.as_communicator`` (a Communicator, an MPI communicator, None = world)."""
     if isinstance(comm, GroupTransport):
         return comm
     if is_process_group(comm):
