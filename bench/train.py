@@ -308,8 +308,8 @@ def run_curve(args, mpi_comm, mcomm, teacher) -> dict[str, dict]:
     for name in CURVES:
         model = build_model(args, seed=0)
         comm = _counting_comm(mpi_comm)
-        runs[name] = {"model": model, "comm": comm, "opt": _curve_optimizer(name, model.parameters(), args, comm),
-                      "losses": [], "times": []}
+        runs[name] = {"model": model, "comm": comm, "losses": [], "times": [],
+                      "opt": _curve_optimizer(name, model.parameters(), args, comm)}
 
     def average_grads(model, comm):
         grads = [p.grad for p in model.parameters()]

@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["check_range", "check_adam", "check_int", "moments", "with_weight_decay", "denom", "load_fp32_state",
+__all__ = ["check_range", "check_adam", "check_int", "moments", "with_weight_decay", "denom",
+           "load_fp32_state",
            "same_counters", "step_size", "apply_", "adam_update_"]
 
 

@@ -133,7 +133,8 @@ class OnebitLamb(torch.optim.Optimizer):
                 update.add_(p.detach().float(), alpha=group["weight_decay"])
             coeff = trust_ratio(p, update, group["min_coeff"], group["max_coeff"])
             if coeff != 1.0:
-                st["lamb_coeff_freeze"] = self.coeff_beta * st["lamb_coeff_freeze"] + (1 - self.coeff_beta) * coeff
+                cb = self.coeff_beta
+                st["lamb_coeff_freeze"] = cb * st["lamb_coeff_freeze"] + (1 - cb) * coeff
             self.lamb_coeffs.append(coeff)
             _set(p, p.float().sub_(update, alpha=group["lr"] * coeff))
 

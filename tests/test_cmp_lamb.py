@@ -138,10 +138,12 @@ def test_non_finite_gradient_after_the_freeze_raises_everywhere_changing_nothing
 
 
 @pytest.mark.parametrize("kwargs,name", [
-    (dict(freeze_step=0), "freeze_step"), (dict(min_coeff=11.0), "min_coeff"), (dict(min_coeff=0.0), "min_coeff"),
-    (dict(max_coeff=0.0), "max_coeff"), (dict(coeff_beta=1.0), "coeff_beta"), (dict(factor_max=0.9), "factor_max"),
+    (dict(freeze_step=0), "freeze_step"), (dict(min_coeff=11.0), "min_coeff"),
+    (dict(min_coeff=0.0), "min_coeff"), (dict(max_coeff=0.0), "max_coeff"),
+    (dict(coeff_beta=1.0), "coeff_beta"), (dict(factor_max=0.9), "factor_max"),
     (dict(factor_min=0.0), "factor_min"), (dict(factor_min=1.5), "factor_min"),
-    (dict(factor_threshold=-0.1), "factor_threshold"), (dict(lr=-1.0), "lr"), (dict(betas=(0.9, 1.0)), r"betas\[1\]")])
+    (dict(factor_threshold=-0.1), "factor_threshold"), (dict(lr=-1.0), "lr"),
+    (dict(betas=(0.9, 1.0)), r"betas\[1\]")])
 def test_hyperparameters_out_of_range(kwargs, name):
     with pytest.raises(ValueError, match=f"OnebitLamb: {name} must be"):
         compressed.OnebitLamb(make_params(), **kwargs)
