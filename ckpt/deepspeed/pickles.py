@@ -1,13 +1,17 @@
-"""Load DeepSpeed's torch.save files without running code: weights-only unpickling with an
-allowlist of the few DeepSpeed classes its checkpoints hold (as inert stand-ins), after
-checking every zip entry's CRC-32."""
+"""Load pickles from other programs without running code: torch's weights-only unpickler with
+an allowlist of named classes. DeepSpeed's torch.save files (the few DeepSpeed classes its
+checkpoints hold, as inert stand-ins) after checking every zip entry's CRC-32; plain pickles
+such as torch DCP's ``.metadata`` (``unpickle``, with the caller's allowlist). A global outside
+the allowlist is refused by name, never imported; a damaged zip file is a ZipEntryError naming it."""
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import re
+import struct
 import zipfile
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -72,12 +76,29 @@ DEEPSPEED_GLOBALS: dict[str, type] = {p: _stand_in(p) for p in (
 _GLOBAL = re.compile(r"(?:GLOBAL|global|function|class)\s+'?([\w.]+)'?")
 
 
+# what reading a damaged zip file can raise (zipfile's own checks, and torch's miniz reader)
+ZIP_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError, ValueError, NotImplementedError,
+              RuntimeError, struct.error, KeyError, IndexError, OverflowError)
+
+
+def damaged(path: str, exc: BaseException) -> "ZipEntryError":
+    """The error for zip file ``path`` whose structure could not be read (``exc``)."""
+    msg = str(exc).split(". ")[0]  # torch's miniz messages go on for three sentences
+    return ZipEntryError(f"{path}: damaged zip file, not readable as torch.save output "
+                         f"({type(exc).__name__}: {msg})")
+
+
 def check_zip(path: str, entries: Sequence[str] | None = None) -> list[str]:
     """Read the entries of zip file ``path`` (all, or those named) and check each one's CRC-32
-    and size against the central directory; return one message per damaged entry."""
+    and size against the central directory; return one message per damaged entry (or one for
+    a directory that cannot be read)."""
     bad = []
-    with zipfile.ZipFile(path) as zf:
+    try:
+        zf = zipfile.ZipFile(path)
         infos = zf.infolist() if entries is None else [zf.getinfo(e) for e in entries]
+    except ZIP_ERRORS as exc:
+        return [str(damaged(path, exc))]
+    with zf:
         for info in infos:
             try:
                 n = 0
@@ -86,15 +107,27 @@ def check_zip(path: str, entries: Sequence[str] | None = None) -> list[str]:
                         n += len(chunk)
                 if n != info.file_size:
                     raise zipfile.BadZipFile(f"{n} bytes, the directory says {info.file_size}")
-            except (zipfile.BadZipFile, EOFError, OSError, ValueError) as exc:
-                bad.append(f"{path}: zip entry {info.filename!r} is damaged ({exc})")
+            except ZIP_ERRORS as exc:
+                bad.append(f"{path}: zip entry {info.filename!r} is damaged ({type(exc).__name__}: {exc})")
     return bad
+
+
+def is_zip(path: str) -> bool:
+    """Whether ``path`` is a zip file (torch.save's format since torch 1.6); a zip file whose end
+    records are damaged is a ZipEntryError (zipfile.is_zipfile raises on some of those)."""
+    try:
+        return zipfile.is_zipfile(path)
+    except ZIP_ERRORS as exc:
+        raise damaged(path, exc) from None
 
 
 def zip_entries(path: str) -> list[tuple[str, int]]:
     """(entry name, size) of every entry of zip file ``path``."""
-    with zipfile.ZipFile(path) as zf:
-        return [(i.filename, i.file_size) for i in zf.infolist()]
+    try:
+        with zipfile.ZipFile(path) as zf:
+            return [(i.filename, i.file_size) for i in zf.infolist()]
+    except ZIP_ERRORS as exc:
+        raise damaged(path, exc) from None
 
 
 def check_files(paths: Sequence[str], rank: int = 0, size: int = 1,
@@ -104,7 +137,7 @@ def check_files(paths: Sequence[str], rank: int = 0, size: int = 1,
     rank raises the same ZipEntryError."""
     work = []
     for p in paths:
-        if zipfile.is_zipfile(p):
+        if is_zip(p):
             work += [(p, name, n) for name, n in zip_entries(p)]
     total, acc = sum(n for *_, n in work) or 1, 0
     mine: dict[str, list[str]] = {}
@@ -130,7 +163,7 @@ class Loader:
 
     def load(self, path: str) -> Any:
         # torch's zip format (the default since torch 1.6) can be memory-mapped; older files not
-        mmap = zipfile.is_zipfile(path)
+        mmap = is_zip(path)
         if self.verify and mmap:
             bad = check_zip(path)
             if bad:
@@ -140,12 +173,38 @@ class Loader:
             with torch.serialization.safe_globals(allow):
                 return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
         except pickle.UnpicklingError as exc:
-            m = _GLOBAL.search(str(exc))
-            what = f"the global {m.group(1)}" if m else "an object that is neither a tensor nor plain data"
-            raise PickleRefusedError(
-                f"{path} holds {what}, which is not one of the DeepSpeed classes a checkpoint contains "
-                f"({', '.join(sorted(DEEPSPEED_GLOBALS))}); refusing to unpickle it: unpickling can run "
-                "arbitrary code") from None
+            raise refused(path, exc, DEEPSPEED_GLOBALS, "the DeepSpeed classes a checkpoint contains") from None
+        except ZIP_ERRORS as exc:
+            raise damaged(path, exc) from None
+
+
+def refused(path: str, exc: BaseException, allowed: Mapping[str, Any], which: str) -> "PickleRefusedError":
+    """The error for a pickle in ``path`` that the weights-only unpickler refused (``exc``)."""
+    m = _GLOBAL.search(str(exc))
+    what = f"the global {m.group(1)}" if m else "an object that is neither a tensor nor plain data"
+    return PickleRefusedError(
+        f"{path} holds {what}, which is not one of {which} ({', '.join(sorted(allowed))}); refusing to "
+        "unpickle it: unpickling can run arbitrary code")
+
+
+def unpickle(data: bytes, path: str, allowed: Mapping[str, Any], which: str) -> Any:
+    """A plain pickle (not a torch.save file), unpickled by torch's weights-only unpickler with
+    ``allowed`` (global name -> the object it resolves to) added to torch's own allowlist of
+    tensor and plain-data globals; anything else is refused naming the global (PickleRefusedError
+    with ``path`` and ``which``, what the allowlist is for). Damaged data is a ManifestError."""
+    from torch import _weights_only_unpickler
+
+    allow = [(obj, name) for name, obj in allowed.items()]
+    try:
+        with torch.serialization.safe_globals(allow):
+            return _weights_only_unpickler.Unpickler(io.BytesIO(data), encoding="utf-8").load()
+    except pickle.UnpicklingError as exc:
+        if _GLOBAL.search(str(exc)) or "Unsupported" in str(exc) or "unrecognized" in str(exc):
+            raise refused(path, exc, allowed, which) from None
+        raise DamagedCheckpointError(f"{path}: not a readable pickle ({exc})") from None
+    except (EOFError, ValueError, TypeError, KeyError, IndexError, AttributeError, RuntimeError, OverflowError,
+            struct.error, RecursionError) as exc:
+        raise DamagedCheckpointError(f"{path}: not a readable pickle ({type(exc).__name__}: {exc})") from None
 
 
 def load_file(path: str | os.PathLike) -> Any:
