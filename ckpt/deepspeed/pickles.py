@@ -88,16 +88,18 @@ def damaged(path: str, exc: BaseException) -> "ZipEntryError":
                          f"({type(exc).__name__}: {msg})")
 
 
-def check_zip(path: str, entries: Sequence[str] | None = None) -> list[str]:
-    """Read the entries of zip file ``path`` (all, or those named) and check each one's CRC-32
-    and size against the central directory; return one message per damaged entry (or one for
-    a directory that cannot be read)."""
+def check_zip(path: Any, entries: Sequence[str] | None = None, name: str | None = None) -> list[str]:
+    """Read the entries of zip file ``path`` (a path or a binary file object; all entries, or
+    those named) and check each one's CRC-32 and size against the central directory; return one
+    message per damaged entry (or one for a directory that cannot be read), naming the file as
+    ``name`` (default: ``path``)."""
+    name = name or str(path)
     bad = []
     try:
         zf = zipfile.ZipFile(path)
         infos = zf.infolist() if entries is None else [zf.getinfo(e) for e in entries]
     except ZIP_ERRORS as exc:
-        return [str(damaged(path, exc))]
+        return [str(damaged(name, exc))]
     with zf:
         for info in infos:
             try:
@@ -108,7 +110,7 @@ def check_zip(path: str, entries: Sequence[str] | None = None) -> list[str]:
                 if n != info.file_size:
                     raise zipfile.BadZipFile(f"{n} bytes, the directory says {info.file_size}")
             except ZIP_ERRORS as exc:
-                bad.append(f"{path}: zip entry {info.filename!r} is damaged ({type(exc).__name__}: {exc})")
+                bad.append(f"{name}: zip entry {info.filename!r} is damaged ({type(exc).__name__}: {exc})")
     return bad
 
 
@@ -187,26 +189,43 @@ def refused(path: str, exc: BaseException, allowed: Mapping[str, Any], which: st
         "unpickle it: unpickling can run arbitrary code")
 
 
-def unpickle(data: bytes, path: str, allowed: Mapping[str, Any], which: str) -> Any:
-    """A plain pickle (not a torch.save file), unpickled by torch's weights-only unpickler with
-    ``allowed`` (global name -> the object it resolves to) added to torch's own allowlist of
-    tensor and plain-data globals; anything else is refused naming the global (PickleRefusedError
-    with ``path`` and ``which``, what the allowlist is for). Damaged data is a ManifestError."""
+def torch_value_globals() -> dict[str, Any]:
+    """The globals of torch's weights-only allowlist that are values, not code: dtypes, layouts,
+    memory formats, ``torch.Size``, ``collections.OrderedDict`` and the layout lookup."""
     from torch import _weights_only_unpickler
 
-    allow = [(obj, name) for name, obj in allowed.items()]
+    keep = {"torch.Size", "torch.serialization._get_layout", "collections.OrderedDict"}
+    return {name: obj for name, obj in _weights_only_unpickler._get_allowed_globals().items()
+            if name in keep or isinstance(obj, (torch.dtype, torch.layout, torch.memory_format))}
+
+
+class _Restricted(pickle.Unpickler):
+    """Resolves a global only from ``allowed`` (name -> object); anything else is refused by
+    name, never imported. No persistent ids (so no storages, no tensors)."""
+
+    def __init__(self, data: bytes, allowed: Mapping[str, Any]) -> None:
+        super().__init__(io.BytesIO(data), encoding="utf-8")
+        self.allowed = allowed
+
+    def find_class(self, module: str, name: str) -> Any:
+        full = f"{module}.{name}"
+        if full in self.allowed:
+            return self.allowed[full]
+        raise pickle.UnpicklingError(f"Unsupported global: GLOBAL {full} is not allowed")
+
+
+def unpickle(data: bytes, path: str, allowed: Mapping[str, Any], which: str) -> Any:
+    """A plain pickle (any protocol; not a torch.save file) whose globals may only be those in
+    ``allowed`` (global name -> the object it resolves to) and torch's value globals (dtypes,
+    ``torch.Size``...): anything else is refused naming the global (PickleRefusedError naming
+    ``path`` and ``which``, what the allowlist is for). Damaged data is a DamagedCheckpointError."""
+    table = {**torch_value_globals(), **allowed}
     try:
-        with torch.serialization.safe_globals(allow):
-            return _weights_only_unpickler.Unpickler(io.BytesIO(data), encoding="utf-8").load()
+        return _Restricted(data, table).load()
     except pickle.UnpicklingError as exc:
-        if _GLOBAL.search(str(exc)) or "Unsupported" in str(exc) or "unrecognized" in str(exc):
+        if _GLOBAL.search(str(exc)):
             raise refused(path, exc, allowed, which) from None
         raise DamagedCheckpointError(f"{path}: not a readable pickle ({exc})") from None
     except (EOFError, ValueError, TypeError, KeyError, IndexError, AttributeError, RuntimeError, OverflowError,
-            struct.error, RecursionError) as exc:
+            struct.error, RecursionError, MemoryError) as exc:
         raise DamagedCheckpointError(f"{path}: not a readable pickle ({type(exc).__name__}: {exc})") from None
-
-
-def load_file(path: str | os.PathLike) -> Any:
-    """One DeepSpeed file, checked and loaded safely (see Loader)."""
-    return Loader().load(os.fspath(path))
