@@ -17,6 +17,7 @@ import io
 import math
 import os
 import pathlib
+import pickle
 import re
 from collections import OrderedDict
 from typing import Any
@@ -101,12 +102,15 @@ def _item(folder: str, md: dcp_md.Metadata, index: dcp_md.MetadataIndex) -> Any:
         raise DamagedCheckpointError(f"{path}: expected {info.length} bytes at offset {info.offset} for "
                                      f"{index.fqn!r}, the file ends after {len(raw)}")
     where = f"{path} (item {index.fqn!r} at offset {info.offset})"
+    if raw[:4] != b"PK\x03\x04":
+        raise DamagedCheckpointError(f"{where}: expected a torch.save zip (DCP's FileSystemWriter with "
+                                     f"serialization_format TORCH_SAVE writes every item so), found {raw[:8]!r}")
     bad = check_zip(io.BytesIO(raw), name=where)
     if bad:
         raise DamagedCheckpointError("; ".join(bad))
     try:
         return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
-    except __import__("pickle").UnpicklingError as exc:
+    except pickle.UnpicklingError as exc:
         raise refused(where, exc, {}, "tensors and plain data (what DCP saves)") from None
     except ZIP_ERRORS as exc:
         raise damaged(where, exc) from None
@@ -123,7 +127,8 @@ def _tensor(folder: str, md: dcp_md.Metadata, fqn: str, tm: dcp_md.TensorStorage
         off, size = tuple(int(x) for x in c.offsets), tuple(int(x) for x in c.sizes)
         if len(off) != len(shape) or len(size) != len(shape) or any(
                 o < 0 or n < 0 or o + n > s for o, n, s in zip(off, size, shape)):
-            raise ManifestError(f"{folder}/{METADATA_NAME}: {fqn!r}: chunk at {off} of {size} lies outside shape {shape}")
+            raise ManifestError(f"{folder}/{METADATA_NAME}: {fqn!r}: chunk at {off} of {size} lies outside "
+                                f"shape {shape}")
         for prev in boxes:
             if all(a < pa + pn and pa < a + n for a, n, pa, pn in zip(off, size, *prev)) and math.prod(size):
                 raise ManifestError(f"{folder}/{METADATA_NAME}: {fqn!r}: chunks at {off} and {prev[0]} overlap")

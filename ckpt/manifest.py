@@ -301,7 +301,7 @@ class Manifest:
             if not isinstance(per, dict):
                 raise ManifestError(f"optimizer.scalars[{i!r}]: expected an object, got {type(per).__name__}")
             for key, v in per.items():
-                if not isinstance(v, dict) or "value" not in v or not (v.get("dtype") is None or v["dtype"] in ITEMSIZE):
+                if not isinstance(v, dict) or "value" not in v or v.get("dtype") not in (None, *ITEMSIZE):
                     raise ManifestError(f"optimizer.scalars[{i!r}][{key!r}]: expected {{'value', 'dtype'}}, got {v!r}")
                 if v.get("dtype") is not None and (isinstance(v["value"], bool) or
                                                    not isinstance(v["value"], (int, float))):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
-import warnings
 
 import numpy as np
 import pytest
