@@ -294,7 +294,7 @@ class Manifest:
                 raise ManifestError(f"optimizer.param_groups[{gi}]: expected an object, got {type(g).__name__}")
             for i in _list(g.get("params", []), f"optimizer.param_groups[{gi}].params"):
                 _int(i, f"optimizer.param_groups[{gi}].params[]", 0, len(self.params))
-        scalars = o.setdefault("scalars", {})
+        scalars = o.get("scalars")  # every version writes it, {} when there are none
         if not isinstance(scalars, dict):
             raise ManifestError(f"optimizer.scalars: expected an object, got {type(scalars).__name__}")
         for i, per in scalars.items():

@@ -332,3 +332,31 @@ def test_mutated_deepspeed_files_raise_named_errors_or_read_identically(tmp_path
     print(f"\nDeepSpeed zip mutations: {counts}")
     assert counts["error"] > 100
     assert not escapes, f"{len(escapes)} escapes:\n" + "\n".join(escapes[:40])
+
+
+@single_process
+def test_the_two_escapes_of_the_issue(saved, tmp_path):
+    """Found by the first fuzz of the issue: a checkpoint whose block size does not divide the load's
+    chunk size (a ValueError from the I/O planner), and a manifest without optimizer scalars (a
+    KeyError). The first is a valid checkpoint and loads; the second is a named error even in a
+    version-3 manifest, which has no checksum to catch the edit."""
+    model = make_model()
+    opt = make_opt(model)
+    model(torch.ones(2, 6)).sum().backward()
+    opt.step()
+    ckpt.save(tmp_path / "odd", model=model, optimizer=opt, comm=MPI.COMM_SELF, block_size=3 * 96,
+              chunk_bytes=3 * 96 * 4)
+    other = make_model()
+    other_opt = make_opt(other)
+    ckpt.load(tmp_path / "odd", model=other, optimizer=other_opt, comm=MPI.COMM_SELF)  # default chunk_bytes
+    for a, b in zip(model.state_dict().values(), other.state_dict().values()):
+        assert torch.equal(a, b)
+    d = tmp_path / "ck"
+    d.mkdir()
+    e = json.loads(saved["manifest"])
+    del e[MANIFEST_CRC_FIELD]
+    e["version"] = 3
+    del e["optimizer"]["scalars"]
+    write(d, json.dumps(e).encode(), saved["data"])
+    exc, _ = attempt(d)
+    assert isinstance(exc, ckpt.ManifestError) and "manifest.json" in str(exc) and "scalars" in str(exc), exc
