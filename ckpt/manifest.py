@@ -276,7 +276,7 @@ class Manifest:
             f = self.files.get(t.file)
             if f is None:
                 raise ManifestError(f"tensor {t.name!r}: unknown file {t.file!r}")
-            if t.offset + t.nbytes > int(f["nbytes"]):
+            if t.offset < 0 or t.offset + t.nbytes > int(f["nbytes"]):
                 raise ManifestError(f"tensor {t.name!r}: bytes [{t.offset}, {t.offset + t.nbytes}) "
                                     f"outside file {t.file!r} of {f['nbytes']} bytes")
         if self.optimizer is not None:
