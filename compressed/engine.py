@@ -90,8 +90,13 @@ class _Pending:
 
 
 def _phase1(comm, fam, lay: Layout, g, e, ws: Workspace, deferred: Deferred | None,
-            pend: _Pending) -> tuple[np.ndarray, float]:
-    """Send worker signs by pieces, then scale and size; return (every rank's scale, this rank's)."""
+            pend: _Pending, size_tag: int | None = None, agree=None) -> tuple[np.ndarray, float]:
+    """Send worker signs by pieces, then scale and size; return (every rank's scale, this rank's).
+
+    ``size_tag`` replaces the size sent in the trailer (a caller that knows its input is wrong
+    sends another one, so that every peer raises ``SizeMismatchError``); ``agree(error or None)``
+    is called after the checks and returns the error to raise (``hierarchical`` agrees with the
+    ranks of the node there). Nothing is modified before it returns."""
     p, chunk, m = lay.world_size, lay.chunk, lay.numel
     pieces = lay.pieces()
     send, recv = fam.view(ws.send), fam.view(ws.recv)
@@ -113,7 +118,7 @@ def _phase1(comm, fam, lay: Layout, g, e, ws: Workspace, deferred: Deferred | No
             scale = np.float32(math.sqrt(ssq / lay.padded))
             tail = np.zeros(2, np.uint32)
             tail[0] = np.array([scale], np.float32).view(np.uint32)[0]
-            tail[1] = m % (1 << 32)
+            tail[1] = (m if size_tag is None else size_tag) % (1 << 32)
             msg = _block(ws.send, p, lo, hi, trailer)
             msg[:, hi - lo:] = _trailer(tail).to(msg.device).view(1, P1_TRAILER)
         pend.add(comm.all_to_all_single(_block(ws.recv, p, lo, hi, trailer),
@@ -122,38 +127,45 @@ def _phase1(comm, fam, lay: Layout, g, e, ws: Workspace, deferred: Deferred | No
     lo, hi = pieces[-1]
     tails = _block(ws.recv, p, lo, hi, P1_TRAILER)[:, hi - lo:].cpu().contiguous().numpy()
     sizes = tails[:, 4:].copy().view(np.uint32).reshape(p)
-    if (sizes != m % (1 << 32)).any():
-        raise SizeMismatchError(
-            f"compressed allreduce: the ranks passed different sizes (elements per rank: "
-            f"{sizes.tolist()}); expected the same size on every rank. No buffer was modified.")
     wscales = tails[:, :4].copy().view(np.float32).reshape(p)
     bad = [r for r in range(p) if not math.isfinite(float(wscales[r]))]
-    if bad:
-        raise NonFiniteError(
+    err: Exception | None = None
+    if (sizes != m % (1 << 32)).any():
+        err = SizeMismatchError(
+            f"compressed allreduce: the ranks passed different sizes (elements per rank: "
+            f"{sizes.tolist()}); expected the same size on every rank. No buffer was modified.")
+    elif bad:
+        err = NonFiniteError(
             f"compressed allreduce: the input (plus worker error) is not finite (inf or NaN) on "
             f"rank(s) {bad} of {p}; expected finite values everywhere. No buffer was modified.")
+    if agree is not None:
+        err = agree(err)
+    if err is not None:
+        raise err
     return wscales, float(scale)
 
 
 def allreduce(comm, fam, lay: Layout, g, out, e, s, ws: Workspace,
-              deferred: Deferred | None = None) -> tuple[float, float]:
+              deferred: Deferred | None = None, *, size_tag: int | None = None,
+              agree=None) -> tuple[float, float]:
     """Write the compressed mean of every rank's ``g`` into ``out``; return (worker, server) scale.
 
     ``g`` (numel elements), ``out`` (numel), ``e`` (padded), ``s`` (chunk) are flat float32
     arrays of ``fam``'s kind; ``out`` may alias ``g``. Without ``deferred``, ``e`` and ``s`` are
     updated to the new errors; with it, see ``Deferred``. Collective over ``comm``.
+    ``size_tag`` and ``agree``: see ``_phase1`` (used by ``hierarchical``).
     """
     pend = _Pending()
     try:
-        return _allreduce(comm, fam, lay, g, out, e, s, ws, deferred, pend)
+        return _allreduce(comm, fam, lay, g, out, e, s, ws, deferred, pend, size_tag, agree)
     finally:
         pend.wait()  # an error on the way leaves no request behind
 
 
-def _allreduce(comm, fam, lay, g, out, e, s, ws, deferred, pend):
+def _allreduce(comm, fam, lay, g, out, e, s, ws, deferred, pend, size_tag=None, agree=None):
     p, chunk, m = lay.world_size, lay.chunk, lay.numel
     pieces = lay.pieces()
-    wscales, scale = _phase1(comm, fam, lay, g, e, ws, deferred, pend)
+    wscales, scale = _phase1(comm, fam, lay, g, e, ws, deferred, pend, size_tag, agree)
 
     coef = (wscales.astype(np.float64) / p).astype(np.float32)
     recv, gsend = fam.view(ws.recv), fam.view(ws.gsend)
