@@ -1,6 +1,6 @@
 """Crossover finder: from which message size is the 1-bit allreduce faster than fp32 here?
 
-``python -m bench compressed --crossover [--rates 100mbit,1gbit,10gbit] [--sizes 4K:16M]
+``python -m bench compressed --crossover [--rates 100mbit,1gbit,10gbit] [--sizes 16K,64K,...,16M]
 [--ranks 2] [--json F] [--plot F.png]``
 
 It times the fp32 allreduce against each 1-bit API (``all_reduce:1bit``: ``MpiBackend``,
@@ -32,7 +32,7 @@ __all__ = ["APIS", "OPS", "crossover", "summarize", "lines", "draw", "run"]
 #: The 1-bit rows and the API each one times.
 APIS = {"all_reduce:1bit": "MpiBackend", "all_reduce:1bit-ar": "OnebitAllreduce"}
 OPS = ("all_reduce", *APIS)
-DEFAULT_SIZES = "4K:16M"
+DEFAULT_SIZES = "16K,64K,256K,1M,4M,16M"
 
 
 def crossover(sizes: Sequence[int], fp32: Sequence[float], onebit: Sequence[float]) -> int | None:

@@ -7,6 +7,7 @@ decide how device buffers reach MPI (directly when CUDA-aware, else staged).
 """
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from typing import Any
 
@@ -29,6 +30,20 @@ _KERNELS = (None, "host", "numba", "numpy", "torch")
 def _one_node(comm: mpicomm.Communicator) -> bool:
     """Whether all of ``comm``'s ranks share one node (then phases go in one piece)."""
     return comm.local_size == comm.size
+
+
+#: Tuning knob (same value on every rank): most pieces per phase across nodes (default
+#: ``wire_format.MAX_PIECES``); more pieces overlap packing with the transfer.
+PIECES_ENV = "MPICOMM_ONEBIT_PIECES"
+
+
+def _env_pieces() -> int | None:
+    text = os.environ.get(PIECES_ENV, "").strip()
+    if not text:
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"{PIECES_ENV}: expected a positive number of pieces, got {text!r}")
+    return int(text)
 
 
 def _is_cupy(x: Any) -> bool:
@@ -94,8 +109,8 @@ class MpiBackend:
         self._workspaces: OrderedDict[tuple, engine.Workspace] = OrderedDict()
         self._families: dict[str, Any] = {}
         # one node: shared memory, nothing to overlap; pieces would only add synchronisation
-        self._max_pieces = 1 if _one_node(self.comm) else None
-        self.hierarchy = Hierarchy(self.comm, hierarchical)
+        self._max_pieces = 1 if _one_node(self.comm) else _env_pieces()
+        self.hierarchy = Hierarchy(self.comm, hierarchical, self._max_pieces)
         self.hierarchical = self.hierarchy.enabled
 
     # ------------------------------------------------------------------------------------------

@@ -93,8 +93,10 @@ class Hierarchy:
     """Node structure of a communicator and, when hierarchical, its node and cross-node
     communicators. Collective over ``comm``; every rank reaches the same decision."""
 
-    def __init__(self, comm: mpicomm.Communicator, hierarchical: bool | None) -> None:
+    def __init__(self, comm: mpicomm.Communicator, hierarchical: bool | None,
+                 max_pieces: int | None = None) -> None:
         self.enabled = False
+        self.max_pieces = max_pieces
         self.node: mpicomm.Communicator | None = None
         self.cross: mpicomm.Communicator | None = None
         self.nodes, self.per_node, self.local_index, self.node_index = 1, comm.size, comm.rank, 0
@@ -129,7 +131,8 @@ class Hierarchy:
 
     def layout(self, numel: int) -> Layout:
         """The cross-node layout of this rank's part of a call on ``numel`` elements."""
-        return Layout(part_size(numel, self.nodes * self.per_node, self.per_node), self.nodes)
+        return Layout(part_size(numel, self.nodes * self.per_node, self.per_node), self.nodes,
+                      self.max_pieces)
 
     def wire_bytes(self, numel: int) -> tuple[int, int]:
         """(bytes this rank sends to other nodes, bytes to ranks of its node) per call."""
