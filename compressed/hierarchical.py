@@ -69,24 +69,20 @@ def part_size(numel: int, world_size: int, per_node: int) -> int:
     return Layout(numel, world_size).padded // per_node
 
 
-def _node_colors(mpi_comm) -> tuple[int, int]:
-    """(node index of this rank, its local index), nodes numbered by their first rank."""
-    from mpi4py import MPI
-
-    rank = mpi_comm.Get_rank()
+def _node_first(comm: mpicomm.Communicator) -> int:
+    """The first communicator rank on this rank's node (collective)."""
     forced = os.environ.get(NODE_SIZE_ENV, "").strip()
     if forced:
-        k = int(forced)
-        if k < 1:
+        if not forced.isdigit() or int(forced) < 1:
             raise ValueError(f"{NODE_SIZE_ENV}: expected a positive number of ranks, got {forced!r}")
-        first = rank - rank % k
-    else:
-        node = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
-        try:
-            first = node.allreduce(rank, op=MPI.MIN)
-        finally:
-            node.Free()
-    return first, rank
+        return comm.rank - comm.rank % int(forced)
+    node = comm.split_node()
+    try:
+        first = np.array([comm.rank], np.int64)
+        node.all_reduce(first, op="min")
+        return int(first[0])
+    finally:
+        node.free()
 
 
 class Hierarchy:
@@ -103,14 +99,16 @@ class Hierarchy:
         if hierarchical is False:
             return
         forced = bool(os.environ.get(NODE_SIZE_ENV, "").strip())
-        mpi_comm = getattr(comm, "mpi_comm", None)
-        if mpi_comm is None:  # not over MPI (e.g. a transport adapter): no node structure
+        if not hasattr(comm, "split_node"):  # not an mpicomm Communicator: no node structure
             decide([comm.size], hierarchical)
             return
         if hierarchical is None and not forced and comm.local_size == comm.size:
             return  # one node: every rank sees local_size == size, no collective needed
-        first, rank = _node_colors(mpi_comm)
-        firsts = mpi_comm.allgather(first)
+        rank = comm.rank
+        first = _node_first(comm)
+        everyone = np.empty(comm.size, np.int64)
+        comm.all_gather_into_tensor(everyone, np.array([first], np.int64))
+        firsts = everyone.tolist()
         order = sorted(set(firsts))
         counts = [firsts.count(f) for f in order]
         if not decide(counts, hierarchical):
@@ -119,10 +117,8 @@ class Hierarchy:
         self.nodes, self.per_node = len(order), counts[0]
         self.node_index = order.index(first)
         self.local_index = sum(1 for r, f in enumerate(firsts) if f == first and r < rank)
-        node = mpi_comm.Split(self.node_index, rank)
-        cross = mpi_comm.Split(self.local_index, rank)
-        self.node = mpicomm.Communicator(node)
-        self.cross = mpicomm.Communicator(cross)
+        self.node = comm.split(self.node_index, rank)
+        self.cross = comm.split(self.local_index, rank)
 
     def describe(self) -> str:
         if not self.enabled:
@@ -146,16 +142,19 @@ class Hierarchy:
         code = np.array([0 if local is None else 2 if isinstance(local, SizeMismatchError) else 1],
                         np.int64)
         codes = np.empty(self.per_node, np.int64)
-        self.node.mpi_comm.Allgather(code, codes)
-        if not codes.any():
-            return None
-        msgs = self.node.mpi_comm.allgather(None if local is None else str(local))  # error path only
-        first = next(m for m in msgs if m is not None)
-        if local is not None:
+        self.node.all_gather_into_tensor(codes, code)
+        if local is not None or not codes.any():
             return local
-        cls = SizeMismatchError if 2 in codes.tolist() else NonFiniteError
-        return cls(f"compressed allreduce (hierarchical): a rank of this node's group reported: "
-                   f"{first}")
+        which = [j for j, c in enumerate(codes.tolist()) if c]
+        if 2 in codes.tolist():
+            return SizeMismatchError(
+                f"compressed allreduce (hierarchical): the ranks passed different sizes (found by "
+                f"the ranks of local index {which} on this node); expected the same size on every "
+                f"rank. No buffer was modified.")
+        return NonFiniteError(
+            f"compressed allreduce (hierarchical): the input (plus worker error) is not finite "
+            f"(inf or NaN) on some rank (found by the ranks of local index {which} on this node); "
+            f"expected finite values everywhere. No buffer was modified.")
 
     def allreduce(self, fam, numel: int, g, out, e, s, ws: engine.Workspace, scratch,
                   deferred: engine.Deferred | None = None) -> tuple[float, float]:
@@ -166,7 +165,7 @@ class Hierarchy:
         lay = self.layout(numel)
         sub, padded = lay.numel, lay.numel * L
         sizes = np.empty(L, np.int64)
-        self.node.mpi_comm.Allgather(np.array([numel], np.int64), sizes)
+        self.node.all_gather_into_tensor(sizes, np.array([numel], np.int64))
         pre: Exception | None = None
         tag = None
         if (sizes != numel).any():

@@ -79,10 +79,17 @@ def _group4(world):
 
 @pytest.mark.mpi(min_size=4)
 @pytest.mark.parametrize("api", ["backend", "onebit"])
-@pytest.mark.parametrize("n", [5, 96, 1000])
-def test_hierarchical_matches_float64_simulation(world, monkeypatch, api, n):
+@pytest.mark.parametrize("n,pieces", [(5, False), (96, False), (1000, False), (1003, True)])
+def test_hierarchical_matches_float64_simulation(world, monkeypatch, api, n, pieces):
     sub4, comm4 = _group4(world)
     monkeypatch.setenv(NODE_SIZE_ENV, "2")
+    if pieces:  # the cross-node part in many small pieces, with MPI progress between steps
+        from compressed import wire_format
+
+        monkeypatch.setattr(wire_format, "PIECE_BYTES", 8)
+        monkeypatch.setattr(wire_format, "MAX_PIECES", 1000)
+        monkeypatch.setattr(compressed.backend, "_one_node", lambda comm: False)
+        monkeypatch.setattr(compressed.engine, "STEP_BYTES", 8)
 
     def run():
         if sub4 is None:
