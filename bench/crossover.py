@@ -89,8 +89,13 @@ def draw(results: list[dict], path: str) -> None:
     from .plot import size_label
 
     settings = list(dict.fromkeys(r["setting"] for r in results))
-    fig, axes = plt.subplots(1, len(settings), figsize=(max(5.6, 4.2 * len(settings)), 3.8), squeeze=False)
-    for ax, setting in zip(axes[0], settings):
+    cols = min(2, len(settings))
+    rows = -(-len(settings) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.6 * cols, 3.6 * rows), squeeze=False)
+    flat = [ax for row in axes for ax in row]
+    for ax in flat[len(settings):]:
+        ax.set_visible(False)
+    for ax, setting in zip(flat, settings):
         mine = [r for r in results if r["setting"] == setting]
         ax.plot(mine[0]["sizes"], mine[0]["fp32_us"], "o-", color="black", label="fp32 all_reduce")
         for r, colour in zip(mine, ("tab:blue", "tab:orange")):
@@ -104,7 +109,8 @@ def draw(results: list[dict], path: str) -> None:
         ax.set_title(setting, fontsize=9)
         ax.set_xlabel("message size per rank")
         ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].set_ylabel("time per call (us), lower is better")
+    for row in axes:
+        row[0].set_ylabel("time per call (us), lower is better")
     axes[0][0].legend(fontsize=7)
     fig.suptitle("1-bit vs fp32 allreduce (vertical band: 1-bit faster from there on)", fontsize=9)
     fig.tight_layout()

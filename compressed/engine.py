@@ -4,7 +4,7 @@
 ``layout``:
 
 1. phase 1, per piece: pack the worker signs of x = input + worker error for every chunk, post
-   the piece's all-to-all, and pack the next piece while it travels (MPI progress between
+   the piece's all-to-all (blocking when there is only one piece), and pack the next piece while it travels (MPI progress between
    pieces); the last piece carries the worker scale and size, so every rank checks sizes and
    finiteness before anything is modified;
 2. phase 2, per piece: combine the received signs with the server error, pack the server signs,
@@ -80,6 +80,16 @@ class _Pending:
         self.works.append(work)
         self.progress()
 
+    def post(self, collective, out, inp, blocking: bool) -> None:
+        """Run ``collective(out, inp)``: blocking when there is only one piece (nothing to
+        overlap; MPI's blocking collectives are much faster than a nonblocking one and its
+        wait: 2 ranks, 256 B, Allgather 2.8 us against Iallgather + Wait 255 us, loaded
+        machine), else async and kept."""
+        if blocking:
+            collective(out, inp)
+        else:
+            self.add(collective(out, inp, async_op=True))
+
     def progress(self) -> None:
         self.works = [w for w in self.works if not w.is_completed()]
 
@@ -121,8 +131,8 @@ def _phase1(comm, fam, lay: Layout, g, e, ws: Workspace, deferred: Deferred | No
             tail[1] = (m if size_tag is None else size_tag) % (1 << 32)
             msg = _block(ws.send, p, lo, hi, trailer)
             msg[:, hi - lo:] = _trailer(tail).to(msg.device).view(1, P1_TRAILER)
-        pend.add(comm.all_to_all_single(_block(ws.recv, p, lo, hi, trailer),
-                                        _block(ws.send, p, lo, hi, trailer), async_op=True))
+        pend.post(comm.all_to_all_single, _block(ws.recv, p, lo, hi, trailer),
+                  _block(ws.send, p, lo, hi, trailer), len(pieces) == 1)
     pend.wait()
     lo, hi = pieces[-1]
     tails = _block(ws.recv, p, lo, hi, P1_TRAILER)[:, hi - lo:].cpu().contiguous().numpy()
@@ -183,8 +193,8 @@ def _allreduce(comm, fam, lay, g, out, e, s, ws, deferred, pend, size_tag=None, 
         if last:
             sscale = np.float32(math.sqrt(sss / chunk))
             ws.gsend[hi:].copy_(_trailer(np.array([sscale], np.float32)).to(ws.gsend.device))
-        pend.add(comm.all_gather_into_tensor(_block(ws.grecv, p, lo, hi, trailer),
-                                             ws.gsend[lo:hi + trailer], async_op=True))
+        pend.post(comm.all_gather_into_tensor, _block(ws.grecv, p, lo, hi, trailer),
+                  ws.gsend[lo:hi + trailer], len(pieces) == 1)
         if deferred is None:  # the worker error update overlaps the transfers
             for a in range(k * share, min((k + 1) * share, lay.padded), 8 * STEP_BYTES):
                 b = min(a + 8 * STEP_BYTES, (k + 1) * share, lay.padded)
