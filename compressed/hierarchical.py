@@ -6,7 +6,8 @@ elements pads them to ``padded = padded_size(n, N * L)`` (as the flat algorithm 
 them in ``L`` parts of ``sub = padded / L`` elements. The rank of local index ``j`` (its rank
 among its node's ranks, in communicator order):
 
-1. reduce-scatter inside the node, in float32 (shared memory): part ``j`` of the node's mean;
+1. reduce-scatter inside the node, in float32 (shared memory): part ``j`` of the node's mean
+   (an all-to-all of the parts, summed over the node's ranks in rank order, divided by L);
 2. runs the flat 1-bit allreduce (``engine``) on that part with the ranks of local index ``j``
    on the other nodes (one per node): worker error feedback on ``x = node mean part + worker
    error``, server error feedback on its ``sub / N`` chunk, as DeepSpeed's algorithm among N
@@ -35,6 +36,7 @@ import os
 from typing import Any
 
 import numpy as np
+import torch
 
 import mpicomm
 
@@ -137,6 +139,20 @@ class Hierarchy:
         return lay.wire_bytes(), 2 * (L - 1) * 4 * lay.numel
 
     # ------------------------------------------------------------------------------------------
+    def _node_mean_part(self, src, part, recv) -> None:
+        """``part`` = this rank's part of the mean over the node of ``src`` (padded elements):
+        an all-to-all of the parts, then their sum over the node's ranks divided by L. (MPICH's
+        reduce-scatter took 197 ms on 64 MiB and 2 ranks here; all-to-all + add 66 ms.)"""
+        L, sub = self.per_node, part.shape[0]
+        self.node.all_to_all_single(recv, src)
+        rows = recv.reshape(L, sub)
+        if isinstance(part, np.ndarray):
+            np.sum(rows, axis=0, out=part)
+            np.divide(part, np.float32(L), out=part)
+        else:
+            torch.sum(rows, dim=0, out=part)
+            part.div_(L)
+
     def _agree(self, local: Exception | None) -> Exception | None:
         """Collective over the node: the error to raise when any rank of the node has one."""
         code = np.array([0 if local is None else 2 if isinstance(local, SizeMismatchError) else 1],
@@ -185,7 +201,7 @@ class Hierarchy:
                 src = scratch("hier_in", padded)
                 src[:numel] = g
                 src[numel:] = 0
-            self.node.reduce_scatter_tensor(part, src, op="avg")
+            self._node_mean_part(src, part, scratch("hier_recv", padded))
         else:
             part[:] = 0
         d = None
