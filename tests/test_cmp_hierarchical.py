@@ -79,8 +79,10 @@ def _group4(world):
 
 @pytest.mark.mpi(min_size=4)
 @pytest.mark.parametrize("api", ["backend", "onebit"])
-@pytest.mark.parametrize("n,pieces", [(5, False), (96, False), (1000, False), (1003, True)])
-def test_hierarchical_matches_float64_simulation(world, monkeypatch, api, n, pieces):
+@pytest.mark.parametrize("n,pieces,kernels", [(5, False, None), (96, False, None), (1000, False, None),
+                                              (1003, True, None), (200, False, "torch"),
+                                              (200, False, "numpy")])
+def test_hierarchical_matches_float64_simulation(world, monkeypatch, api, n, pieces, kernels):
     sub4, comm4 = _group4(world)
     monkeypatch.setenv(NODE_SIZE_ENV, "2")
     if pieces:  # the cross-node part in many small pieces, with MPI progress between steps
@@ -97,10 +99,10 @@ def test_hierarchical_matches_float64_simulation(world, monkeypatch, api, n, pie
         p = comm4.size
         N = compressed.padded_size(n, p)
         if api == "backend":
-            b = compressed.MpiBackend(comm=comm4)
+            b = compressed.MpiBackend(comm=comm4, kernels=kernels)
             assert b.hierarchical and b.hierarchy.describe() == "hierarchical: 2 nodes x 2 ranks"
         else:
-            ar = compressed.OnebitAllreduce(comm4)
+            ar = compressed.OnebitAllreduce(comm4, kernels=kernels)
             assert ar.backend.hierarchical
         we, se = torch.zeros(N), torch.zeros(N // p)
         rng = np.random.default_rng(100 + comm4.rank)
