@@ -123,6 +123,7 @@ class Hierarchy:
         self.cross = comm.split(self.local_index, rank)
 
     def describe(self) -> str:
+        """'flat' or 'hierarchical: N nodes x L ranks'."""
         if not self.enabled:
             return "flat"
         return f"hierarchical: {self.nodes} nodes x {self.per_node} ranks"
