@@ -19,6 +19,7 @@ import mpicomm
 from . import engine
 from .families import family_for
 from .hierarchical import Hierarchy
+from .transport import as_comm
 from .wire_format import Layout
 
 __all__ = ["MpiBackend"]
@@ -99,7 +100,7 @@ class MpiBackend:
             raise ValueError(f"kernels: expected one of {_KERNELS}, got {kernels!r}")
         if hierarchical not in (None, True, False):
             raise TypeError(f"hierarchical: expected None, True or False, got {hierarchical!r}")
-        self.comm = mpicomm.as_communicator(comm)
+        self.comm = as_comm(comm)  # an mpicomm Communicator or a process group (transport)
         self.cuda_aware = bool(cuda_aware)
         self.rank = self.comm.rank
         self.size = self.comm.size
