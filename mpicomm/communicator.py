@@ -19,13 +19,18 @@ from .buffers import IN, INOUT, OUT, Slot, host_overlap, prepare, to_tensor
 from .checking import agree
 from .device_paths import DevicePolicy
 from .errors import check_rank, check_type, describe, fail_value
-from .observe import log_init, observed, observed_as
+from .observe import _DEBUG, _debug_cache, _profiler, log_init, observed, observed_as
+from .observe import log as _log
 from .ops import ReduceOp, parse_op
 from .p2p import PointToPoint
 from .validate import move_type, per_rank_list, reduction, root_list, same_device, same_dtype, splits
 from .work import Work
 
 _world: "Communicator | None" = None
+_Tensor = torch.Tensor
+_IN_PLACE = MPI.IN_PLACE
+_fromaddress = MPI.buffer.fromaddress
+_FAST_REDUCE = fastpath.REDUCE
 
 
 def _node_rank(mpi_comm: MPI.Intracomm) -> tuple[int, int]:
@@ -81,6 +86,7 @@ class Communicator(PointToPoint):
         self._policy: DevicePolicy | None = None
         self._tag_ub: int = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
         self._r16: reduce16.State | None = None
+        self._allreduce = mpi_comm.Allreduce
 
     def __repr__(self) -> str:
         return f"<mpicomm.Communicator rank {self.rank} of {self.size}>"
@@ -132,8 +138,20 @@ class Communicator(PointToPoint):
 
     def all_reduce(self, tensor, op=ReduceOp.SUM, async_op: bool = False) -> Work | None:
         """Reduce ``tensor`` across ranks, in place."""
-        if not async_op and not self.check and fastpath.run(self, "all_reduce", tensor, op=op):
-            return None
+        # The fast-path rule (mpicomm.fastpath) inlined: one Python frame between the caller
+        # and MPI's Allreduce for a contiguous host tensor MPI reduces natively.
+        if (type(tensor) is _Tensor and not async_op and not self.check and fastpath.ENABLED
+                and not _profiler._is_profiler_enabled
+                and (_debug_cache.get(_DEBUG) is False or not _log.isEnabledFor(_DEBUG))
+                and tensor.is_cpu and tensor.is_contiguous()):
+            try:
+                found = _FAST_REDUCE.get((tensor.dtype, op))
+            except TypeError:  # an unhashable op: the general path reports it
+                found = None
+            if found is not None and tensor.numel() <= large.MAX_COUNT:
+                self._allreduce(_IN_PLACE, [_fromaddress(tensor.data_ptr(), tensor.nbytes),
+                                            found[0]], found[1])
+                return None
         return self._all_reduce(tensor, op, async_op)
 
     @observed_as("all_reduce")

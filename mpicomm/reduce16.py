@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from . import kernels16
+from . import kernels16, large
 from .device_paths import DevicePolicy
 from .ops import ReduceOp
 
@@ -40,7 +40,7 @@ DTYPES = (torch.bfloat16, torch.float16)
 #: Buffers of fewer bytes take the one-collective path (whole buffer).
 SMALL_BYTES = int(os.environ.get("MPICOMM_REDUCE16_SMALL", 64 << 10))
 #: Bytes of one segment of an owner block in the pipelined path.
-SEGMENT_BYTES = int(os.environ.get("MPICOMM_REDUCE16_SEGMENT", 1 << 20))
+SEGMENT_BYTES = int(os.environ.get("MPICOMM_REDUCE16_SEGMENT", 4 << 20))
 #: Segments whose exchange is posted ahead of the kernel.
 DEPTH = 2
 #: Device buffers are staged through host memory: the kernel runs on the host.
@@ -159,6 +159,11 @@ def _bits(t: torch.Tensor) -> np.ndarray:
     return kernels16.as_bits(t.reshape(-1))
 
 
+def _small(numel: int, p: int) -> bool:
+    """Whether a buffer of ``numel`` elements takes the one-collective path."""
+    return (numel * 2 < SMALL_BYTES or p == 1) and numel * p <= large.MAX_COUNT
+
+
 def _balanced(n: int, p: int) -> list[tuple[int, int]]:
     return [(j * n // p, (j + 1) * n // p - j * n // p) for j in range(p)]
 
@@ -168,7 +173,7 @@ def all_reduce(state: State, x: torch.Tensor, plan: tuple[int, int, float]) -> S
     comm = state.comm()
     p, me = comm.Get_size(), comm.Get_rank()
     xb, dtype = _bits(x), _NAMES[x.dtype]
-    if xb.size * 2 < SMALL_BYTES or p == 1:
+    if _small(xb.size, p):
         raw = state.scratch.acquire(p * xb.size)
         return Steps(_small_all_reduce(comm, xb, raw, dtype, plan),
                      [lambda: state.scratch.release(raw)])
@@ -184,7 +189,7 @@ def reduce_scatter(state: State, out: torch.Tensor, inp: torch.Tensor,
     comm = state.comm()
     p, me = comm.Get_size(), comm.Get_rank()
     ib, ob, dtype = _bits(inp), _bits(out), _NAMES[inp.dtype]
-    if ib.size * 2 < SMALL_BYTES or p == 1:
+    if _small(ib.size, p):
         raw = state.scratch.acquire(ib.size)
         return Steps(_small_reduce_scatter(comm, ib, ob, raw, dtype, plan),
                      [lambda: state.scratch.release(raw)])
@@ -198,7 +203,7 @@ def reduce(state: State, x: torch.Tensor, dst: int, plan: tuple[int, int, float]
     comm = state.comm()
     p, me = comm.Get_size(), comm.Get_rank()
     xb, dtype = _bits(x), _NAMES[x.dtype]
-    if xb.size * 2 < SMALL_BYTES or p == 1:
+    if _small(xb.size, p):
         raw = state.scratch.acquire(p * xb.size if me == dst else 1)
         return Steps(_small_reduce(comm, xb, raw, dst, dtype, plan),
                      [lambda: state.scratch.release(raw)])
@@ -244,7 +249,7 @@ def _small_reduce(comm, xb, raw, dst, dtype, plan):
 
 def _pipelined(state, comm, src, blocks, res, dtype, plan, gather, dest, release=()) -> Steps:
     p = comm.Get_size()
-    seg = max(1, SEGMENT_BYTES // 2)
+    seg = max(1, min(SEGMENT_BYTES // 2, large.MAX_COUNT))
     longest = max(n for _, n in blocks)
     k_all = -(-longest // seg)
     width = max(1, min(DEPTH, k_all))
