@@ -92,7 +92,8 @@ def path(request, monkeypatch):
 
 
 def _sizes(p: int) -> list[int]:
-    return sorted({1, max(p - 1, 1), 7 * p + 2, 64})
+    """Smaller than p (1 at p = 1), not divisible by p, and one with many segments."""
+    return sorted({max(p - 1, 1), 7 * p + 2, 64})
 
 
 def _start(c, call: str, op: str, x, out, dst: int, async_op: bool):
@@ -113,7 +114,7 @@ def test_against_numpy(comm, world, subcomms, path, call, name):
         for seed, n in enumerate(_sizes(p)):
             total = n * p if call == "reduce_scatter_tensor" else n
             for op in OPS:
-                for async_op in (False, True):
+                for async_op in (False, True) if n == 7 * p + 2 else (False,):
                     if c is None:
                         continue
                     x = inputs(c.rank, total, name, seed)
