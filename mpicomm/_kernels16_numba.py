@@ -4,7 +4,7 @@ Each kernel reads ``rows`` (p rows of one block, the 16-bit bit patterns as uint
 them element by element in float32 in row order (row 0 first), applies the scale and writes
 one 16-bit result, rounded once to nearest-even: one pass over the inputs, one store. Same
 results, bit for bit, as ``kernels16.reduce_rows_torch`` (torch's float32 arithmetic and
-conversions), including NaN (bfloat16 NaN becomes 0x7FC0, as in torch).
+conversions; a NaN stays a NaN, its payload bits may differ).
 """
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def _f2bits(typingctx, value):  # noqa: ARG001
 
 @_jit
 def _f2bf(x):
-    """float32 -> bfloat16 bits, round to nearest even; NaN -> 0x7FC0 (torch's rule)."""
+    """float32 -> bfloat16 bits, round to nearest even; NaN -> 0x7FC0 (c10's scalar rule)."""
     u = _f2bits(x)
     rounded = np.uint16((u + (np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))))
                         >> np.uint32(16))

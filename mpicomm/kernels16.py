@@ -39,17 +39,6 @@ def implementation() -> str:
     return _choice
 
 
-def use(name: str | None) -> str:
-    """Select 'numba' or 'torch' (None: the default) for host rows; return the choice."""
-    global _choice
-    _choice = None
-    if name is not None:
-        os.environ["MPICOMM_REDUCE16_KERNELS"] = name
-    else:
-        os.environ.pop("MPICOMM_REDUCE16_KERNELS", None)
-    return implementation()
-
-
 def as_bits(t: torch.Tensor) -> np.ndarray:
     """A host 16-bit tensor's bit patterns as a numpy uint16 array (shares memory)."""
     return t.view(torch.int16).numpy().view(np.uint16)
