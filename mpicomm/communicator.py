@@ -86,7 +86,6 @@ class Communicator(PointToPoint):
         self._policy: DevicePolicy | None = None
         self._tag_ub: int = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
         self._r16: reduce16.State | None = None
-        self._allreduce = mpi_comm.Allreduce
 
     def __repr__(self) -> str:
         return f"<mpicomm.Communicator rank {self.rank} of {self.size}>"
@@ -149,8 +148,9 @@ class Communicator(PointToPoint):
             except TypeError:  # an unhashable op: the general path reports it
                 found = None
             if found is not None and tensor.numel() <= large.MAX_COUNT:
-                self._allreduce(_IN_PLACE, [_fromaddress(tensor.data_ptr(), tensor.nbytes),
-                                            found[0]], found[1])
+                self.mpi_comm.Allreduce(_IN_PLACE, [_fromaddress(tensor.data_ptr(),
+                                                                 tensor.nbytes), found[0]],
+                                        found[1])
                 return None
         return self._all_reduce(tensor, op, async_op)
 
