@@ -59,8 +59,8 @@ def dequantize(rows: torch.Tensor, n: int) -> torch.Tensor:
     """The fp32 values (shape (rows, n)) of packed uint8 ``rows`` (shape (rows, packed_bytes(n)))."""
     nb = ceil_div(n, BLOCK)
     world = rows.shape[0]
-    scale = rows[:, :4 * nb].contiguous().view(torch.float32)                   # (world, nb)
-    q = rows[:, 4 * nb:4 * nb + n].contiguous().view(torch.int8).float()        # (world, n)
+    scale = rows[:, :4 * nb].reshape(-1).view(torch.float32).view(world, nb)
+    q = rows[:, 4 * nb:4 * nb + n].reshape(-1).view(torch.int8).view(world, n).float()
     pad = nb * BLOCK - n
     if pad:
         q = torch.nn.functional.pad(q, (0, pad))
