@@ -10,6 +10,7 @@ import sys
 
 from compressed.wire_format import P1_TRAILER
 from mpitest import mpiexec_cmd
+from zero.quantize import BLOCK
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -38,5 +39,10 @@ def test_bench_zero_counts_bytes(tmp_path):
     assert ob["Alltoall"] == world * (chunk // 8 + P1_TRAILER)
     assert "Reduce_scatter_block" not in ob and ob["Allgather"] == 4 * local1   # weights only, no fp32 else
     assert ob["Allreduce"] == z1["Allreduce"] == 5 * 8       # the one small check per step
+    # int8 weight gather: one byte per element of the shard, one fp32 scale per block, padding to 4
+    q = rows["ZeRO-1 1-bit Adam (frozen), int8 gather"]["by_call"]
+    assert q["Allgather"] == math.ceil(local1 / BLOCK) * 4 + math.ceil(local1 / 4) * 4
+    assert q["Alltoall"] == ob["Alltoall"]
+    assert rows["ZeRO-1 Adam, int8 gather"]["by_call"]["Allgather"] == q["Allgather"]
     mem = res["memory"]
     assert all("peak_mib_per_rank" in v or "error" in v for k, v in mem.items() if k != "model_mib")
