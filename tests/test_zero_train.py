@@ -292,3 +292,36 @@ def test_stage2_same_result_and_frees_grads(mode):
         with pytest.raises(RuntimeError, match="no_sync"):
             opt.step()
     check_all(refused)
+
+
+def test_stage3_is_refused_pointing_to_fsdp2_and_other_stages_named():
+    comm = mpicomm.init()
+    p = list(make_model().parameters())
+    with pytest.raises(ValueError, match=r"stage 3.*fully_shard.*ckpt\.save"):
+        ZeroOptimizer(torch.optim.Adam, p, stage=3, comm=comm, lr=0.1)
+    for bad in (0, 4, "1"):
+        with pytest.raises(ValueError, match=r"expected stage in \(1, 2\)"):
+            ZeroOptimizer(torch.optim.Adam, p, stage=bad, comm=comm, lr=0.1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_stage2_overlap_off_accumulates_without_no_sync(mode):
+    """Without overlap nothing leaves during backward, so plain accumulation is right at stage 2
+    too; the gradients are released when step() sends them."""
+    comm = mpicomm.init()
+    model, ref = make_model(), make_model()
+    opt = ZeroOptimizer(torch.optim.AdamW, model.parameters(), stage=2, comm=comm, bucket_bytes=48,
+                        overlap=False, lr=0.02)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=0.02)
+    for s in range(3):
+        opt.zero_grad()
+        ropt.zero_grad()
+        for m in range(2):
+            loss_of(model, s, m, comm.rank).backward()
+            loss_of(ref, s, m, comm.rank).backward()
+        averaged_grads(ref)
+        opt.step()
+        ropt.step()
+        assert_all(all(p.grad is None for p in model.parameters()), "grads released by step()")
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert_close_all(p, q, atol=1e-5, what="stage 2 without overlap, accumulated")
