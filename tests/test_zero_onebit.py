@@ -1,4 +1,4 @@
-"""1-bit Adam inside ZeroOptimizer (stages 1 and 3): warm-up is ZeRO Adam, then compressed momenta.
+"""1-bit Adam inside ZeroOptimizer (stages 1 and 2): warm-up is ZeRO Adam, then compressed momenta.
 
 References: ZeroOptimizer(torch.optim.Adam) for the warm-up (itself checked against plain torch
 elsewhere), compressed.OnebitAdam without ZeRO for convergence, the communicator's calls for
