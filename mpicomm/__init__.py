@@ -16,13 +16,13 @@ from . import distributed  # registers the "mpicomm" torch.distributed backend
 from .communicator import Communicator, as_communicator, get_world, init, is_initialized
 from .errors import CollectiveMismatchError
 from .ops import ReduceOp
-from .work import Work
+from .work import WaitTimeoutError, Work
 from .world import (all_gather, all_gather_into_tensor, all_reduce, all_to_all_single, barrier,
                     broadcast, gather, get_rank, get_world_size, irecv, isend, recv, reduce,
                     reduce_scatter_tensor, scatter, send, split)
 
 __all__ = [
-    "Communicator", "ReduceOp", "Work", "CollectiveMismatchError",
+    "Communicator", "ReduceOp", "Work", "WaitTimeoutError", "CollectiveMismatchError",
     "init", "as_communicator", "get_world", "is_initialized", "get_rank", "get_world_size",
     "all_reduce", "reduce", "reduce_scatter_tensor", "broadcast", "all_gather_into_tensor",
     "all_gather", "all_to_all_single", "gather", "scatter", "send", "recv", "isend", "irecv",

@@ -56,7 +56,7 @@ def test_a_skipped_call_ends_the_job_with_its_description(tmp_path, kind, op, n)
     script = tmp_path / "skip.py"
     script.write_text(_SKIP_JOB)
     stamp = tmp_path / "stamp"
-    # Blocking: the watchdog aborts the job; it runs without mpi4py's abort-on-exception.
+    # Blocking: the deadline thread aborts the job; it runs without mpi4py's abort-on-exception.
     runner = [] if kind == "blocking" else ["-m", "mpi4py"]
     proc = subprocess.run([*_mpiexec(n), sys.executable, *runner, str(script), kind,
                            str(timeout), str(stamp)], cwd=ROOT, env=_env(), capture_output=True,

@@ -11,8 +11,8 @@ timeout. DDP, DeviceMesh, DTensor and FSDP2 run on it; :func:`allreduce_hook` ro
 DDP's gradient buckets through mpicomm when DDP runs on another process group.
 
 Modules: ``_rendezvous`` (ranks and store from MPI), ``_backend`` (registration, constructor),
-``_pg`` (the process group), ``_work`` (work handles, timeouts), ``_watchdog`` (deadlines of
-blocking calls), ``_ops`` (ReduceOp mapping),
+``_pg`` (the process group), ``_work`` (work handles, timeouts), ``_deadlines`` (the one
+thread that keeps every call's deadline), ``_ops`` (ReduceOp mapping),
 ``_hook`` (the DDP comm hook).
 """
 from __future__ import annotations
