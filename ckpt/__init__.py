@@ -41,8 +41,8 @@ from __future__ import annotations
 from .api import LoadResult, load, save
 from .async_save import AsyncSaveError, SaveHandle, wait_pending
 from .export import export_safetensors
-from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError, ChecksumError, CollectiveError,
-                     IncompatibleStateError, RankFailure, StateMismatchError)
+from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError, ChecksumError, FailureReport,
+                     IncompatibleStateError, StateMismatchError, StepFailedError)
 from .manifest import (FORMAT_VERSION, DamagedCheckpointError, IncompleteCheckpointError, Manifest, ManifestError,
                        TensorEntry)
 from .stateful import RNG, PerRank, same_rank
@@ -52,9 +52,21 @@ from .deepspeed import PickleRefusedError, from_deepspeed, to_deepspeed_universa
 
 __all__ = [
     "AsyncSaveError", "SaveHandle", "export_safetensors", "wait_pending",
-    "CheckpointError", "CheckpointExistsError", "CheckpointNotFoundError", "ChecksumError", "CollectiveError",
+    "CheckpointError", "CheckpointExistsError", "CheckpointNotFoundError", "ChecksumError", "FailureReport",
     "DamagedCheckpointError", "FORMAT_VERSION", "IncompatibleStateError", "IncompleteCheckpointError", "LoadResult",
-    "Manifest", "ManifestError", "PerRank", "PickleRefusedError", "RNG", "RankFailure",
-    "StateMismatchError", "TensorEntry", "ZeroOptimizer", "from_deepspeed", "incomplete_reason", "load",
+    "Manifest", "ManifestError", "PerRank", "PickleRefusedError", "RNG",
+    "StateMismatchError", "StepFailedError", "TensorEntry", "ZeroOptimizer", "from_deepspeed", "incomplete_reason", "load",
     "read_manifest", "resolve", "same_rank", "save", "to_deepspeed_universal",
 ]
+
+
+def __getattr__(name: str):
+    """The deprecated names (``CollectiveError``, ``RankFailure``), with a DeprecationWarning."""
+    from .errors import DEPRECATED
+
+    if name in DEPRECATED:
+        import warnings
+
+        warnings.warn(f"ckpt.{name} is deprecated; use ckpt.{DEPRECATED[name]}", DeprecationWarning, stacklevel=2)
+        return globals()[DEPRECATED[name]]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,11 +11,11 @@ import os
 import sys
 
 import mpicomm
-from mpicomm._util import format_bytes
+from mpicomm import format_bytes
 
 from .collective import Collective
 from .errors import (EXIT_DAMAGED, EXIT_EXISTS, EXIT_FAILED, EXIT_INCOMPLETE, EXIT_OK, EXIT_PICKLE, EXIT_USAGE,
-                     CheckpointError, CheckpointExistsError, CollectiveError, StateMismatchError)
+                     CheckpointError, CheckpointExistsError, StateMismatchError, StepFailedError)
 from .io import read_blocks
 from .manifest import DATA_NAME, FORMAT_VERSION, ITEMSIZE, ManifestError
 from .progress_bar import Bar
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         code = exc.exit_code if isinstance(exc, CheckpointError) else EXIT_FAILED
         if _is_rank0():
             msg = str(exc) if not isinstance(exc, StateMismatchError) else exc.args[0]
-            kind = "" if isinstance(exc, (ManifestError, CollectiveError)) else f"{type(exc).__name__}: "
+            kind = "" if isinstance(exc, (ManifestError, StepFailedError)) else f"{type(exc).__name__}: "
             print(f"python -m ckpt {args.cmd}: {kind}{msg}", file=sys.stderr)
         return code
 

@@ -17,13 +17,14 @@ Public API:
 What lives where: ``layout`` (sizes and the wire format), ``engine`` (the algorithm, once, on
 mpicomm's collectives), ``families`` (kernel families behind one interface), ``kernels`` with
 ``_numba_kernels``/``_numpy_kernels`` (host kernels), ``torch_kernels`` (device kernels),
-``backend``/``allreduce``/``adam``/``ddp_hook`` (the public classes), ``errors``.
+``deepspeed_backend`` (``MpiBackend``, DeepSpeed's compression backend; not a torch.distributed
+backend)/``allreduce``/``adam``/``ddp_hook`` (the public classes), ``errors``.
 """
 from __future__ import annotations
 
 from .adam import OnebitAdam
 from .allreduce import OnebitAllreduce
-from .backend import MpiBackend
+from .deepspeed_backend import MpiBackend
 from .ddp_hook import OnebitDDPState, onebit_ddp_hook
 from .errors import NonFiniteError, SizeMismatchError
 from .wire_format import padded_size

@@ -12,7 +12,7 @@ import mpicomm
 
 from . import kernels as K
 from . import reshard
-from .backend import MpiBackend
+from .deepspeed_backend import MpiBackend
 from .engine import Deferred
 from .wire_format import padded_size
 

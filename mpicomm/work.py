@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 import torch
 from mpi4py import MPI
 
-from . import progress
+from . import progress_thread
 
 
 class WaitTimeoutError(TimeoutError):
@@ -101,7 +101,7 @@ class BaseWork:
         self._event = threading.Event()
         if self._done:
             self._event.set()
-        progress.add(self)
+        progress_thread.add(self)
 
     # -- the public interface ---------------------------------------------------------------
 
@@ -197,8 +197,8 @@ class Work(BaseWork):
         self._complete()
 
     def _on_future(self) -> None:
-        if progress.enabled():  # the progress thread completes the future; wait() still may
-            progress.add(self)
+        if progress_thread.enabled():  # the progress thread completes the future; wait() still may
+            progress_thread.add(self)
 
     def source_rank(self) -> int:
         """The rank a completed receive came from (what ``irecv(src=None)`` matched)."""

@@ -14,7 +14,7 @@ import time
 import zlib
 
 import pytest
-from mpicomm._util import clean_env
+from mpicomm import clean_env
 import torch
 from mpi4py import MPI
 
@@ -444,7 +444,7 @@ def same_everywhere(world, caught, failed_rank, step):
         return  # one process: the step's own exception, unchanged
     seen = world.allgather((type(caught).__qualname__, str(caught)))
     assert_all(len(set(seen)) == 1, f"ranks raised different exceptions: {seen}")
-    assert_all(isinstance(caught, ckpt.CollectiveError) and f"{step} failed on rank {failed_rank} of" in str(caught)
+    assert_all(isinstance(caught, ckpt.StepFailedError) and f"{step} failed on rank {failed_rank} of" in str(caught)
                and [(f.rank, f.type_name) for f in caught.failures][0][0] == failed_rank, str(caught))
 
 

@@ -16,7 +16,7 @@ import sys
 
 import numpy as np
 import pytest
-from mpicomm._util import clean_env
+from mpicomm import clean_env
 import torch
 from mpi4py import MPI
 

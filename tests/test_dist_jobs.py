@@ -11,7 +11,7 @@ import pytest
 
 from mpitest import mpiexec_cmd
 
-from mpicomm._util import clean_env
+from mpicomm import clean_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -127,8 +127,8 @@ import mpi4py
 mpi4py.rc.thread_level = "serialized"
 from mpi4py import MPI
 import torch, torch.distributed as dist, mpicomm
-from mpicomm import progress
-assert MPI.Query_thread() < MPI.THREAD_MULTIPLE and not progress.enabled()
+from mpicomm import progress_thread
+assert MPI.Query_thread() < MPI.THREAD_MULTIPLE and not progress_thread.enabled()
 dist.init_process_group("mpicomm")
 n = dist.get_world_size()
 t = torch.full((1 << 16,), float(dist.get_rank() + 1))
@@ -137,7 +137,7 @@ assert work.is_completed(), "below THREAD_MULTIPLE an async call completes befor
 assert torch.equal(t, torch.full_like(t, n * (n + 1) / 2))
 assert torch.equal(work.get_future().wait()[0], t)
 import pathlib, sys
-pathlib.Path(sys.argv[1], f"ok.{dist.get_rank()}").write_text(f"pending {progress.pending()}")
+pathlib.Path(sys.argv[1], f"ok.{dist.get_rank()}").write_text(f"pending {progress_thread.pending()}")
 """
 
 

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 import time
 
-from .. import progress
+from .. import progress_thread
 from ..communicator import Communicator
 from ._ops import premultiplied, to_mpicomm
 from . import _deadlines
@@ -23,7 +23,7 @@ class MpicommProcessGroup(dist.ProcessGroup):
 
     ``async_op=True`` returns at once (mpicomm's progress thread completes the work); blocking
     calls run MPI's blocking primitive, their deadline kept by the deadline thread. Past ``timeout`` a work fails with
-    ``CollectiveTimeoutError`` and the job is aborted. ``store`` (the process group's store)
+    ``ProcessGroupTimeoutError`` and the job is aborted. ``store`` (the process group's store)
     carries the ranks' progress reports for timeout messages.
     """
 
@@ -81,7 +81,7 @@ class MpicommProcessGroup(dist.ProcessGroup):
         t = getattr(opts, "timeout", None)
         if isinstance(t, datetime.timedelta) and t.total_seconds() > 0:
             timeout = t
-        if progress.enabled() and not getattr(opts, "asyncOp", True):
+        if progress_thread.enabled() and not getattr(opts, "asyncOp", True):
             # MPI's blocking call on this thread (as fast as mpicomm's), deadline watched
             seq, began, limit = self._seq, time.monotonic(), timeout.total_seconds()
             key = _deadlines.watch(_deadlines.Deadline(
@@ -101,7 +101,7 @@ class MpicommProcessGroup(dist.ProcessGroup):
         work = MpicommWork(self, call, self._seq, inner, finish, result, described, timeout,
                            source=source)
         if getattr(opts, "asyncOp", True):
-            if progress.enabled():
+            if progress_thread.enabled():
                 work._launch_threaded()
             else:  # no progress thread below MPI_THREAD_MULTIPLE: complete before returning
                 work.wait()

@@ -6,7 +6,7 @@ mpicomm's progress thread, which completes it (results in place, future set, ``.
 callbacks run) without the caller polling; below MPI_THREAD_MULTIPLE it is tested on the
 caller's thread. The deadline thread (``_deadlines``) keeps its deadline, as it keeps those of
 blocking calls: past the process group's timeout the work fails with
-:class:`CollectiveTimeoutError` and the MPI job is aborted when the process exits, or one more
+:class:`ProcessGroupTimeoutError` and the MPI job is aborted when the process exits, or one more
 timeout later at the latest (MPI cannot cancel a collective that a peer never joined, so the
 job cannot go on correctly).
 """
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-from .._util import format_bytes
+from ..byte_sizes import format_bytes
 from ..work import BaseWork, Work
 from . import _deadlines
 
@@ -31,8 +31,10 @@ _log = logging.getLogger("mpicomm")
 _timed_out: list[str] = []  # messages of the timeouts seen in this process
 
 
-class CollectiveTimeoutError(dist.DistBackendError):
-    """A process-group call did not complete within the process group's timeout."""
+class ProcessGroupTimeoutError(dist.DistBackendError):
+    """A process-group call did not complete within the process group's timeout: the group is
+    unusable and the MPI job will be aborted. (``wait(timeout)`` running out is
+    ``mpicomm.WaitTimeoutError`` instead: the call goes on.)"""
 
 
 def _abort(reason: str) -> None:
@@ -65,7 +67,7 @@ def _size(nbytes: int) -> str:
 
 
 def expire(pg, call: str, seq: int, described, timeout: datetime.timedelta, elapsed: float,
-           abort_now: bool) -> CollectiveTimeoutError:
+           abort_now: bool) -> ProcessGroupTimeoutError:
     """A call of ``pg`` ran past ``timeout``: log, break the group, abort the job (now or later)."""
     message = (f"mpicomm: {call} ({_describe(described)}), operation #{seq} of process group "
                f"{pg.group_name!r} on rank {pg.rank()} of {pg.size()}, did not complete within "
@@ -80,7 +82,7 @@ def expire(pg, call: str, seq: int, described, timeout: datetime.timedelta, elap
         _timed_out.append(message)
         _deadlines.watch(_deadlines.Deadline(time.monotonic() + timeout.total_seconds(),
                                              lambda: _abort(message)))
-    return CollectiveTimeoutError(message)
+    return ProcessGroupTimeoutError(message)
 
 
 class MpicommWork(BaseWork, dist.Work):

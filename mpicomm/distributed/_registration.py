@@ -7,7 +7,7 @@ import logging
 import torch.distributed as dist
 from mpi4py import MPI
 
-from .. import progress
+from .. import progress_thread
 from ..communicator import Communicator, init
 from ._pg import BACKEND_NAME, MpicommProcessGroup
 from ._rendezvous import install, launcher_hint, under_torchrun
@@ -44,7 +44,7 @@ def _create(backend_opts, pg_options=None) -> MpicommProcessGroup:
         _log.info("mpicomm process group %s: ranks %s, timeout %s, %s", backend_opts.group_id,
                   ranks if len(ranks) <= 16 else f"{ranks[:16]}... ({len(ranks)})",
                   backend_opts.timeout,
-                  "non-blocking calls completed by the progress thread" if progress.enabled()
+                  "non-blocking calls completed by the progress thread" if progress_thread.enabled()
                   else "MPI below THREAD_MULTIPLE: async calls complete before returning")
     return pg
 
