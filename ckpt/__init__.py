@@ -23,6 +23,7 @@ What lives where:
     planner        what each rank writes and reads: model weights, the optimizer planner interface
     planner_zero   ... for a ZeroOptimizer (sharded masters and state)
     planner_plain  ... for a plain torch optimizer (replicated state, extras included)
+    planners       ``planner_for``: which planner serves an optimizer (the only module importing them all)
     items          ... for state items (``state=``) and optimizer extras: replicated or per rank
     stateful       RNG, PerRank, the per-rank protocol and its default rule (same_rank)
     tree           nested state as JSON plus raw tensors

@@ -18,7 +18,8 @@ from .errors import IncompatibleStateError, StateMismatchError
 from .io import DEFAULT_CHUNK_BYTES, read_items, write_items
 from .manifest import DATA_NAME, DEFAULT_BLOCK_SIZE, Manifest, jsonable
 from .planner import (Match, ModelState, OptimizerPlanner, ReadPlan, SavePlan, check_optimizer_params, plan_model_load,
-                      plan_model_save, planner_for)
+                      plan_model_save)
+from .planners import planner_for
 from .stateful import is_per_rank, is_stateful, restore, split_item
 from .storage import commit_save, create_workdir, read_manifest, resolve, verify_data
 from zero import ZeroOptimizer

@@ -1,5 +1,6 @@
 """What each rank writes and reads (pure, no MPI): the model's weights, and one planner per
-optimizer kind behind ``OptimizerPlanner`` (``planner_for`` picks it).
+optimizer kind behind ``OptimizerPlanner`` (``planners.planner_for`` picks it; this module
+imports no planner).
 
 A save plan packs every tensor into the data file (``Packer``) and lists the byte ranges this
 rank writes from which local buffer; a read plan lists the ranges this rank reads into which
@@ -177,17 +178,6 @@ class OptimizerPlanner:
         """The saved hyperparameters of every group, with the tuple-ness of the current ones."""
         return [{k: like(g.get(k), v) for k, v in s.items() if k != "params"}
                 for g, s in zip(self.optimizer.param_groups, m.optimizer["param_groups"])]
-
-
-def planner_for(optimizer: torch.optim.Optimizer | None) -> OptimizerPlanner | None:
-    """The planner for ``optimizer``'s kind (None for no optimizer)."""
-    if optimizer is None:
-        return None
-    from .planner_plain import PlainPlanner
-    from .planner_zero import ZeroPlanner
-    from zero import ZeroOptimizer
-
-    return ZeroPlanner(optimizer) if isinstance(optimizer, ZeroOptimizer) else PlainPlanner(optimizer)
 
 
 # -- scalars and per-parameter state ----------------------------------------------------------
