@@ -66,7 +66,9 @@ def test_a_skipped_call_ends_the_job_with_its_description(tmp_path, kind, op, n)
     assert proc.returncode != 0, out
     assert "got past the skipped call" not in out
     assert stamp.exists(), out
-    assert ended - float(stamp.read_text()) < 2 * timeout + 3, f"took {ended - float(stamp.read_text()):.1f} s"
+    # the subject is timing (the job ends within about twice the timeout, not after the skipping
+    # rank's 20); the slack is generous for a loaded machine's MPI teardown
+    assert ended - float(stamp.read_text()) < 2 * timeout + 10, f"took {ended - float(stamp.read_text()):.1f} s"
     assert f"{op} (float32[262144]; 1.0 MiB)" in out, out
     assert "within the process group's timeout of 4 s" in out, out
     for peer in range(1, n):
