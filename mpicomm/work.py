@@ -40,7 +40,7 @@ class BaseWork:
     Results land in the caller's buffers when the operation completes (in ``wait()``, when
     ``is_completed()`` first sees it done, or on the progress thread), never before. Subclasses
     implement ``_test()`` (test once; finish and ``_settle`` when done; called under the lock)
-    and may implement ``_block()`` (block until done, under the lock) and ``_describe()``.
+    and may implement ``_block()`` (block until done) and ``_describe()``.
     """
 
     def __init__(self, result: Sequence = ()) -> None:
@@ -60,7 +60,8 @@ class BaseWork:
         raise NotImplementedError
 
     def _block(self) -> None:
-        """Block until the operation is done and settled (default: test until done)."""
+        """Block until the operation is done and settled (default: test until done, taking the
+        lock only for each test, so that another thread, e.g. the deadline thread, may settle)."""
         while not self._poll():
             pass
 
@@ -114,9 +115,7 @@ class BaseWork:
             if self._event is not None:
                 self._event.wait(limit)
             elif limit is None:
-                with self._lock:
-                    if not self._done:
-                        self._block()
+                self._block()
             else:
                 until = time.monotonic() + limit
                 while not self._poll() and time.monotonic() < until:
@@ -193,8 +192,10 @@ class Work(BaseWork):
         return self._done
 
     def _block(self) -> None:
-        self._request.Wait(self._status)
-        self._complete()
+        with self._lock:
+            if not self._done:
+                self._request.Wait(self._status)
+                self._complete()
 
     def _on_future(self) -> None:
         if progress_thread.enabled():  # the progress thread completes the future; wait() still may

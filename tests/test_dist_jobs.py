@@ -31,6 +31,9 @@ def _mpiexec(n: int) -> list[str]:
 
 _SKIP_JOB = r"""
 import datetime, pathlib, sys, time
+if sys.argv[1] == "serialized":  # no progress thread: the caller tests, the deadline thread expires
+    import mpi4py
+    mpi4py.rc.thread_level = "serialized"
 import torch, torch.distributed as dist, mpicomm
 kind, timeout, stamp = sys.argv[1], float(sys.argv[2]), pathlib.Path(sys.argv[3])
 dist.init_process_group("mpicomm", timeout=datetime.timedelta(seconds=timeout))
@@ -39,7 +42,7 @@ if dist.get_rank() == 0:
     stamp.write_text(repr(time.time()))
     if kind == "blocking":
         dist.all_reduce(t)
-    elif kind == "async":
+    elif kind in ("async", "serialized"):
         dist.all_reduce(t, async_op=True).wait()
     else:
         dist.recv(t, src=1)
@@ -50,14 +53,16 @@ print("rank", dist.get_rank(), "got past the skipped call", flush=True)
 
 
 @pytest.mark.parametrize("kind,op,n", [("blocking", "all_reduce", 2), ("async", "all_reduce", 2),
-                                       ("recv", "recv", 2), ("blocking", "all_reduce", 4)])
+                                       ("recv", "recv", 2), ("blocking", "all_reduce", 4),
+                                       ("serialized", "all_reduce", 2)])
 def test_a_skipped_call_ends_the_job_with_its_description(tmp_path, kind, op, n):
     timeout = 4.0
     script = tmp_path / "skip.py"
     script.write_text(_SKIP_JOB)
     stamp = tmp_path / "stamp"
     # Blocking: the deadline thread aborts the job; it runs without mpi4py's abort-on-exception.
-    runner = [] if kind == "blocking" else ["-m", "mpi4py"]
+    # Below MPI_THREAD_MULTIPLE: the timeout's exception ends rank 0, whose exit aborts the job.
+    runner = [] if kind in ("blocking", "serialized") else ["-m", "mpi4py"]
     proc = subprocess.run([*_mpiexec(n), sys.executable, *runner, str(script), kind,
                            str(timeout), str(stamp)], cwd=ROOT, env=_env(), capture_output=True,
                           text=True, timeout=120)
