@@ -1,4 +1,4 @@
-"""The "mpicomm" backend's registration and constructor, and the short init form."""
+"""The torch.distributed backend "mpicomm": its registration and constructor, and the short init form."""
 from __future__ import annotations
 
 import datetime
