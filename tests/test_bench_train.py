@@ -47,20 +47,47 @@ def test_peers_side_by_side(n, model, tmp_path):
     assert "all values correct" in stdout and "overlap" in stdout
 
 
+def test_bfloat16_ddp_and_fsdp2_rows(tmp_path):
+    """--dtype bfloat16: DDP on bf16 gradients; FSDP2 rows with bf16 and fp32 reductions, each
+    checked against its gloo twin (2 ranks: 16-bit sums of two values round alike)."""
+    stdout, doc = _run(2, tmp_path, *SMALL, "--dtype", "bfloat16", "--peers",
+                       "mpicomm,gloo,fsdp2-mpicomm-r32,fsdp2-gloo-r32,fsdp2-mpicomm-r16,"
+                       "fsdp2-gloo-r16")
+    recs = {r["peer"]: r for r in doc["records"]}
+    for rec in recs.values():
+        assert common.validate_record(rec) == [], rec
+        assert rec["wrong"] == 0 and rec["dtype"] == "bfloat16"
+    assert recs["mpicomm"]["grad_dtype"] == "bfloat16"
+    assert recs["fsdp2-mpicomm-r32"]["grad_dtype"] == "float32"
+    for name in ("mpicomm", "fsdp2-mpicomm-r32", "fsdp2-mpicomm-r16"):
+        twin = train.reference_of(name)
+        assert recs[name]["loss"] == pytest.approx(recs[twin]["loss"], rel=1e-3), name
+    assert "fsdp2-mpicomm-r16 " in stdout and "(fsdp2-gloo-r16's)" in stdout
+
+
 @pytest.mark.parametrize("n", [1, 2])
 def test_curve(n, tmp_path):
     png = tmp_path / "curve.png"
     stdout, doc = _run(n, tmp_path, "--hidden", "32", "--layers", "2", "--batch", "4", "--curve",
                        "--curve-steps", "8", "--freeze-step", "3", "--plot", str(png))
     recs = {r["peer"]: r for r in doc["records"]}
-    assert set(recs) == {"adam", "onebit-adam"}
+    assert list(recs) == list(train.CURVES)
     for rec in recs.values():
         assert common.validate_record(rec) == [], rec
         assert rec["op"] == "curve" and rec["steps"] == 8 and rec["wrong"] == 0
+        assert rec["step_ms"] > 0 and rec["label"].startswith(rec["peer"])
     adam, onebit = recs["adam"]["losses"], recs["onebit-adam"]["losses"]
-    # exact Adam up to the freeze step: the same losses
+    # exact Adam (and LAMB) up to the freeze step: the same losses
     assert onebit[:4] == pytest.approx(adam[:4], rel=1e-5)
+    assert recs["zero-one-adam"]["losses"][:4] == pytest.approx(adam[:4], rel=1e-5)
+    assert recs["onebit-lamb"]["losses"][:4] == pytest.approx(recs["lamb"]["losses"][:4], rel=1e-5)
     assert adam[-1] < adam[0]
+    sent = {k: r["bytes_per_step"] for k, r in recs.items()}
+    if n == 1:
+        assert set(sent.values()) == {0}
+    else:   # compressed rounds (and 0/1 Adam's skipped ones) show
+        assert sent["adam"] == sent["lamb"] > sent["onebit-adam"] > 0 and sent["onebit-lamb"] > 0
+        assert 0 < sent["zero-one-adam"] < sent["adam"]
     assert "# loss after 8 steps: Adam" in stdout and "all losses finite" in stdout
     if plot.matplotlib_missing() is None:
         assert png.read_bytes()[:4] == b"\x89PNG"

@@ -47,7 +47,7 @@ def _rows_from_layout(layout):
     return rows
 
 
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 7])
 @pytest.mark.parametrize("numels", NUMELS, ids=lambda n: "x".join(map(str, n)))
 def test_layout_matches_numpy_padding(numels, world, stage):
@@ -58,7 +58,7 @@ def test_layout_matches_numpy_padding(numels, world, stage):
     np.testing.assert_array_equal(_rows_from_layout(layout), expected)
 
 
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_layout_covers_each_element_once(stage):
     numels = [13, 64, 9, 2, 100, 1]
     for world in range(1, 9):
@@ -74,7 +74,7 @@ def test_layout_covers_each_element_once(stage):
 
 def test_layout_rejects_bad_arguments():
     with pytest.raises(ValueError, match="stage"):
-        ShardLayout([3], 2, 2)
+        ShardLayout([3], 2, 4)
     with pytest.raises(ValueError, match="world_size"):
         ShardLayout([3], 0, 1)
     with pytest.raises(ValueError, match="rank"):
@@ -198,7 +198,7 @@ def test_manifest_round_trip_and_validation():
     pk.add("w", 0, "state", (2, 3), "bfloat16", key="exp_avg")
     m = Manifest(world_size=3, stage=1, step=7, params=[ParamInfo("w", (2, 3), "float32")],
                  tensors=pk.entries, files={"data.bin": {"nbytes": pk.size, "crc32": [123]}},
-                 optimizer={"class": "torch.optim.adam.Adam", "param_groups": [{"betas": [0.9, 0.99]}]},
+                 optimizer={"class": "torch.optim.adam.Adam", "param_groups": [{"betas": [0.9, 0.99]}], "scalars": {}},
                  extra={"a": [1, 2]}, block_size=1 << 20)
     m2 = Manifest.from_json(m.to_json())
     assert m2.tensors == m.tensors and m2.params == m.params and m2.extra == {"a": [1, 2]}
