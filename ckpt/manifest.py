@@ -62,6 +62,9 @@ class TensorEntry:
     offset: int
     nbytes: int
     key: str | None = None
+    # saved from a DTensor: every distinct shard written, as per-dimension [start, stop) ranges of
+    # the global tensor (dtensor_layout.as_json); the file holds the full tensor all the same
+    boxes: Any = field(default=None, compare=False)
 
     @property
     def numel(self) -> int:
@@ -133,7 +136,7 @@ class Manifest:
             "checksum": self.checksum,
             "params": [asdict(p) for p in self.params],
             "optimizer": self.optimizer,
-            "tensors": [asdict(t) for t in self.tensors],
+            "tensors": [_entry_json(t) for t in self.tensors],
             "files": self.files,
             "extra": self.extra,
             "info": self.info,
@@ -190,7 +193,7 @@ class Manifest:
             params = [ParamInfo(p["name"], tuple(p["shape"]), p["dtype"], bool(p.get("buffer", False)))
                       for p in d["params"]]
             tensors = [TensorEntry(t["name"], int(t["param"]), t["kind"], tuple(t["shape"]), t["dtype"],
-                                   t["file"], int(t["offset"]), int(t["nbytes"]), t.get("key"))
+                                   t["file"], int(t["offset"]), int(t["nbytes"]), t.get("key"), t.get("boxes"))
                        for t in d["tensors"]]
             m = cls(world_size=int(d["world_size"]), stage=d["stage"], step=d["step"], params=params,
                     tensors=tensors, files=d["files"], optimizer=d.get("optimizer"),
@@ -240,10 +243,10 @@ class Packer:
         self.entries: list[TensorEntry] = []
 
     def add(self, name: str, param: int, kind: str, shape: Sequence[int], dtype: str,
-            key: str | None = None) -> TensorEntry:
+            key: str | None = None, boxes: Any = None) -> TensorEntry:
         numel = math.prod(shape)
         e = TensorEntry(name, param, kind, tuple(int(s) for s in shape), dtype, self.file,
-                        self.size, numel * ITEMSIZE[dtype], key)
+                        self.size, numel * ITEMSIZE[dtype], key, boxes)
         self.size += e.nbytes
         self.entries.append(e)
         return e
@@ -255,9 +258,16 @@ class Packer:
 
     def alias(self, of: TensorEntry, kind: str, key: str | None = None) -> TensorEntry:
         """An entry sharing the bytes of ``of`` (e.g. fp32 model weights equal to the masters)."""
-        e = TensorEntry(of.name, of.param, kind, of.shape, of.dtype, of.file, of.offset, of.nbytes, key)
+        e = TensorEntry(of.name, of.param, kind, of.shape, of.dtype, of.file, of.offset, of.nbytes, key, of.boxes)
         self.entries.append(e)
         return e
+
+
+def _entry_json(t: TensorEntry) -> dict[str, Any]:
+    d = asdict(t)
+    if d["boxes"] is None:
+        del d["boxes"]
+    return d
 
 
 def jsonable(value: Any, what: str) -> Any:
