@@ -8,7 +8,9 @@ snapshot memory), ``ckpt.load`` at
 ``--load-ranks`` with each rank's peak RSS growth, and checks the loaded state. When DeepSpeed is
 importable it then runs the same model through DeepSpeed (gloo, CPU): ``save_checkpoint`` at
 ``--save-ranks``, ``ds_to_universal``, and a universal ``load_checkpoint`` at ``--load-ranks``,
-each in worker processes started here. Without DeepSpeed the table says that it did not run (a
+each in worker processes started here. FSDP2 rows (``--fsdp2-ranks``): the same model under
+``fully_shard`` with AdamW, ckpt save + load beside torch DCP save + ``os.sync()`` + load, and
+ckpt's async save (the first, which allocates its host memory, and one in steady state). Without DeepSpeed the table says that it did not run (a
 figure of your own can be given with ``--reference-s`` and is labelled as such).
 """
 from __future__ import annotations
@@ -38,6 +40,10 @@ def _parser() -> argparse.ArgumentParser:
                         "compare with (labelled as given, not measured in this run)")
     p.add_argument("--deepspeed", choices=("auto", "yes", "no"), default="auto",
                    help="run DeepSpeed side by side: auto = when importable (default)")
+    p.add_argument("--fsdp2-ranks", type=int, default=2,
+                   help="ranks of the FSDP2 rows: the same model + AdamW under fully_shard, ckpt beside torch DCP "
+                        "(save + os.sync() + load), async save first and steady (default 2; 0 skips them)")
+    p.add_argument("--fsdp2-reps", type=int, default=2, help="FSDP2 save/load repetitions, best kept (default 2)")
     p.add_argument("--json", default=None, help="write the records as JSON to this file")
     return p
 
@@ -250,7 +256,7 @@ def main(argv: list[str]) -> int:
 
     world = MPI.COMM_WORLD
     rank = world.rank
-    need = max(args.save_ranks, args.load_ranks)
+    need = max(args.save_ranks, args.load_ranks, args.fsdp2_ranks)
     if world.size < need:
         if rank == 0:
             print(f"bench ckpt: expected at least {need} ranks (--save-ranks {args.save_ranks}, "
@@ -353,6 +359,14 @@ def main(argv: list[str]) -> int:
         emit("ckpt.load", args.load_ranks, nbytes, load_s, "state checked" if not wrong else "WRONG STATE")
         total = save_s + load_s
         emit("ckpt save + load", args.save_ranks, nbytes, total, "")
+
+        # 3a. FSDP2: ckpt beside torch DCP on the same state, and ckpt's async save
+        if args.fsdp2_ranks:
+            from bench import ckpt_fsdp2
+
+            gc.collect()
+            wrong += ckpt_fsdp2.run(world, args.fsdp2_ranks, args.layers, args.hidden, base, args.fsdp2_reps, emit)
+            gc.collect()
 
         # 3b. optional: a save without fsync (page cache speed); flushed untimed before going on
         if args.no_sync:
