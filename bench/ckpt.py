@@ -48,23 +48,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return -1
-
-
-def _reset_peak_rss() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def _polite_barrier(comm) -> None:
     req = comm.Ibarrier()
     while not req.Test():
@@ -80,14 +63,10 @@ def _sub(world, n: int):
 
 
 def _model(layers: int, hidden: int, seed: int | None):
-    import torch
+    """``layers`` x Linear(hidden, hidden); ``seed=None``: uninitialised, to load into."""
+    from bench import models
 
-    if seed is not None:
-        torch.manual_seed(seed)
-        return torch.nn.Sequential(*[torch.nn.Linear(hidden, hidden) for _ in range(layers)])
-    with torch.device("meta"):
-        m = torch.nn.Sequential(*[torch.nn.Linear(hidden, hidden) for _ in range(layers)])
-    return m.to_empty(device="cpu")
+    return models.mlp(hidden, layers, seed=seed)
 
 
 def _timed_collective(comm, fn):
@@ -243,6 +222,15 @@ def _one_step(args, comm):
     return model, opt
 
 
+def _columns():
+    from bench.common import Column
+
+    return (Column("op", "op", 28, align="<"), Column("ranks", "ranks", 5, "d"),
+            Column("size_bytes", "bytes", 12, "d"), Column("time_s", "time(s)", 9, ".3f"),
+            Column("gbps", "GB/s", 7, ".3f"), Column("wrong", "#wrong", 7, "d"),
+            Column("note", "note", 1, align="<"))
+
+
 def main(argv: list[str]) -> int:
     if argv and argv[0] == "--ds-worker":
         return _ds_worker(argv[1:])
@@ -252,7 +240,8 @@ def main(argv: list[str]) -> int:
 
     import ckpt
     from zero import ZeroOptimizer
-    from bench.common import Column, JsonWriter, Table, environment_info, header_lines
+    from bench.common import Reporter
+    from bench.memory import reset_peak_rss, rss_kib
 
     world = MPI.COMM_WORLD
     rank = world.rank
@@ -267,28 +256,21 @@ def main(argv: list[str]) -> int:
     if rank == 0:
         base = tempfile.mkdtemp(prefix="bench-ckpt-", dir=args.dir)
     base = world.bcast(base, root=0)
-    info = environment_info(world)
     n_params = args.layers * (args.hidden * args.hidden + args.hidden)
     nbytes = n_params * 4 * 3  # fp32 masters (= the fp32 weights) + exp_avg + exp_avg_sq
-    table = Table([Column("op", "op", 28), Column("ranks", "ranks", 5, "d"),
-                   Column("size_bytes", "bytes", 12, "d"), Column("time_s", "time(s)", 9, ".3f"),
-                   Column("gbps", "GB/s", 7, ".3f"), Column("note", "note", 1)], enabled=rank == 0)
-    meta = {"bench": "ckpt", "env": info, "params": n_params, "layers": args.layers,
-            "hidden": args.hidden, "stage": args.stage, "dir": base}
-    writer = JsonWriter(args.json, meta, enabled=rank == 0)
-    wrong = 0
-    if rank == 0:
-        for line in header_lines("ckpt", info, dtype="float32 weights, fp32 Adam (ZeRO-%d)" % args.stage,
-                                 iterations="1 (each operation once, in this order)",
-                                 extra=[f"model: {args.layers} x Linear({args.hidden}, {args.hidden}) = "
-                                        f"{n_params / 1e6:.1f}M parameters; dir: {base}"]):
-            print(line)
+    rep = Reporter("ckpt", world, args, _columns())
+    rep.start(dtype="float32 weights, fp32 Adam (ZeRO-%d)" % args.stage,
+              iterations="1 (each operation once, in this order)",
+              extra=[f"model: {args.layers} x Linear({args.hidden}, {args.hidden}) = "
+                     f"{n_params / 1e6:.1f}M parameters; dir: {base}"],
+              meta={"params": n_params, "layers": args.layers, "hidden": args.hidden,
+                    "stage": args.stage, "dir": base})
 
-    def emit(op, ranks, size, seconds, note=""):
-        rec = {"op": op, "ranks": ranks, "size_bytes": size, "time_s": seconds,
-               "gbps": size / seconds / 1e9 if size and seconds else None, "note": note}
-        table.row(rec)
-        writer.add(rec)
+    def emit(op, ranks, size, seconds, note="", wrong=0):
+        rec = dict(rep.base(op), ranks=ranks, size_bytes=size, time_s=seconds,
+                   gbps=size / seconds / 1e9 if size and seconds else None, note=note,
+                   wrong=wrong)
+        rep.emit(rec)
         return rec
 
     try:
@@ -341,11 +323,11 @@ def main(argv: list[str]) -> int:
                                 comm=load_c, lr=1.0)
             part = sum(g.master.numel() for g in opt.groups) * 4 * 3
             gc.collect()
-            reset = _reset_peak_rss()
-            before = _rss_kib("VmRSS")
+            reset = reset_peak_rss() is None
+            before = rss_kib("VmRSS")
             _, load_s = _timed_collective(load_c.mpi_comm, lambda: ckpt.load(
                 path, model=model, optimizer=opt, comm=load_c))
-            peak = _rss_kib("VmHWM") if reset else -1
+            peak = rss_kib("VmHWM") if reset else -1
             growth = (peak - before) * 1024 if reset else None
             ok = [float(p.detach().double().sum()) for p in model.parameters()] == checksum_ref
             ok = ok and float(opt.param_groups[0]["lr"]) == 1e-4
@@ -355,8 +337,9 @@ def main(argv: list[str]) -> int:
         gc.collect()
         _polite_barrier(world)
         load_s, rss = world.bcast((load_s, rss), root=0)
-        wrong += sum(1 for _, _, ok in rss if not ok)
-        emit("ckpt.load", args.load_ranks, nbytes, load_s, "state checked" if not wrong else "WRONG STATE")
+        bad_state = sum(1 for _, _, ok in rss if not ok)
+        emit("ckpt.load", args.load_ranks, nbytes, load_s,
+             "state checked" if not bad_state else "WRONG STATE", wrong=bad_state)
         total = save_s + load_s
         emit("ckpt save + load", args.save_ranks, nbytes, total, "")
 
@@ -387,6 +370,7 @@ def main(argv: list[str]) -> int:
         # 4. DeepSpeed on the same model, when it is installed
         run_ds = args.deepspeed == "yes" or (args.deepspeed == "auto" and _deepspeed_available())
         ds = None
+        ds_wrong = 0
         if run_ds:
             ds_err = None
             if rank == 0:
@@ -405,7 +389,7 @@ def main(argv: list[str]) -> int:
                 if rank == 0:
                     print(f"# DeepSpeed run failed: {ds_err}", file=sys.stderr)
                 if args.deepspeed == "yes":
-                    wrong += 1
+                    ds_wrong = 1
         reference, ref_note = None, ""
         if ds is not None:
             emit("DeepSpeed save_checkpoint", args.save_ranks, None, ds[0], "torch.save, no fsync")
@@ -417,9 +401,11 @@ def main(argv: list[str]) -> int:
         if reference is None:
             why = ("DeepSpeed is not installed" if not _deepspeed_available()
                    else "--deepspeed no" if args.deepspeed == "no" else "the DeepSpeed run failed")
-            emit("DeepSpeed save+convert+load", args.save_ranks, None, None, f"not run: {why}")
+            emit("DeepSpeed save+convert+load", args.save_ranks, None, None, f"not run: {why}",
+                 wrong=ds_wrong)
         else:
-            emit("DeepSpeed save+convert+load", args.save_ranks, None, reference, ref_note)
+            emit("DeepSpeed save+convert+load", args.save_ranks, None, reference, ref_note,
+                 wrong=ds_wrong)
             emit("speed-up (ckpt vs DeepSpeed)", args.save_ranks, None, None,
                  f"{reference / total:.1f}x ({ref_note})")
         if args.no_sync:
@@ -427,27 +413,25 @@ def main(argv: list[str]) -> int:
                  f"with the load: {reference / (nosync_s + load_s):.1f}x faster than DeepSpeed"
                  if reference is not None else "")
         for r, (growth, part, _ok) in enumerate(rss):
+            over = 0
             if growth is None:
                 note = "peak RSS not measurable (/proc/self/clear_refs refused)"
             else:
                 limit = part + (64 << 20)
+                over = int(growth > limit)
                 note = (f"peak RSS growth {growth / 2**20:.0f} MiB vs partition {part / 2**20:.0f} MiB "
-                        f"+ 64 MiB: {'ok' if growth <= limit else 'OVER'}")
-                if growth > limit:
-                    wrong += 1
-            emit(f"load peak RSS growth, rank {r}", args.load_ranks, growth, None, note)
+                        f"+ 64 MiB: {'OVER' if over else 'ok'}")
+            emit(f"load peak RSS growth, rank {r}", args.load_ranks, growth, None, note, wrong=over)
 
-        if rank == 0:
-            versus = (f" = {reference / total:.1f}x faster than DeepSpeed's {reference:.1f} s ({ref_note})"
-                      if reference is not None else " (DeepSpeed not run)")
-            print(f"# save throughput {nbytes / save_s / 1e6:.0f} MB/s = {disk_s / save_s:.2f} x the disk's "
-                  f"{nbytes / disk_s / 1e6:.0f} MB/s; save+load {total:.2f} s{versus}")
-            print(f"# wrong: {wrong}")
+        versus = (f" = {reference / total:.1f}x faster than DeepSpeed's {reference:.1f} s ({ref_note})"
+                  if reference is not None else " (DeepSpeed not run)")
+        rep.note(f"save throughput {nbytes / save_s / 1e6:.0f} MB/s = {disk_s / save_s:.2f} x the "
+                 f"disk's {nbytes / disk_s / 1e6:.0f} MB/s; save+load {total:.2f} s{versus}")
     finally:
         _polite_barrier(world)
         if rank == 0 and args.dir is None:
             shutil.rmtree(base, ignore_errors=True)
-    return 1 if wrong else 0
+    return rep.finish()
 
 
 if __name__ == "__main__":

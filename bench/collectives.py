@@ -327,19 +327,6 @@ COLUMNS = (
 )
 
 
-def _list_arg(choices):
-    def parse(text: str) -> list[str]:
-        items = [x.strip() for x in text.split(",") if x.strip()]
-        if items == ["all"]:
-            return list(choices)
-        bad = [x for x in items if x not in choices]
-        if bad or not items:
-            raise argparse.ArgumentTypeError(
-                f"expected a comma list from {', '.join(choices)} (or 'all'), got {text!r}")
-        return items
-    return parse
-
-
 def _flat(lists) -> list[str]:
     return list(dict.fromkeys(x for sub in lists for x in sub))
 
@@ -350,14 +337,14 @@ def build_parser() -> argparse.ArgumentParser:
         description="Time collectives on mpicomm, raw mpi4py (numpy) and torch.distributed gloo.")
     common.add_common_args(parser)
     common.add_rounds_arg(parser)
-    parser.add_argument("--ops", type=_list_arg(OPS), default=list(OPS),
+    parser.add_argument("--ops", type=common.comma_list(OPS), default=list(OPS),
                         help=f"comma list of ops (default all: {','.join(OPS)})")
-    parser.add_argument("--peers", type=_list_arg(PEERS), default=list(PEERS),
+    parser.add_argument("--peers", type=common.comma_list(PEERS), default=list(PEERS),
                         help=f"comma list of peers (default all that work: {','.join(PEERS)})")
-    parser.add_argument("--dtype", type=_list_arg(DTYPES), nargs="+", default=[["float32"]],
+    parser.add_argument("--dtype", type=common.comma_list(DTYPES), nargs="+", default=[["float32"]],
                         metavar="DTYPE", help=f"one or more of {', '.join(DTYPES)} (spaces or "
                                               "commas; default float32)")
-    parser.add_argument("--device", type=_list_arg(DEVICES), nargs="+", default=[["cpu"]],
+    parser.add_argument("--device", type=common.comma_list(DEVICES), nargs="+", default=[["cpu"]],
                         metavar="DEVICE", help="cpu and/or cuda (cuda rows are skipped with a "
                                                "note where there is no GPU; default cpu)")
     return parser

@@ -1,8 +1,10 @@
 """Shared pieces of the bench programs: arguments, iteration schedule, headers, tables, timing, JSON.
 
-Records live in ``bench.records``, plots in ``bench.plot`` (both re-exported here).
+Records live in ``bench.records``, plots in ``bench.plot`` (both re-exported here); memory
+readings in ``bench.memory``, models in ``bench.models``, ``comma_list`` in ``bench.arguments``.
 
-Every program follows the same shape::
+Every program prints and writes through one :class:`Reporter` (the same header, table layout
+and JSON record envelope; bench/README.md "Output"). A measurement program's shape::
 
     parser = argparse.ArgumentParser(prog="python -m bench NAME")
     add_common_args(parser)
@@ -14,6 +16,9 @@ Every program follows the same shape::
                                      budget_s=args.budget)            # OSU schedule, (min, mean, max) s
         rep.emit(make_record(..., info=info, times_s=times))          # one table row + JSON record
     return rep.finish()                                               # plot; 1 if any value was wrong
+
+Programs with several tables call ``rep.section(title, columns)`` before each; records of other
+kinds start from ``rep.base(op)`` (the envelope: bench, op, ranks, hosts, network).
 
 Only rank 0 prints and writes files; everything else here is collective where it says so.
 """
@@ -32,8 +37,9 @@ from accelerators.mpi_lib import library_version
 from mpicomm._util import format_bytes
 from mpi4py import MPI
 
+from .arguments import comma_list
 from .env import clean_env, free_port, init_gloo
-from .plot import PLOT_Y, matplotlib_missing, plot_records
+from .plot import PLOT_Y, matplotlib_missing, plot_curves, plot_records
 from .records import RECORD_FIELDS, make_record, median_round, validate_record
 
 __all__ = [
@@ -43,7 +49,7 @@ __all__ = [
     "environment_info", "header_lines", "time_loop", "across_ranks", "busbw_factor",
     "bandwidths", "make_record", "median_round", "validate_record", "plot_records",
     "matplotlib_missing", "add_rounds_arg", "clean_env",
-    "free_port", "init_gloo",
+    "free_port", "init_gloo", "comma_list",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -341,12 +347,13 @@ class JsonWriter:
 
 @dataclass(frozen=True)
 class Column:
-    """One table column: record field, heading, width and format."""
+    """One table column: record field, heading, width, format and alignment (``>`` or ``<``)."""
 
     field: str
     heading: str
     width: int
     fmt: str = ""
+    align: str = ">"
 
 
 DEFAULT_COLUMNS = (
@@ -365,7 +372,10 @@ DEFAULT_COLUMNS = (
 
 
 class Table:
-    """Streaming fixed-width table: heading once, then one flushed row per record."""
+    """Streaming fixed-width table: heading once, then one flushed row per record.
+
+    A first column aligned left (``align="<"``, for names) indents every row by two spaces, so
+    that the heading's ``#`` stands in front of it."""
 
     def __init__(self, columns: Sequence[Column], out: TextIO | None = None,
                  enabled: bool = True) -> None:
@@ -373,14 +383,18 @@ class Table:
         self.out = out
         self.enabled = enabled
         self._headed = False
+        self._lead = "  " if self.columns and self.columns[0].align == "<" else ""
 
     def _print(self, line: str) -> None:
         out = self.out if self.out is not None else sys.stdout
         print(line, file=out, flush=True)
 
     def heading(self) -> str:
-        cells = [f"{c.heading:>{c.width}}" for c in self.columns]
-        return "#" + " ".join(cells)[1:] if cells else "#"
+        cells = [f"{c.heading:{c.align}{c.width}}" for c in self.columns]
+        if not cells:
+            return "#"
+        line = " ".join(cells).rstrip()
+        return "# " + line if self._lead else "#" + line[1:]
 
     def format_row(self, rec: dict) -> str:
         cells = []
@@ -388,12 +402,12 @@ class Table:
             value = rec.get(c.field, "")
             if value is None or value == "":
                 text = "-"
-            elif c.fmt and isinstance(value, (int, float)):
+            elif c.fmt and isinstance(value, (int, float)) and not isinstance(value, bool):
                 text = format(value, c.fmt)
             else:
                 text = str(value)
-            cells.append(f"{text:>{c.width}}")
-        return " ".join(cells)
+            cells.append(f"{text:{c.align}{c.width}}")
+        return (self._lead + " ".join(cells)).rstrip()
 
     def row(self, rec: dict) -> None:
         if not self.enabled:
@@ -412,7 +426,12 @@ class Table:
 # the reporter: header, table, JSON and plot together
 
 class Reporter:
-    """Rank-0 output of one bench program: '#' header, streaming table, JSON records, plot."""
+    """Rank-0 output of every bench program: '#' header, streaming tables, JSON records, plot.
+
+    ``start`` prints the header and opens ``--json``; ``emit`` prints one row and appends one
+    record; ``section`` starts a new table (its own columns) under a ``# == title`` line;
+    ``show`` prints a row that is not a record; ``finish`` draws ``--plot`` and prints the verdict.
+    """
 
     def __init__(self, bench: str, mpi_comm: MPI.Comm, args: argparse.Namespace,
                  columns: Sequence[Column] = DEFAULT_COLUMNS, *, plot_y: str = "busbw_gbps",
@@ -421,6 +440,7 @@ class Reporter:
         self.mpi_comm = mpi_comm
         self.args = args
         self.root = mpi_comm.Get_rank() == 0
+        self.out = out
         self.table = Table(columns, out=out, enabled=self.root)
         self.plot_path = getattr(args, "plot", None)
         self.plot_y = PLOT_Y.get(getattr(args, "plot_y", None) or "", plot_y)
@@ -431,12 +451,17 @@ class Reporter:
         # a missing matplotlib skips the plot with one note on rank 0; the measurements still run
         self.plot_problem = matplotlib_missing() if self.plot_path else None
 
-    def start(self, *, dtype: str, extra: Iterable[str] = ()) -> dict:
-        """Collective: gather the environment, print the header on rank 0, open the JSON file."""
+    def start(self, *, dtype: str, extra: Iterable[str] = (), iterations: str | None = None,
+              meta: dict | None = None) -> dict:
+        """Collective: gather the environment, print the header on rank 0, open the JSON file.
+
+        ``iterations`` describes the schedule (default: the OSU schedule of ``--iters``/
+        ``--warmup``/``--budget``); ``meta`` adds program fields to the JSON file's meta."""
         self.info = environment_info(self.mpi_comm)
-        iterations = schedule_text(getattr(self.args, "iters", None),
-                                   getattr(self.args, "warmup", None),
-                                   getattr(self.args, "budget", None))
+        if iterations is None:
+            iterations = schedule_text(getattr(self.args, "iters", None),
+                                       getattr(self.args, "warmup", None),
+                                       getattr(self.args, "budget", None))
         if self.root:
             for line in header_lines(self.bench, self.info, dtype=dtype, iterations=iterations,
                                      extra=extra):
@@ -444,7 +469,7 @@ class Reporter:
             if self.plot_problem:
                 self.note(f"--plot {self.plot_path} skipped: {self.plot_problem}")
         meta = dict(self.info, bench=self.bench, dtype=dtype, iterations=iterations,
-                    argv=sys.argv[1:])
+                    argv=sys.argv[1:], **(meta or {}))
         problem = None
         try:
             self.json = JsonWriter(getattr(self.args, "json", None), meta, enabled=self.root)
@@ -457,28 +482,50 @@ class Reporter:
             raise SystemExit(2)
         return self.info
 
-    def emit(self, rec: dict) -> None:
-        """Record one measurement (call on every rank with the same record)."""
+    def base(self, op: str) -> dict:
+        """The fields every record starts with: bench, op, ranks, hosts, network (after ``start``)."""
+        return {"bench": self.bench, "op": op, "ranks": int(self.info["ranks"]),
+                "hosts": int(self.info["hosts"]), "network": self.info.get("network")}
+
+    def emit(self, rec: dict, *, show: bool = True) -> None:
+        """Record one measurement (call on every rank with the same record); ``show=False``: in
+        the JSON file only (the table shows it another way, through ``show``)."""
         self.records.append(rec)
         self.wrong += int(rec.get("wrong", 0))
-        self.table.row(rec)
+        if show:
+            self.table.row(rec)
         if self.json is not None:
             self.json.add(rec)
+
+    def show(self, row: dict) -> None:
+        """Print one table row that is not a record (a view of records already emitted)."""
+        self.table.row(row)
+
+    def section(self, title: str, columns: Sequence[Column]) -> None:
+        """Start a new table with its own columns under a ``# == title`` line."""
+        if self.root:
+            self.table._print("#")
+            self.note(f"== {title}")
+        self.table = Table(columns, out=self.out, enabled=self.root)
 
     def note(self, line: str) -> None:
         self.table.note(line)
 
-    def finish(self) -> int:
+    def finish(self, ok: str = "all values correct (#wrong = 0)", *,
+               title: str | None = None) -> int:
         """Draw the plot, print the verdict on wrong values; 1 if any value was wrong, else 0."""
         if self.root and self.plot_path and self.records and not self.plot_problem:
-            plot_records(self.records, self.plot_path, y=self.plot_y,
-                         title=f"mpicomm bench {self.bench}: ranks {self.info.get('ranks')}, "
-                               f"hosts {self.info.get('hosts')}, {self.info.get('network')}")
+            title = title or (f"mpicomm bench {self.bench}: ranks {self.info.get('ranks')}, "
+                              f"hosts {self.info.get('hosts')}, {self.info.get('network')}")
+            if any(r.get("op") == "curve" for r in self.records):
+                plot_curves(self.records, self.plot_path, title=title)
+            else:
+                plot_records(self.records, self.plot_path, y=self.plot_y, title=title)
             self.note(f"plot written to {self.plot_path}")
         if self.root and getattr(self.args, "json", None):
             self.note(f"{len(self.records)} JSON records written to {self.args.json}")
         if self.wrong:
             self.note(f"FAILED: {self.wrong} wrong values")
             return 1
-        self.note("all values correct (#wrong = 0)")
+        self.note(ok)
         return 0

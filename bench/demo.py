@@ -277,13 +277,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mpiexec -n 2 python -m bench demo",
         description="A short showcase: collectives vs peers, 1-bit vs fp32, simulated network.")
-    parser.add_argument("--parts", default=",".join(PARTS),
+    parser.add_argument("--parts", type=common.comma_list(PARTS, all_word=False),
+                        default=list(PARTS),
                         help=f"comma list of parts to run (default {','.join(PARTS)})")
     parser.add_argument("--sizes", type=common.parse_sizes, default=common.parse_sizes("4K,1M,16M"),
                         help="sizes for part 1 (default 4K,1M,16M)")
     parser.add_argument("--compressed-size", type=common.parse_size, default=64 << 20,
                         help="buffer size for parts 2 and 3 (default 64M)")
-    parser.add_argument("--rates", default="1gbit",
+    parser.add_argument("--rates", type=common.comma_list(), default=["1gbit"],
                         help="comma list of link rates for part 3 (default 1gbit; e.g. 1gbit,10gbit)")
     parser.add_argument("--budget", type=float, default=0.3,
                         help="seconds per measurement in part 1 (default 0.3)")
@@ -294,11 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
-    bad = [p for p in parts if p not in PARTS]
-    if bad:
-        print(f"bench demo: unknown parts {bad}; expected from {PARTS}", file=sys.stderr)
-        return 2
+    parts = args.parts
     mpi_comm = MPI.COMM_WORLD
     out = Out(mpi_comm)
     info = common.environment_info(mpi_comm)
@@ -321,15 +318,15 @@ def main(argv=None) -> int:
                                        warmup=1, title=title)
             out()
         if "network" in parts:
-            rates = [r.strip() for r in args.rates.split(",") if r.strip()]
-            records += part_network(mpi_comm, out, rates, args.compressed_size, timeout_s=120)
+            records += part_network(mpi_comm, out, args.rates, args.compressed_size, timeout_s=120)
             out()
     collectives.close_gloo()
     wrong = sum(r.get("wrong", 0) for r in records)
-    if mpi_comm.Get_rank() == 0 and args.json:
-        with open(args.json, "w") as f:
-            json.dump({"meta": dict(info, bench=BENCH, parts=parts), "records": records}, f,
-                      indent=1)
+    writer = common.JsonWriter(args.json, dict(info, bench=BENCH, dtype="float32",
+                                               iterations="see each part", argv=sys.argv[1:],
+                                               parts=parts), enabled=mpi_comm.Get_rank() == 0)
+    for rec in records:   # the same {"meta", "records"} file as every bench program's
+        writer.add(rec)
     if parts != ["compressed"] or info["network"] == "local":
         lines = summary(records)
         if lines:

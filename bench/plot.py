@@ -14,6 +14,8 @@ import os
 import sys
 from typing import Sequence
 
+from .arguments import comma_list
+
 __all__ = ["PLOT_Y", "matplotlib_missing", "size_label", "plot_records", "draw_records", "plot_curves",
            "load_runs", "main"]
 
@@ -239,7 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-o", "--output", required=True, metavar="OUT.png", help="PNG to write")
     parser.add_argument("--y", choices=sorted(PLOT_Y), default="busbw",
                         help="what to draw against size (default busbw)")
-    parser.add_argument("--ops", default=None, help="comma list of ops to draw (default all)")
+    parser.add_argument("--ops", type=comma_list(), default=None,
+                        help="comma list of ops to draw (default all)")
     parser.add_argument("--title", default="", help="a title above the panels")
     return parser
 
@@ -253,7 +256,7 @@ def main(argv=None) -> int:
     try:
         records = load_runs(args.runs)
         if args.ops:
-            wanted = {o.strip() for o in args.ops.split(",") if o.strip()}
+            wanted = set(args.ops)
             records = [r for r in records if r.get("op") in wanted]
         if any(r.get("op") == "curve" for r in records):
             plot_curves(records, args.output, title=args.title)

@@ -1,18 +1,25 @@
-"""JSON measurement records of the bench programs: building them, summarising rounds, validating.
+"""JSON records of the bench programs: building them, summarising rounds, validating.
 
-A record is one flat dict. Every record carries :data:`RECORD_FIELDS`; the fields of
-:data:`OPTIONAL_FIELDS` are checked when present; ``bench train`` records follow
-:data:`TRAIN_FIELDS` instead. bench/README.md describes every field.
+A record is one flat dict. Every record of every program starts with :data:`ENVELOPE_FIELDS`
+(``bench``, ``op``, ``ranks``, ``hosts``, ``network``, ``wrong``); the rest depends on the kind:
+measurement records (collectives, compressed, demo) carry :data:`RECORD_FIELDS` (the fields of
+:data:`OPTIONAL_FIELDS` checked when present), ``bench train`` records :data:`TRAIN_FIELDS` or
+:data:`CURVE_FIELDS`, ``bench ckpt`` records :data:`CKPT_FIELDS`, ``bench zero`` records
+:data:`ZERO_FIELDS` of their op. bench/README.md describes every field.
 """
 from __future__ import annotations
 
 import math
 from typing import Sequence
 
-__all__ = ["RECORD_FIELDS", "OPTIONAL_FIELDS", "TRAIN_FIELDS", "CURVE_FIELDS", "make_record",
-           "median_round", "validate_record"]
+__all__ = ["ENVELOPE_FIELDS", "RECORD_FIELDS", "OPTIONAL_FIELDS", "TRAIN_FIELDS", "CURVE_FIELDS",
+           "CKPT_FIELDS", "ZERO_FIELDS", "make_record", "median_round", "validate_record"]
 
 _NUM = float  # int or float, never bool
+
+# Fields every record of every program starts with.
+ENVELOPE_FIELDS = {"bench": str, "op": str, "ranks": int, "hosts": int, "network": str,
+                   "wrong": int}
 
 # Fields every measurement record carries.
 RECORD_FIELDS = {
@@ -28,6 +35,8 @@ OPTIONAL_FIELDS = {
     "wire_bytes_measured": _NUM, "check": str,
 }
 _NULLABLE = {"wire_bytes_measured", "network"}
+# None allowed in ckpt and zero records: a row that did not run or has no size
+_NULLABLE_ROWS = _NULLABLE | {"size_bytes", "time_s", "gbps", "peak_mib_per_rank", "x_model"}
 DEVICES = ("cpu", "cuda")
 
 # bench train: one record per peer (op "step") ...
@@ -43,7 +52,20 @@ CURVE_FIELDS = {
     "bench": str, "op": str, "peer": str, "ranks": int, "hosts": int, "model": str,
     "steps": int, "losses": list, "wrong": int,
 }
-_SIGNED = {"overlap_ms"}  # may be negative: communication slowed the backward down
+_SIGNED = {"overlap_ms", "hidden_pct"}  # may be negative: communication slowed the backward down
+
+# bench ckpt: one record per timed operation (time_s None: not run; size_bytes None: unknown).
+CKPT_FIELDS = {"size_bytes": int, "time_s": _NUM, "gbps": _NUM, "note": str}
+# bench zero: one record per row of each part (op "time", "memory" or "bytes").
+ZERO_FIELDS = {
+    "time": {"peer": str, "params": int, "steps": int, "backward_ms": _NUM, "wait_ms": _NUM,
+             "opt_step_ms": _NUM, "step_ms": _NUM, "x_ddp_gloo": _NUM, "bwd_alone_ms": _NUM,
+             "comm_alone_ms": _NUM, "sum_ms": _NUM, "overlapped_ms": _NUM, "hidden_pct": _NUM},
+    "memory": {"peer": str, "params": int, "model_mib": _NUM, "peak_mib_per_rank": list,
+               "x_model": _NUM, "note": str},
+    "bytes": {"peer": str, "params": int, "bytes_per_step": _NUM, "x_model": _NUM,
+              "by_call": dict},
+}
 
 
 def median_round(rounds: Sequence[Sequence[float]]) -> tuple[tuple[float, float, float], list[float]]:
@@ -90,14 +112,15 @@ def _type_ok(value, kind) -> bool:
     return isinstance(value, kind)
 
 
-def _check_fields(rec: dict, fields: dict, required: bool, problems: list[str]) -> None:
+def _check_fields(rec: dict, fields: dict, required: bool, problems: list[str],
+                  nullable: set = _NULLABLE) -> None:
     for name, kind in fields.items():
         if name not in rec:
             if required:
                 problems.append(f"missing field {name!r}")
             continue
         value = rec[name]
-        if value is None and name in _NULLABLE:
+        if value is None and name in nullable:
             continue
         if not _type_ok(value, kind):
             expected = "number" if kind is _NUM else kind.__name__
@@ -138,6 +161,17 @@ def validate_record(rec: dict) -> list[str]:
     problems: list[str] = []
     if not isinstance(rec, dict):
         return [f"expected a record dict, got {type(rec).__name__}"]
+    _check_fields(rec, ENVELOPE_FIELDS, True, problems)
+    if rec.get("bench") == "ckpt":
+        _check_fields(rec, CKPT_FIELDS, True, problems, _NULLABLE_ROWS)
+        return problems
+    if rec.get("bench") == "zero":
+        fields = ZERO_FIELDS.get(rec.get("op"))
+        if fields is None:
+            return problems + [f"field 'op': expected one of {sorted(ZERO_FIELDS)} for bench zero, "
+                               f"got {rec.get('op')!r}"]
+        _check_fields(rec, fields, True, problems, _NULLABLE_ROWS)
+        return problems
     if rec.get("bench") == "train":
         curve = rec.get("op") == "curve"
         _check_fields(rec, CURVE_FIELDS if curve else TRAIN_FIELDS, True, problems)

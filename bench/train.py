@@ -29,7 +29,7 @@ import warnings
 
 from mpi4py import MPI
 
-from . import common
+from . import common, models
 
 PEERS = ("mpicomm", "gloo", "mpicomm-hook", "onebit-hook")
 EXACT = ("mpicomm", "gloo", "mpicomm-hook")  # must match gloo's weights
@@ -42,19 +42,11 @@ __all__ = ["PEERS", "build_model", "batch", "Peer", "make_peer", "run_round", "m
 # model and data
 
 def build_model(args, seed: int):
-    """The benchmark's model: an MLP or a stack of transformer encoder blocks."""
-    import torch
-
-    torch.manual_seed(seed)
-    h = args.hidden
+    """The benchmark's model: an MLP (GELU between layers) or a stack of transformer blocks."""
     if args.model == "mlp":
-        layers = []
-        for _ in range(args.layers):
-            layers += [torch.nn.Linear(h, h), torch.nn.GELU()]
-        return torch.nn.Sequential(*layers[:-1])
-    blocks = [torch.nn.TransformerEncoderLayer(h, args.heads, dim_feedforward=4 * h, dropout=0.0,
-                                               batch_first=True) for _ in range(args.layers)]
-    return torch.nn.Sequential(*blocks)
+        return models.mlp(args.hidden, args.layers, activation="gelu", last_activation=False,
+                          seed=seed)
+    return models.transformer(args.hidden, args.layers, args.heads, seed=seed)
 
 
 def describe(args) -> str:
@@ -271,17 +263,6 @@ COLUMNS = (
 )
 
 
-def _peers_arg(text: str) -> list[str]:
-    items = [x.strip() for x in text.split(",") if x.strip()]
-    if items == ["all"]:
-        return list(PEERS)
-    bad = [x for x in items if x not in PEERS]
-    if bad or not items:
-        raise argparse.ArgumentTypeError(
-            f"expected a comma list from {', '.join(PEERS)} (or 'all'), got {text!r}")
-    return items
-
-
 def _count(minimum: int):
     def parse(text: str) -> int:
         try:
@@ -306,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=_count(1), default=10, help="timed steps per round (10)")
     p.add_argument("--warmup", type=_count(0), default=3, help="untimed steps first (3)")
     common.add_rounds_arg(p)
-    p.add_argument("--peers", type=_peers_arg, default=list(PEERS),
+    p.add_argument("--peers", type=common.comma_list(PEERS), default=list(PEERS),
                    help=f"comma list (default all: {','.join(PEERS)})")
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb (25)")
@@ -326,21 +307,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _header(args, info, mpi_comm, params: int, out) -> None:
-    if mpi_comm.Get_rank() != 0:
-        return
+CURVE_COLUMNS = (
+    common.Column("step", "step", 7, "d"),
+    common.Column("adam", "adam", 12, ".6f"),
+    common.Column("onebit-adam", "onebit-adam", 12, ".6f"),
+    common.Column("ratio", "ratio", 8, ".3f"),
+)
+
+
+def _header(args, ranks: int, params: int) -> tuple[str, list[str]]:
+    """The header's iteration schedule and extra lines."""
     what = (f"{args.curve_steps} steps of each optimizer, freeze_step {args.freeze_step}"
             if args.curve else f"{args.warmup} warm-up steps, then {args.rounds} round(s) of "
                                f"{args.steps} steps per peer, interleaved")
     extra = [f"model: {describe(args)}, {params / 1e6:.2f}M parameters; batch {args.batch} per "
-             f"rank ({args.batch * info['ranks']} per step); Adam lr {args.lr}"]
+             f"rank ({args.batch * ranks} per step); Adam lr {args.lr}"]
     if not args.curve:
         extra.append("step = forward + backward with DDP's communication (median round; min/max "
                      "over rounds); bwd+comm = that backward; bwd = backward under no_sync; comm "
                      "= one all-reduce of all gradients on the peer's path; overlap = bwd + comm "
                      "- bwd+comm")
-    for line in common.header_lines(BENCH, info, dtype="float32", iterations=what, extra=extra):
-        print(line, file=out, flush=True)
+    return what, extra
 
 
 def main(argv=None) -> int:
@@ -353,27 +340,23 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(1)
     mpi_comm = MPI.COMM_WORLD
-    root = mpi_comm.Get_rank() == 0
-    info = common.environment_info(mpi_comm)
+    rep = common.Reporter(BENCH, mpi_comm, args, CURVE_COLUMNS if args.curve else COLUMNS)
     mcomm = mpicomm.init()
     teacher = build_model(args, seed=1).requires_grad_(False)
-    params = sum(p.numel() for p in teacher.parameters())
-    _header(args, info, mpi_comm, params, sys.stdout)
-    meta = dict(info, bench=BENCH, model=describe(args), params=params, argv=sys.argv[1:])
-    writer = common.JsonWriter(args.json, meta, enabled=root)
-    base = {"bench": BENCH, "ranks": info["ranks"], "hosts": info["hosts"],
-            "network": info["network"], "model": describe(args)}
+    params = models.param_count(teacher)
+    what, extra = _header(args, mpi_comm.Get_size(), params)
+    rep.start(dtype="float32", iterations=what, extra=extra,
+              meta={"model": describe(args), "params": params})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if args.curve:
-            return _curve_main(args, mpi_comm, mcomm, teacher, base, writer)
-        return _steps_main(args, mpi_comm, mcomm, teacher, base, params, writer)
+            return _curve_main(args, mpi_comm, mcomm, teacher, rep)
+        return _steps_main(args, mpi_comm, mcomm, teacher, params, rep)
 
 
-def _steps_main(args, mpi_comm, mcomm, teacher, base, params, writer) -> int:
+def _steps_main(args, mpi_comm, mcomm, teacher, params, rep) -> int:
     import torch.distributed as dist
 
-    root = mpi_comm.Get_rank() == 0
     groups = {"gloo": common.init_gloo(mpi_comm)}
     if "mpicomm" in args.peers:
         groups["mpicomm"] = dist.new_group(backend="mpicomm")
@@ -390,75 +373,55 @@ def _steps_main(args, mpi_comm, mcomm, teacher, base, params, writer) -> int:
         for name in order[r % len(order):] + order[:r % len(order)]:
             rounds[name].append(run_round(peers[name], args, mpi_comm, teacher))
     wrong, notes = check_peers(peers, mpi_comm)
-    table = common.Table(COLUMNS, enabled=root)
     for line in notes:
-        table.note(line)
+        rep.note(line)
     records = []
     for name, peer in peers.items():
         times, means = common.median_round([(r["step"],) * 3 for r in rounds[name]])
         mid = rounds[name][means.index(times[1])]
         loss = mpi_comm.allreduce(peer.loss, op=MPI.SUM) / mpi_comm.Get_size()
-        rec = dict(base, op="step", peer=name, params=params, grad_bytes=params * 4,
+        rec = dict(rep.base("step"), peer=name, model=describe(args), params=params,
+                   grad_bytes=params * 4,
                    batch=args.batch, steps=args.steps, rounds=args.rounds,
                    step_ms=mid["step"] * 1e3, step_ms_min=min(means) * 1e3,
                    step_ms_max=max(means) * 1e3, step_ms_rounds=[m * 1e3 for m in means],
-                   samples_per_s=args.batch * base["ranks"] / mid["step"], loss=loss,
+                   samples_per_s=args.batch * mpi_comm.Get_size() / mid["step"], loss=loss,
                    backward_ms=mid["backward"] * 1e3, comm_ms=mid["comm"] * 1e3,
                    backward_comm_ms=mid["backward_comm"] * 1e3,
                    overlap_ms=(mid["backward"] + mid["comm"] - mid["backward_comm"]) * 1e3,
                    wrong=wrong[name], trained_steps=peer.step)
         records.append(rec)
-        table.row(rec)
-        writer.add(rec)
+        rep.emit(rec)
     ref = next((r for r in records if r["peer"] == "gloo"), None)
     if ref is not None:
-        table.note("step time / gloo's (medians): " + ", ".join(
+        rep.note("step time / gloo's (medians): " + ", ".join(
             f"{r['peer']} {r['step_ms'] / ref['step_ms']:.2f}x" for r in records
             if r is not ref))
-    total = sum(wrong.values())
-    table.note(f"FAILED: {total} wrong values" if total else
-               "all values correct (#wrong = 0: replicas agree across ranks; exact peers within "
-               "1e-4 of gloo's weights)")
     _close()
-    return 1 if total else 0
+    return rep.finish("all values correct (#wrong = 0: replicas agree across ranks; exact peers "
+                      "within 1e-4 of gloo's weights)")
 
 
-def _curve_main(args, mpi_comm, mcomm, teacher, base, writer) -> int:
+def _curve_main(args, mpi_comm, mcomm, teacher, rep) -> int:
     import numpy as np
 
-    root = mpi_comm.Get_rank() == 0
     losses = run_curve(args, mpi_comm, mcomm, teacher)
-    records = []
     for name, series in losses.items():
         bad = int(not np.all(np.isfinite(series)))
-        rec = dict(base, op="curve", peer=name, steps=len(series), losses=series,
+        rec = dict(rep.base("curve"), peer=name, model=describe(args), steps=len(series),
+                   losses=series,
                    freeze_step=args.freeze_step if name == "onebit-adam" else None, wrong=bad)
-        records.append(rec)
-        writer.add(rec)
-    if root:
-        every = max(1, args.curve_steps // 10)
-        print(f"#{'step':>7} {'adam':>12} {'onebit-adam':>12} {'ratio':>8}")
-        for i in sorted(set(range(every - 1, args.curve_steps, every)) | {args.curve_steps - 1}):
-            a, b = losses["adam"][i], losses["onebit-adam"][i]
-            print(f"{i + 1:>8} {a:>12.6f} {b:>12.6f} {b / a if a else float('nan'):>8.3f}")
-        a, b = losses["adam"][-1], losses["onebit-adam"][-1]
-        print(f"# loss after {args.curve_steps} steps: Adam {a:.6f}, 1-bit Adam {b:.6f} "
-              f"({b / a if a else float('nan'):.2f}x Adam's; compressed from step "
-              f"{args.freeze_step + 1})")
-        if args.plot:
-            from .plot import matplotlib_missing, plot_curves
-
-            problem = matplotlib_missing()
-            if problem:
-                print(f"# --plot {args.plot} skipped: {problem}")
-            else:
-                plot_curves(records, args.plot,
-                            title=f"{base['model']}, {base['ranks']} ranks: Adam vs 1-bit Adam")
-                print(f"# plot written to {args.plot}")
-    wrong = sum(r["wrong"] for r in records)
-    if root:
-        print("# FAILED: non-finite loss" if wrong else "# all losses finite")
-    return 1 if wrong else 0
+        rep.emit(rec, show=False)   # the table shows the curves side by side below
+    every = max(1, args.curve_steps // 10)
+    for i in sorted(set(range(every - 1, args.curve_steps, every)) | {args.curve_steps - 1}):
+        a, b = losses["adam"][i], losses["onebit-adam"][i]
+        rep.show({"step": i + 1, "adam": a, "onebit-adam": b, "ratio": b / a if a else None})
+    a, b = losses["adam"][-1], losses["onebit-adam"][-1]
+    rep.note(f"loss after {args.curve_steps} steps: Adam {a:.6f}, 1-bit Adam {b:.6f} "
+             f"({b / a if a else float('nan'):.2f}x Adam's; compressed from step "
+             f"{args.freeze_step + 1})")
+    return rep.finish("all losses finite (#wrong = 0)",
+                      title=f"{describe(args)}, {mpi_comm.Get_size()} ranks: Adam vs 1-bit Adam")
 
 
 def _close() -> None:

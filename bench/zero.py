@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import statistics
 import time
@@ -27,17 +26,31 @@ from typing import Any, Callable
 import torch
 from mpi4py import MPI
 
-from . import common
+from . import common, models
+from .memory import malloc_returns_memory, reset_peak_rss, rss_kib
 
 PARTS = ("time", "memory", "bytes")
+BENCH = "zero"
+
+C = common.Column
+TIME_COLUMNS = (C("peer", "row", 36, align="<"), C("backward_ms", "backward", 9, ".1f"),
+                C("wait_ms", "wait", 7, ".1f"), C("opt_step_ms", "opt.step", 9, ".1f"),
+                C("step_ms", "step", 8, ".1f"), C("x_ddp_gloo", "vs DDP gloo", 12, ".2f"),
+                C("wrong", "#wrong", 7, "d"))
+OVERLAP_COLUMNS = (C("peer", "row", 36, align="<"), C("bwd_alone_ms", "bwd alone", 10, ".1f"),
+                   C("comm_alone_ms", "comm alone", 11, ".1f"), C("sum_ms", "sum", 7, ".1f"),
+                   C("overlapped_ms", "overlapped", 11, ".1f"), C("hidden_pct", "hidden(%)", 10, ".0f"))
+MEMORY_COLUMNS = (C("peer", "row", 36, align="<"), C("peak_text", "peak MiB per rank", 20),
+                  C("x_model", "x model", 8, ".2f"), C("wrong", "#wrong", 7, "d"),
+                  C("note", "note", 1, align="<"))
+BYTES_COLUMNS = (C("peer", "row", 36, align="<"), C("mib_per_step", "MiB/step", 9, ".2f"),
+                 C("x_model", "x fp32 model", 13, ".3f"), C("wrong", "#wrong", 7, "d"),
+                 C("calls_text", "by call (rank 0, MiB)", 1, align="<"))
 
 
 def make_model(hidden: int, layers: int, seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    mods: list[torch.nn.Module] = []
-    for _ in range(layers):
-        mods += [torch.nn.Linear(hidden, hidden), torch.nn.Tanh()]
-    return torch.nn.Sequential(*mods)
+    """``layers`` x (Linear(hidden, hidden), Tanh)."""
+    return models.mlp(hidden, layers, activation="tanh", seed=seed)
 
 
 def batch(hidden: int, n: int, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,7 +168,7 @@ class DDPRow:
         pass
 
 
-def part_time(args, mpi: MPI.Comm, out: dict) -> None:
+def part_time(args, mpi: MPI.Comm, rep: common.Reporter) -> None:
     rows = [("DDP+AdamW gloo", DDPRow(args, mpi, False)),
             ("DDP+AdamW gloo, buckets via mpicomm", DDPRow(args, mpi, True)),
             ("ZeRO-1 AdamW (mpicomm)", ZeroRow(args, mpi, 1)),
@@ -169,26 +182,29 @@ def part_time(args, mpi: MPI.Comm, out: dict) -> None:
         res[name] = {k: mpi.allreduce(row.ph.med(k), op=MPI.MAX) for k in row.ph.t}
         row.close()
     base = _total(res[rows[0][0]])
-    if mpi.rank == 0:
-        n = sum(p.numel() for p in make_model(args.hidden, 1).parameters()) * args.layers
-        print(f"\n== step time, {mpi.size} ranks, {n / 1e6:.1f}M params ({4 * n / 2**20:.0f} MiB fp32), batch "
-              f"{args.batch}, buckets {args.bucket_mb} MiB, median of {args.steps} interleaved rounds, ms (slowest rank)")
-        print(f"{'row':<38}{'backward':>10}{'wait':>8}{'opt.step':>10}{'step':>9}{'vs DDP gloo':>13}")
-        for name, v in res.items():
-            tot = _total(v)
-            print(f"{name:<38}{1e3 * v['bwd_overlap']:>10.1f}{1e3 * v['wait_overlap']:>8.1f}"
-                  f"{1e3 * v['step_overlap']:>10.1f}{1e3 * tot:>9.1f}{tot / base:>12.2f}x")
-        print("\n== overlap: backward + gradient communication, ms")
-        print(f"{'row':<38}{'bwd alone':>10}{'comm alone':>11}{'sum':>8}{'overlapped':>12}{'hidden':>8}")
-        for name, v in res.items():
-            comm = v["comm_alone"] if "comm_alone" in v else v["wait_serial"]
-            over = v["bwd_overlap"] + v["wait_overlap"]
-            total = v["bwd_alone"] + comm
-            print(f"{name:<38}{1e3 * v['bwd_alone']:>10.1f}{1e3 * comm:>11.1f}{1e3 * total:>8.1f}"
-                  f"{1e3 * over:>12.1f}{100 * (total - over) / comm if comm else 0:>7.0f}%")
-        print("(ZeRO 'comm alone': reduce-scatter/reduce after a backward without hooks sending; "
-              "'hidden': share of the communication time not added to backward)")
-    out["time"] = res
+    n = sum(p.numel() for p in make_model(args.hidden, 1).parameters()) * args.layers
+    rep.section(f"step time, {mpi.size} ranks, {n / 1e6:.1f}M params ({4 * n / 2**20:.0f} MiB "
+                f"fp32), batch {args.batch}, buckets {args.bucket_mb} MiB, median of {args.steps} "
+                f"interleaved rounds, ms (slowest rank)", TIME_COLUMNS)
+    records = []
+    for name, v in res.items():
+        tot = _total(v)
+        comm = v["comm_alone"] if "comm_alone" in v else v["wait_serial"]
+        over = v["bwd_overlap"] + v["wait_overlap"]
+        both = v["bwd_alone"] + comm
+        rec = dict(rep.base("time"), peer=name, params=n, steps=args.steps,
+                   backward_ms=1e3 * v["bwd_overlap"], wait_ms=1e3 * v["wait_overlap"],
+                   opt_step_ms=1e3 * v["step_overlap"], step_ms=1e3 * tot, x_ddp_gloo=tot / base,
+                   bwd_alone_ms=1e3 * v["bwd_alone"], comm_alone_ms=1e3 * comm, sum_ms=1e3 * both,
+                   overlapped_ms=1e3 * over, hidden_pct=100 * (both - over) / comm if comm else 0.0,
+                   phases_ms={k: 1e3 * t for k, t in v.items()}, wrong=0)
+        records.append(rec)
+        rep.emit(rec)
+    rep.section("overlap: backward + gradient communication, ms", OVERLAP_COLUMNS)
+    for rec in records:
+        rep.show(rec)
+    rep.note("ZeRO 'comm alone': reduce-scatter/reduce after a backward without hooks sending; "
+             "'hidden': share of the communication time not added to backward")
 
 
 def _total(v: dict) -> float:
@@ -197,19 +213,6 @@ def _total(v: dict) -> float:
 
 # -- memory ---------------------------------------------------------------------------------------
 
-def _rss_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
 def mem_row(args, mpi: MPI.Comm, kind: str) -> float:
     """Peak MiB above the starting resident size while building and training one row."""
     from zero import ZeroOptimizer
@@ -217,8 +220,10 @@ def mem_row(args, mpi: MPI.Comm, kind: str) -> float:
 
     gc.collect()
     mpi.Barrier()
-    base = _rss_kb("VmRSS")
-    _reset_peak()
+    base = rss_kib("VmRSS")
+    problem = reset_peak_rss()
+    if problem:
+        raise RuntimeError(problem)
     model = make_model(args.mem_hidden, args.mem_layers)
     if kind == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -245,7 +250,7 @@ def mem_row(args, mpi: MPI.Comm, kind: str) -> float:
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
     mpi.Barrier()
-    peak = (_rss_kb("VmHWM") - base) / 1024
+    peak = (rss_kib("VmHWM") - base) / 1024
     if hasattr(opt, "close"):
         opt.close()
     del model, opt
@@ -253,51 +258,30 @@ def mem_row(args, mpi: MPI.Comm, kind: str) -> float:
     return peak
 
 
-def _malloc_returns_memory() -> None:
-    """Large blocks from mmap and returned on free (a fixed threshold turns off glibc's dynamic
-    one), so that memory freed by one row is not counted as resident in the next."""
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 128 << 10)    # M_MMAP_THRESHOLD
-        libc.mallopt(-1, 128 << 10)    # M_TRIM_THRESHOLD
-    except OSError:  # pragma: no cover - not glibc
-        pass
-
-
-def part_memory(args, mpi: MPI.Comm, out: dict) -> None:
-    _malloc_returns_memory()
-    try:
-        _reset_peak()
-    except OSError as exc:
-        if mpi.rank == 0:
-            print(f"\n== memory: skipped, cannot reset the peak resident size ({exc})")
+def part_memory(args, mpi: MPI.Comm, rep: common.Reporter) -> None:
+    malloc_returns_memory()
+    n = sum(p.numel() for p in make_model(args.mem_hidden, 1).parameters()) * args.mem_layers
+    mib = 4 * n / 2**20
+    title = (f"peak memory per rank above the process's start, {mpi.size} ranks, model "
+             f"{n / 1e6:.1f}M params = {mib:.0f} MiB fp32, 2 steps")
+    problem = mpi.bcast(reset_peak_rss(), root=0)
+    if problem:
+        rep.section(f"{title}: skipped, {problem}", MEMORY_COLUMNS)
         return
     rows = [("DDP+AdamW gloo", "ddp"), ("ZeRO-1 AdamW", "zero1"), ("ZeRO-3 AdamW", "zero3"),
             ("ZeRO-1 AdamW, release_grads", "zero1r"), ("FSDP2 (fully_shard) + AdamW gloo", "fsdp2")]
-    n = sum(p.numel() for p in make_model(args.mem_hidden, 1).parameters()) * args.mem_layers
-    mib = 4 * n / 2**20
-    res = {}
+    rep.section(title, MEMORY_COLUMNS)
     for name, kind in rows:
+        rec = dict(rep.base("memory"), peer=name, params=n, model_mib=mib, wrong=0)
         try:
             peaks = mpi.allgather(mem_row(args, mpi, kind))
         except Exception as exc:  # noqa: BLE001 - a row that cannot run is reported, not fatal
-            peaks = None
-            res[name] = {"error": f"{type(exc).__name__}: {exc}"}
-        if peaks is not None:
-            res[name] = {"peak_mib_per_rank": peaks}
-    if mpi.rank == 0:
-        print(f"\n== peak memory per rank above the process's start, {mpi.size} ranks, model "
-              f"{n / 1e6:.1f}M params = {mib:.0f} MiB fp32, 2 steps")
-        print(f"{'row':<36}{'peak MiB per rank':>28}{'x model':>9}")
-        for name, v in res.items():
-            if "error" in v:
-                print(f"{name:<36}  did not run: {v['error'][:120]}")
-                continue
-            peaks = v["peak_mib_per_rank"]
-            print(f"{name:<36}{' / '.join(f'{p:.0f}' for p in peaks):>28}{max(peaks) / mib:>8.2f}x")
-    out["memory"] = {"model_mib": mib, **res}
+            rec.update(peak_mib_per_rank=None, x_model=None,
+                       note=f"did not run: {type(exc).__name__}: {exc}"[:140])
+        else:
+            rec.update(peak_mib_per_rank=peaks, x_model=max(peaks) / mib, note="",
+                       peak_text=" / ".join(f"{p:.0f}" for p in peaks))
+        rep.emit(rec)
 
 
 # -- bytes ----------------------------------------------------------------------------------------
@@ -383,30 +367,32 @@ def bytes_row(args, mpi: MPI.Comm, kind: str, stage: int = 1) -> dict:
     return {k: v / steps for k, v in counts.items()}
 
 
-def part_bytes(args, mpi: MPI.Comm, out: dict) -> None:
+def part_bytes(args, mpi: MPI.Comm, rep: common.Reporter) -> None:
     n = sum(p.numel() for p in make_model(args.hidden, 1).parameters()) * args.layers
     rows = [("ZeRO-1 Adam", "zero-adam", 1), ("ZeRO-3 Adam", "zero-adam", 3),
             ("ZeRO-1 1-bit Adam (frozen)", "zero-1bit", 1), ("ZeRO-3 1-bit Adam (frozen)", "zero-1bit", 3),
             ("OnebitAdam, no ZeRO (frozen)", "onebit", 1)]
     res = {name: bytes_row(args, mpi, kind, stage) for name, kind, stage in rows}
     worst = {name: mpi.allreduce(sum(v.values()), op=MPI.MAX) for name, v in res.items()}
-    if mpi.rank == 0:
-        print(f"\n== bytes each rank hands to MPI per step (counted), {mpi.size} ranks, {n / 1e6:.1f}M params "
-              f"({4 * n / 2**20:.1f} MiB fp32), mean of 3 steps after freeze_step")
-        print(f"{'row':<32}{'MiB/step':>10}{'x fp32 model':>14}   by call (rank 0)")
-        for name, v in res.items():
-            calls = ", ".join(f"{k} {b / 2**20:.2f}" for k, b in sorted(v.items()))
-            print(f"{name:<32}{worst[name] / 2**20:>10.2f}{worst[name] / (4 * n):>13.3f}x   {calls}")
-        print("(payload handed to each MPI call by this rank; an allreduce's algorithm moves more on the "
-              "links than its payload, a reduce-scatter about its payload times (p-1)/p)")
-    out["bytes"] = {"params": n, **{k: {"total": worst[k], "by_call": v} for k, v in res.items()}}
+    rep.section(f"bytes each rank hands to MPI per step (counted), {mpi.size} ranks, "
+                f"{n / 1e6:.1f}M params ({4 * n / 2**20:.1f} MiB fp32), mean of 3 steps after "
+                f"freeze_step", BYTES_COLUMNS)
+    for name, v in res.items():
+        by_call = mpi.bcast(v, root=0)
+        rep.emit(dict(rep.base("bytes"), peer=name, params=n, bytes_per_step=worst[name],
+                      mib_per_step=worst[name] / 2**20, x_model=worst[name] / (4 * n),
+                      by_call=by_call, wrong=0,
+                      calls_text=", ".join(f"{k} {b / 2**20:.2f}" for k, b in sorted(by_call.items()))))
+    rep.note("payload handed to each MPI call by this rank; an allreduce's algorithm moves more on "
+             "the links than its payload, a reduce-scatter about its payload times (p-1)/p")
 
 
 # -- main -----------------------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench zero", description=__doc__.split("\n")[0])
-    p.add_argument("--parts", default="time,memory,bytes", help="comma-separated: " + ",".join(PARTS))
+    p.add_argument("--parts", type=common.comma_list(PARTS), default=list(PARTS),
+                   help="comma list of " + ",".join(PARTS) + " (default all)")
     p.add_argument("--hidden", type=int, default=1024, help="width of the MLP (time and bytes)")
     p.add_argument("--layers", type=int, default=8, help="Linear layers (time and bytes)")
     p.add_argument("--mem-hidden", type=int, default=2048, help="width for the memory part")
@@ -415,23 +401,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=4, help="timed steps per row (after one warm-up)")
     p.add_argument("--bucket-mb", type=int, default=25, help="bucket size for DDP and ZeroOptimizer (MiB)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    p.add_argument("--json", help="write the results here (rank 0)")
+    p.add_argument("--json", default=None, metavar="FILE", help="write the records to FILE (rank 0)")
     args = p.parse_args(argv)
-    parts = [x.strip() for x in args.parts.split(",") if x.strip()]
-    bad = [x for x in parts if x not in PARTS]
-    if bad:
-        p.error(f"--parts: unknown {bad}; expected some of {PARTS}")
     torch.set_num_threads(args.threads)
     mpi = MPI.COMM_WORLD
     import mpicomm  # noqa: F401 - registers the backend, creates the world communicator
 
     common.init_gloo(mpi)
-    out: dict = {"world_size": mpi.size, "args": vars(args)}
-    if mpi.rank == 0:
-        print(f"bench zero: {mpi.size} ranks, torch {torch.__version__}, {args.threads} torch thread(s) per rank")
-    for part in parts:
-        {"time": part_time, "memory": part_memory, "bytes": part_bytes}[part](args, mpi, out)
-    if args.json and mpi.rank == 0:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-    return 0
+    rep = common.Reporter(BENCH, mpi, args, TIME_COLUMNS)
+    rep.start(dtype="float32", iterations=f"time: 1 warm-up + {args.steps} interleaved rounds "
+              "(median); memory: 2 steps per row; bytes: mean of 3 steps after 2",
+              extra=[f"parts: {','.join(args.parts)}; {args.threads} torch thread(s) per rank"],
+              meta={"args": vars(args)})
+    for part in args.parts:
+        {"time": part_time, "memory": part_memory, "bytes": part_bytes}[part](args, mpi, rep)
+    return rep.finish()

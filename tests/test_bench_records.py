@@ -70,7 +70,7 @@ def test_measured_wire_bytes_may_be_null():
 
 def _train(**over):
     rec = {"bench": "train", "op": "step", "peer": "gloo", "ranks": 2, "hosts": 1,
-           "model": "mlp 2x64", "params": 8320, "grad_bytes": 33280, "batch": 8, "steps": 4,
+           "network": "local", "model": "mlp 2x64", "params": 8320, "grad_bytes": 33280, "batch": 8, "steps": 4,
            "rounds": 2, "step_ms": 2.0, "step_ms_min": 1.5, "step_ms_max": 2.0,
            "step_ms_rounds": [2.0, 1.5], "samples_per_s": 8000.0, "loss": 0.5,
            "backward_ms": 1.0, "comm_ms": 0.5, "backward_comm_ms": 1.6, "overlap_ms": -0.1,
@@ -88,8 +88,46 @@ def test_train_records():
     assert any("'samples_per_s': expected >= 0" in p
                for p in records.validate_record(_train(samples_per_s=-1.0)))
     curve = {"bench": "train", "op": "curve", "peer": "adam", "ranks": 2, "hosts": 1,
-             "model": "mlp", "steps": 3, "losses": [1.0, 0.5, 0.25], "wrong": 0}
+             "network": "local", "model": "mlp", "steps": 3, "losses": [1.0, 0.5, 0.25], "wrong": 0}
     assert records.validate_record(curve) == []
     assert any("expected steps = 4 values" in p
                for p in records.validate_record(dict(curve, steps=4)))
     assert records.validate_record([1]) == ["expected a record dict, got list"]
+
+
+ENVELOPE = {"ranks": 2, "hosts": 1, "network": "local", "wrong": 0}
+
+
+def test_every_kind_shares_the_envelope():
+    for rec in (_record(), _train()):
+        for name in records.ENVELOPE_FIELDS:
+            assert any(f"missing field {name!r}" in p for p in records.validate_record(
+                {k: v for k, v in rec.items() if k != name})), name
+
+
+def test_ckpt_records():
+    rec = dict(ENVELOPE, bench="ckpt", op="ckpt.load", size_bytes=4096, time_s=0.5, gbps=8e-6,
+               note="state checked")
+    assert records.validate_record(rec) == []
+    # a row that did not run: no time, no size
+    assert records.validate_record(dict(rec, size_bytes=None, time_s=None, gbps=None)) == []
+    assert any("missing field 'note'" in p for p in records.validate_record(
+        {k: v for k, v in rec.items() if k != "note"}))
+    assert any("missing field 'wrong'" in p for p in records.validate_record(
+        {k: v for k, v in rec.items() if k != "wrong"}))
+    assert any("'time_s': expected >= 0" in p
+               for p in records.validate_record(dict(rec, time_s=-1.0)))
+
+
+def test_zero_records():
+    base = dict(ENVELOPE, bench="zero", peer="ZeRO-1 Adam", params=100)
+    mem = dict(base, op="memory", model_mib=1.0, peak_mib_per_rank=[3.0, 4.0], x_model=4.0,
+               note="")
+    assert records.validate_record(mem) == []
+    assert records.validate_record(dict(mem, peak_mib_per_rank=None, x_model=None,
+                                        note="did not run: ...")) == []
+    nbytes = dict(base, op="bytes", bytes_per_step=800.0, x_model=2.0, by_call={"Allreduce": 40})
+    assert records.validate_record(nbytes) == []
+    assert any("missing field 'by_call'" in p for p in records.validate_record(
+        {k: v for k, v in nbytes.items() if k != "by_call"}))
+    assert any("expected one of" in p for p in records.validate_record(dict(base, op="speed")))

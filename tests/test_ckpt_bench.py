@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from bench.records import validate_record
 from mpitest import mpiexec_cmd
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -24,8 +25,11 @@ def test_bench_ckpt_small_run(n, save, load, tmp_path):
          str(tmp_path), "--json", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "# wrong: 0" in proc.stdout
+    assert "# all values correct (#wrong = 0)" in proc.stdout, proc.stdout
     records = json.loads(out.read_text())["records"]
+    for rec in records:                          # the one record schema of every bench program
+        assert validate_record(rec) == [], rec
+        assert rec["bench"] == "ckpt" and rec["wrong"] == 0, rec
     ops = [r["op"] for r in records]
     for op in ("disk write+fdatasync", "ckpt.save (fsync)", "ckpt.load", "ckpt save + load",
                "DeepSpeed save+convert+load", "ckpt.save (no fsync)"):

@@ -215,7 +215,7 @@ def test_results_are_never_overwritten_while_referenced(world, comm):
 @pytest.mark.parametrize("deferred", [False, True])
 def test_pipelined_pieces_match_simulation(world, comm, deferred, monkeypatch):
     """Work split in many small pieces (between MPI progress calls) gives the same results."""
-    from compressed import layout
+    from compressed import wire_format as layout
 
     monkeypatch.setattr(layout, "PIECE_BYTES", 24)  # restored after the test
     monkeypatch.setattr(layout, "MAX_PIECES", 1000)

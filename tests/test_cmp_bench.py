@@ -42,5 +42,7 @@ def test_bench_compressed_small_sizes(world, shared_tmp_path, capsys):
 def test_bench_compressed_rejects_unknown_ops(capsys):
     from bench import compressed as bench
 
-    assert bench.main(["--ops", "all_reduce,nonsense", "--sizes", "1K"]) == 2
-    assert "unknown --ops ['nonsense']" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--ops", "all_reduce,nonsense", "--sizes", "1K"])
+    assert exc.value.code == 2
+    assert "--ops: expected a comma list from all_reduce" in capsys.readouterr().err

@@ -61,7 +61,7 @@ def test_padded_size(n, p, want):
 
 
 def test_pieces_are_bounded(monkeypatch):
-    from compressed import layout
+    from compressed import wire_format as layout
 
     monkeypatch.setattr(layout, "PIECE_BYTES", 24)
     monkeypatch.setattr(layout, "MAX_PIECES", 4)

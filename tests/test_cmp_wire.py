@@ -60,7 +60,7 @@ def test_no_mpi4py_in_compressed():
 @pytest.mark.parametrize("shift", [0, 1, 2])
 def test_ranks_on_different_kernel_families_interoperate(world, comm, shift, monkeypatch):
     """Rank r runs family (r + shift) mod 3, with pieces small enough for several messages."""
-    from compressed import layout
+    from compressed import wire_format as layout
 
     monkeypatch.setattr(layout, "PIECE_BYTES", 16)
     monkeypatch.setattr(layout, "MAX_PIECES", 1000)
@@ -93,7 +93,7 @@ def test_ranks_on_different_kernel_families_interoperate(world, comm, shift, mon
 @pytest.mark.parametrize("pieces", [False, True])
 def test_wire_bytes_counted_through_the_communicator(world, n, pieces, monkeypatch):
     """One message per phase on one node; in pieces (as between nodes) the same bytes."""
-    from compressed import layout
+    from compressed import wire_format as layout
 
     if pieces:
         monkeypatch.setattr(layout, "PIECE_BYTES", 1024)

@@ -8,6 +8,7 @@ import pathlib
 import subprocess
 import sys
 
+from bench.records import validate_record
 from compressed.wire_format import P1_TRAILER
 from mpitest import mpiexec_cmd
 
@@ -24,11 +25,15 @@ def test_bench_zero_counts_bytes(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for title in ("step time", "overlap", "peak memory", "bytes each rank hands to MPI"):
         assert title in proc.stdout, proc.stdout
-    res = json.loads(out.read_text())
+    records = json.loads(out.read_text())["records"]
+    for rec in records:                          # the one record schema of every bench program
+        assert validate_record(rec) == [], rec
+        assert rec["bench"] == "zero" and rec["ranks"] == 2 and rec["wrong"] == 0, rec
+    assert "all values correct" in proc.stdout, proc.stdout
     n = 2 * (40 * 40 + 40)                       # parameters of the MLP
     world = 2
     local1 = math.ceil(n / world)                # stage 1: the flat group split evenly
-    rows = res["bytes"]
+    rows = {r["peer"]: r for r in records if r["op"] == "bytes"}
     z1 = rows["ZeRO-1 Adam"]["by_call"]
     assert z1["Reduce_scatter_block"] == 4 * world * local1   # every padded fp32 gradient, once
     assert z1["Allgather"] == 4 * local1                      # this rank's fp32 master shard
@@ -38,5 +43,9 @@ def test_bench_zero_counts_bytes(tmp_path):
     assert ob["Alltoall"] == world * (chunk // 8 + P1_TRAILER)
     assert "Reduce_scatter_block" not in ob and ob["Allgather"] == 4 * local1   # weights only, no fp32 else
     assert ob["Allreduce"] == z1["Allreduce"] == 5 * 8       # the one small check per step
-    mem = res["memory"]
-    assert all("peak_mib_per_rank" in v or "error" in v for k, v in mem.items() if k != "model_mib")
+    assert rows["ZeRO-1 Adam"]["bytes_per_step"] >= sum(z1.values())   # the busiest rank's total
+    mem = [r for r in records if r["op"] == "memory"]
+    assert len(mem) == 5 and all(r["peak_mib_per_rank"] is not None and len(r["peak_mib_per_rank"]) == 2
+                                 or r["note"].startswith("did not run") for r in mem), mem
+    times = [r for r in records if r["op"] == "time"]
+    assert [r["peer"] for r in times][0] == "DDP+AdamW gloo" and times[0]["x_ddp_gloo"] == 1.0
