@@ -40,9 +40,9 @@ def _parser() -> argparse.ArgumentParser:
                         "compare with (labelled as given, not measured in this run)")
     p.add_argument("--deepspeed", choices=("auto", "yes", "no"), default="auto",
                    help="run DeepSpeed side by side: auto = when importable (default)")
-    p.add_argument("--fsdp2-ranks", type=int, default=2,
+    p.add_argument("--fsdp2-ranks", type=int, default=None,
                    help="ranks of the FSDP2 rows: the same model + AdamW under fully_shard, ckpt beside torch DCP "
-                        "(save + fsync + load), async save first and steady (default 2; 0 skips them)")
+                        "(save + fsync + load), async save first and steady (default 2, or 1 in a 1-rank run; 0 skips them)")
     p.add_argument("--fsdp2-reps", type=int, default=2, help="FSDP2 save/load repetitions, best kept (default 2)")
     p.add_argument("--json", default=None, help="write the records as JSON to this file")
     return p
@@ -245,11 +245,14 @@ def main(argv: list[str]) -> int:
 
     world = MPI.COMM_WORLD
     rank = world.rank
+    if args.fsdp2_ranks is None:
+        args.fsdp2_ranks = min(2, world.size)
     need = max(args.save_ranks, args.load_ranks, args.fsdp2_ranks)
     if world.size < need:
         if rank == 0:
             print(f"bench ckpt: expected at least {need} ranks (--save-ranks {args.save_ranks}, "
-                  f"--load-ranks {args.load_ranks}), got {world.size}", file=sys.stderr)
+                  f"--load-ranks {args.load_ranks}, --fsdp2-ranks {args.fsdp2_ranks}), got {world.size}",
+                  file=sys.stderr)
         return 2
     torch.set_num_threads(1)
     base = args.dir

@@ -46,7 +46,7 @@ def _clear(model, opt) -> None:
 def run(world, ranks: int, layers: int, hidden: int, base: str, reps: int,
         emit: Callable[..., dict]) -> int:
     """Measure and emit the FSDP2 rows on the first ``ranks`` ranks of ``world`` (collective over
-    ``world``); return how many checks failed."""
+    ``world``); return how many ckpt loads did not give back the saved state."""
     import datetime
 
     import torch
@@ -64,7 +64,7 @@ def run(world, ranks: int, layers: int, hidden: int, base: str, reps: int,
     member = world.rank < ranks
     comm = mpicomm.as_communicator(world).split(0 if member else None)
     results = None
-    wrong = 0
+    wrong = [0, 0]  # loads that did not give back the saved state: ckpt, DCP
     if member:
         mesh = DeviceMesh.from_group(group, "cpu")
         torch.manual_seed(0)
@@ -110,7 +110,8 @@ def run(world, ranks: int, layers: int, hidden: int, base: str, reps: int,
                 set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
             t["dcp load"].append(_timed(mc, dcp_load))
             ok_dcp = _digest(model, opt) == want
-            wrong += mc.allreduce(int(not ok_ckpt), op=_sum()) + mc.allreduce(int(not ok_dcp), op=_sum())
+            wrong[0] += mc.allreduce(int(not ok_ckpt), op=_sum())
+            wrong[1] += mc.allreduce(int(not ok_dcp), op=_sum())
         # asynchronous saves: the first allocates the reused host memory; then steady state
         first = _async_blocks(comm, model, opt, ours + "-a0")
         steady = [_async_blocks(comm, model, opt, ours + f"-a{i}") for i in (1, 2)]
@@ -127,16 +128,18 @@ def run(world, ranks: int, layers: int, hidden: int, base: str, reps: int,
     how = f"best of {reps}"
     emit("FSDP2 ckpt.save (fsync)", ranks, nbytes, best["ckpt save"], how)
     emit("FSDP2 DCP save + fsync", ranks, nbytes, best["dcp save"], how)
-    emit("FSDP2 ckpt.load", ranks, nbytes, best["ckpt load"], how + (", state checked" if not wrong else ""))
-    emit("FSDP2 DCP load", ranks, nbytes, best["dcp load"], how + (", state checked" if not wrong else ""))
+    emit("FSDP2 ckpt.load", ranks, nbytes, best["ckpt load"], how + (", state checked" if not wrong[0] else
+                                                                      ", WRONG STATE"), wrong=wrong[0])
+    emit("FSDP2 DCP load", ranks, nbytes, best["dcp load"], how + (", state checked" if not wrong[1] else
+                                                                  ", WRONG STATE"), wrong=wrong[1])
     emit("FSDP2 ckpt save + load", ranks, nbytes, ck, "")
     emit("FSDP2 DCP save + load", ranks, nbytes, dc, "")
-    emit("speed-up (ckpt vs DCP)", ranks, None, None, f"{dc / ck:.2f}x (save + load, both fsync'ed)")
+    emit("FSDP2 time DCP / ckpt", ranks, None, None, f"{dc / ck:.2f}x (save + load, both fsync'ed)")
     emit("FSDP2 async save, first: blocks", ranks, nbytes, first[0],
          f"allocates its host memory; committed after {first[1]:.2f} s")
     emit("FSDP2 async save: blocks", ranks, nbytes, steady[0],
          f"{steady[0] / best['ckpt save']:.3f} x the sync save; committed after {steady[1]:.2f} s")
-    return wrong
+    return wrong[0]
 
 
 def _fsync_written(path: str, rank: int) -> None:
