@@ -192,7 +192,7 @@ def plot_curves(records: Sequence[dict], path: str, *, title: str = "") -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in curves:
         ri = runs.index(str(r.get("run", "")))
-        label = r["peer"] + (f" [{r.get('run')}]" if len(runs) > 1 else "")
+        label = r.get("label", r["peer"]) + (f" [{r.get('run')}]" if len(runs) > 1 else "")
         ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=label,
                 color=f"C{peers.index(r['peer']) % 10}", linestyle=_STYLES[ri % len(_STYLES)])
         if r.get("freeze_step"):

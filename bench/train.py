@@ -16,9 +16,11 @@ timed: forward + backward with DDP's communication), the same number of backward
 (communication alone). ``overlap_ms = backward_ms + comm_ms - backward_comm_ms``: how much of the
 communication hid behind the backward. Records are the median round, with min/max.
 
-``--curve`` trains instead with Adam (gradients averaged with mpicomm) and with
-``compressed.OnebitAdam`` from the same start, and reports the loss at every step (``--plot``
-draws it): what 1-bit compression costs in convergence.
+``--curve`` trains instead, from the same start, with Adam and LAMB (gradients averaged with
+mpicomm) and with ``compressed.OnebitAdam``, ``ZeroOneAdam`` and ``OnebitLamb``, and reports the
+loss at every step (``--plot`` draws it, bytes per step in the legend), the final loss, the bytes
+each sent per step and the step time: what 1-bit compression costs in convergence and saves on
+the wire.
 """
 from __future__ import annotations
 
@@ -210,39 +212,140 @@ def check_peers(peers: dict, mpi_comm) -> tuple[dict, list[str]]:
 
 
 # ---------------------------------------------------------------------------------------------
-# loss curves: Adam vs 1-bit Adam
+# loss curves: the 1-bit optimizers against their exact references
 
-def run_curve(args, mpi_comm, mcomm, teacher) -> dict[str, list[float]]:
-    """Collective: train from the same start with Adam (gradients averaged by mpicomm) and with
-    compressed.OnebitAdam, a step of each in turn; the mean loss over ranks at every step."""
+CURVES = ("adam", "onebit-adam", "zero-one-adam", "lamb", "onebit-lamb")
+
+
+class Lamb:
+    """Plain LAMB (torch has none) as ``compressed.OnebitLamb``'s warm-up runs it: no bias
+    correction, weight decay inside the trust ratio, the ratio clamped to [min_coeff, max_coeff]."""
+
+    def __init__(self, params, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, max_coeff: float = 10.0, min_coeff: float = 0.01) -> None:
+        import torch
+
+        self.params = list(params)
+        self.lr, self.betas, self.eps, self.wd = lr, betas, eps, weight_decay
+        self.max_coeff, self.min_coeff = max_coeff, min_coeff
+        self.m = [torch.zeros_like(p) for p in self.params]
+        self.v = [torch.zeros_like(p) for p in self.params]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def step(self) -> None:
+        import torch
+
+        b1, b2 = self.betas
+        with torch.no_grad():
+            for p, m, v in zip(self.params, self.m, self.v):
+                if p.grad is None:
+                    continue
+                m.lerp_(p.grad, 1 - b1)
+                v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                u = m / (v.sqrt() + self.eps) + self.wd * p
+                wn, un = float(p.norm()), float(u.norm())
+                c = 1.0 if wn == 0 or un == 0 else min(max(wn / un, self.min_coeff), self.max_coeff)
+                p.sub_(u, alpha=self.lr * c)
+
+
+def _counting_comm(mpi_comm):
+    """An mpicomm Communicator (on a duplicate of ``mpi_comm``) counting the bytes this rank
+    hands its collectives for other ranks (all_reduce as a ring: 2 (p - 1) / p of the buffer)."""
+    import mpicomm
+
+    class Counting(mpicomm.Communicator):
+        sent = 0
+
+        def all_to_all_single(self, output, input, async_op=False):
+            self.sent += (self.size - 1) * input.numel() * input.element_size() // self.size
+            return super().all_to_all_single(output, input, async_op=async_op)
+
+        def all_gather_into_tensor(self, output, input, async_op=False):
+            self.sent += (self.size - 1) * input.numel() * input.element_size()
+            return super().all_gather_into_tensor(output, input, async_op=async_op)
+
+        def all_reduce(self, tensor, op="sum", async_op=False):
+            self.sent += 2 * (self.size - 1) * tensor.numel() * tensor.element_size() // self.size
+            return super().all_reduce(tensor, op=op, async_op=async_op)
+
+    return Counting(mpi_comm.Dup())
+
+
+def _curve_optimizer(name: str, params, args, comm):
+    import torch
+
+    import compressed
+
+    if name == "adam":
+        return torch.optim.Adam(params, lr=args.lr)
+    if name == "onebit-adam":
+        return compressed.OnebitAdam(params, lr=args.lr, freeze_step=args.freeze_step, comm=comm)
+    if name == "zero-one-adam":
+        return compressed.ZeroOneAdam(params, lr=args.lr, var_freeze_step=args.freeze_step,
+                                      var_update_scaler=args.var_update_scaler,
+                                      local_step_scaler=args.local_step_scaler,
+                                      local_step_clipper=args.local_step_clipper, comm=comm)
+    if name == "lamb":
+        return Lamb(params, lr=args.lr)
+    return compressed.OnebitLamb(params, lr=args.lr, freeze_step=args.freeze_step, comm=comm)
+
+
+def run_curve(args, mpi_comm, mcomm, teacher) -> dict[str, dict]:
+    """Collective: train from the same start with each optimizer of ``CURVES``, a step of each in
+    turn (Adam and LAMB on gradients averaged with mpicomm); per optimizer the mean loss over
+    ranks at every step, the bytes this rank sent per step (counted at its communicator) and
+    the step time (forward, backward, communication and update; max over ranks, mean over steps)."""
     import torch
 
     import compressed
 
     rank, n = mpi_comm.Get_rank(), mpi_comm.Get_size()
-    adam_model, onebit_model = build_model(args, seed=0), build_model(args, seed=0)
-    adam = torch.optim.Adam(adam_model.parameters(), lr=args.lr)
-    onebit = compressed.OnebitAdam(onebit_model.parameters(), lr=args.lr,
-                                   freeze_step=args.freeze_step, comm=mcomm)
+    compressed.OnebitAllreduce(mcomm)(torch.ones(1024), key="warm-up")   # load the kernels untimed
+    runs = {}
+    for name in CURVES:
+        model = build_model(args, seed=0)
+        comm = _counting_comm(mpi_comm)
+        runs[name] = {"model": model, "comm": comm, "losses": [], "times": [],
+                      "opt": _curve_optimizer(name, model.parameters(), args, comm)}
 
-    def average_grads():
-        grads = [p.grad for p in adam_model.parameters()]
+    def average_grads(model, comm):
+        grads = [p.grad for p in model.parameters()]
         flat = torch.cat([g.reshape(-1) for g in grads])
-        mcomm.all_reduce(flat, op="avg")
+        comm.all_reduce(flat, op="avg")
         torch.nn.utils.vector_to_parameters(flat, grads)
 
-    losses: dict[str, list[float]] = {"adam": [], "onebit-adam": []}
     for step in range(args.curve_steps):
         x, y = batch(args, rank, step, teacher)
-        for name, model, opt in (("adam", adam_model, adam), ("onebit-adam", onebit_model, onebit)):
+        for name, run in runs.items():
+            model, opt = run["model"], run["opt"]
             opt.zero_grad(set_to_none=False)
+            mpi_comm.Barrier()
+            t0 = time.perf_counter()
             loss = torch.nn.functional.mse_loss(model(x), y)
             loss.backward()
-            if name == "adam" and n > 1:
-                average_grads()
+            if name in ("adam", "lamb") and n > 1:
+                average_grads(model, run["comm"])
             opt.step()
-            losses[name].append(mpi_comm.allreduce(float(loss.detach()), op=MPI.SUM) / n)
-    return losses
+            run["times"].append(time.perf_counter() - t0)
+            run["losses"].append(mpi_comm.allreduce(float(loss.detach()), op=MPI.SUM) / n)
+    out = {}
+    for name, run in runs.items():
+        out[name] = {"losses": run["losses"],
+                     "bytes_per_step": run["comm"].sent / args.curve_steps,
+                     "step_ms": mpi_comm.allreduce(sum(run["times"]) / len(run["times"]), op=MPI.MAX) * 1e3}
+        run["comm"].free()
+    return out
+
+
+def _human_bytes(b: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if b < 1024 or unit == "GiB":
+            return f"{b:.0f} {unit}" if unit == "B" else f"{b:.1f} {unit}"
+        b /= 1024
+    return f"{b:.1f} GiB"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -297,27 +400,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--onebit-min-bucket", type=_count(0), default=0,
                    help="buckets under this many elements go uncompressed (default 0)")
     p.add_argument("--curve", action="store_true",
-                   help="instead: loss against step for Adam vs compressed.OnebitAdam")
+                   help="instead: loss against step for Adam, OnebitAdam, ZeroOneAdam, LAMB, OnebitLamb")
     p.add_argument("--curve-steps", type=_count(1), default=100, help="steps of --curve (100)")
-    p.add_argument("--freeze-step", type=_count(0), default=20,
-                   help="OnebitAdam's exact-Adam steps before compression (default 20)")
+    p.add_argument("--freeze-step", type=_count(1), default=20,
+                   help="--curve: OnebitAdam's and OnebitLamb's freeze_step, ZeroOneAdam's "
+                        "var_freeze_step (default 20)")
+    p.add_argument("--var-update-scaler", type=_count(1), default=4,
+                   help="--curve: ZeroOneAdam's var_update_scaler (default 4; DeepSpeed's 16)")
+    p.add_argument("--local-step-scaler", type=_count(1), default=8,
+                   help="--curve: ZeroOneAdam's local_step_scaler (default 8; DeepSpeed's 32678)")
+    p.add_argument("--local-step-clipper", type=_count(1), default=8,
+                   help="--curve: ZeroOneAdam's local_step_clipper (default 8; DeepSpeed's 16)")
     p.add_argument("--json", default=None, metavar="FILE", help="write the records to FILE")
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="with --curve: draw the loss curves (needs matplotlib)")
     return p
 
 
-CURVE_COLUMNS = (
-    common.Column("step", "step", 7, "d"),
-    common.Column("adam", "adam", 12, ".6f"),
-    common.Column("onebit-adam", "onebit-adam", 12, ".6f"),
-    common.Column("ratio", "ratio", 8, ".3f"),
+CURVE_COLUMNS = (common.Column("step", "step", 7, "d"),) + tuple(
+    common.Column(name, name, 14, ".6f") for name in CURVES)
+SUMMARY_COLUMNS = (
+    common.Column("peer", "optimizer", 14),
+    common.Column("final_loss", "final loss", 12, ".6f"),
+    common.Column("bytes_per_step", "bytes/step", 12, ".0f"),
+    common.Column("step_ms", "step(ms)", 9, ".2f"),
 )
 
 
 def _header(args, ranks: int, params: int) -> tuple[str, list[str]]:
     """The header's iteration schedule and extra lines."""
-    what = (f"{args.curve_steps} steps of each optimizer, freeze_step {args.freeze_step}"
+    what = (f"{args.curve_steps} steps of each optimizer, freeze_step {args.freeze_step}; "
+            f"ZeroOneAdam var_update_scaler {args.var_update_scaler}, local_step_scaler "
+            f"{args.local_step_scaler}, local_step_clipper {args.local_step_clipper}"
             if args.curve else f"{args.warmup} warm-up steps, then {args.rounds} round(s) of "
                                f"{args.steps} steps per peer, interleaved")
     extra = [f"model: {describe(args)}, {params / 1e6:.2f}M parameters; batch {args.batch} per "
@@ -405,23 +519,32 @@ def _steps_main(args, mpi_comm, mcomm, teacher, params, rep) -> int:
 def _curve_main(args, mpi_comm, mcomm, teacher, rep) -> int:
     import numpy as np
 
-    losses = run_curve(args, mpi_comm, mcomm, teacher)
-    for name, series in losses.items():
+    curves = run_curve(args, mpi_comm, mcomm, teacher)
+    records = []
+    for name, c in curves.items():
+        series = c["losses"]
         bad = int(not np.all(np.isfinite(series)))
-        rec = dict(rep.base("curve"), peer=name, model=describe(args), steps=len(series),
-                   losses=series,
-                   freeze_step=args.freeze_step if name == "onebit-adam" else None, wrong=bad)
-        rep.emit(rec, show=False)   # the table shows the curves side by side below
+        compressed_from = args.freeze_step if name in ("onebit-adam", "onebit-lamb") else None
+        records.append(dict(rep.base("curve"), peer=name, model=describe(args), steps=len(series),
+                            losses=series, final_loss=series[-1], freeze_step=compressed_from,
+                            bytes_per_step=c["bytes_per_step"], step_ms=c["step_ms"],
+                            label=f"{name} ({_human_bytes(c['bytes_per_step'])}/step)", wrong=bad))
     every = max(1, args.curve_steps // 10)
     for i in sorted(set(range(every - 1, args.curve_steps, every)) | {args.curve_steps - 1}):
-        a, b = losses["adam"][i], losses["onebit-adam"][i]
-        rep.show({"step": i + 1, "adam": a, "onebit-adam": b, "ratio": b / a if a else None})
-    a, b = losses["adam"][-1], losses["onebit-adam"][-1]
+        rep.show({"step": i + 1, **{name: curves[name]["losses"][i] for name in CURVES}})
+    rep.section("per optimizer: final loss, bytes this rank sent per step (mean, counted at its "
+                "communicator), step time (forward + backward + communication + update; mean "
+                "over steps, max over ranks)", SUMMARY_COLUMNS)
+    for rec in records:
+        rep.emit(rec)
+    a, b = curves["adam"]["losses"][-1], curves["onebit-adam"]["losses"][-1]
     rep.note(f"loss after {args.curve_steps} steps: Adam {a:.6f}, 1-bit Adam {b:.6f} "
              f"({b / a if a else float('nan'):.2f}x Adam's; compressed from step "
              f"{args.freeze_step + 1})")
     return rep.finish("all losses finite (#wrong = 0)",
-                      title=f"{describe(args)}, {mpi_comm.Get_size()} ranks: Adam vs 1-bit Adam")
+                      title=f"{describe(args)}, {mpi_comm.Get_size()} ranks: exact and 1-bit optimizers")
+
+
 
 
 def _close() -> None:

@@ -14,6 +14,10 @@ time per parent directory); unfinished saves are refused by name. ``python -m ck
 PATH`` reads a checkpoint without MPI; ``convert`` and ``export`` move to and from DeepSpeed.
 Every problem with a checkpoint raises a ``CheckpointError`` (its ``exit_code`` is the CLI's).
 
+torch DCP: ``dcp.load(state, storage_reader=ckpt.DCPReader(path))`` reads a checkpoint into any
+state dict DCP users build (FSDP2 included); ``python -m ckpt convert --from dcp DIR OUT`` (or
+``ckpt.from_dcp(DIR, OUT)``) turns a DCP checkpoint into ours.
+
 DeepSpeed: ``ckpt.from_deepspeed(tag_dir, path)`` imports a ZeRO checkpoint;
 ``ckpt.to_deepspeed_universal(path, out_dir)`` writes DeepSpeed's universal layout.
 
@@ -33,6 +37,8 @@ What lives where:
     plan           pure byte-range math;  manifest: the JSON format;  checksum: CRC-32
     safetensors_header  the safetensors header that makes data.bin a safetensors file
     dtypes         the dtype names of the format;  progress_bar: the CLI's progress bars
+    dcp_reader     DCPReader: torch DCP's StorageReader over our format (byte runs, checked blocks)
+    dcp_convert    from_dcp: a DCP checkpoint (allowlisted .metadata, torch.save items) into ours
     cli            ``python -m ckpt``;  export: model-only safetensors;  deepspeed/: DeepSpeed import/export
     async_save     ``save(async_save=True)``: snapshot, then write and commit in the background
 """
@@ -50,8 +56,21 @@ from .storage import incomplete_reason, read_manifest, resolve
 from zero import ZeroOptimizer  # a re-export for older code: the optimizer lives in the zero package
 from .deepspeed import PickleRefusedError, from_deepspeed, to_deepspeed_universal  # noqa: E402
 
+
+
+def __getattr__(name: str):
+    # torch.distributed.checkpoint is imported when DCP interop is first used, not with ckpt
+    if name == "DCPReader":
+        from .dcp_reader import DCPReader
+        return DCPReader
+    if name == "from_dcp":
+        from .dcp_convert import from_dcp
+        return from_dcp
+    raise AttributeError(f"module 'ckpt' has no attribute {name!r}")
+
+
 __all__ = [
-    "AsyncSaveError", "SaveHandle", "export_safetensors", "wait_pending",
+    "AsyncSaveError", "DCPReader", "from_dcp", "SaveHandle", "export_safetensors", "wait_pending",
     "CheckpointError", "CheckpointExistsError", "CheckpointNotFoundError", "ChecksumError", "CollectiveError",
     "DamagedCheckpointError", "FORMAT_VERSION", "IncompatibleStateError", "IncompleteCheckpointError", "LoadResult",
     "Manifest", "ManifestError", "PerRank", "PickleRefusedError", "RNG", "RankFailure",

@@ -200,6 +200,7 @@ def load(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.op
     run = Collective(comm, "load")
     text, ckdir = run.on_root("reading the manifest", lambda: (read_manifest(path).to_json(), resolve(path)))
     m = Manifest.from_json(text)
+    chunk_bytes = max(m.block_size, chunk_bytes // m.block_size * m.block_size)  # rounds end on the saved blocks
     opt = planner_for(optimizer)
     result: dict[str, Any] = {}
     pg_ranks = run.allgather(dtensor.pg_rank())

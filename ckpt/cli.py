@@ -28,8 +28,8 @@ EXIT_CODES_HELP = f"""exit codes:
   {EXIT_USAGE}  bad arguments, or no checkpoint at PATH (nothing there, a manifest that does not
      parse, or one from a newer format version than {FORMAT_VERSION})
   {EXIT_INCOMPLETE}  PATH is an incomplete checkpoint: a save that did not finish (never loaded)
-  {EXIT_PICKLE}  convert: the source holds a pickled Python global that DeepSpeed checkpoints
-     never contain (refused, never unpickled, with or without --allow-pickle)
+  {EXIT_PICKLE}  convert: the source holds a pickled Python global that DeepSpeed checkpoints (or
+     DCP's .metadata) never contain (refused, never unpickled, with or without --allow-pickle)
   {EXIT_EXISTS}  the destination exists (pass --overwrite to replace it)
   {EXIT_FAILED}  any other failure (I/O or MPI error, unsupported source format, a failure on
      another rank)
@@ -146,6 +146,18 @@ def _convert(args: argparse.Namespace) -> int:
     bar = Bar(_show_progress(args, comm.rank), prefix="convert: ")
     Collective(comm, "convert").on_root("checking the destination",
                                         lambda: _dest_ready(os.path.abspath(args.dst), args.overwrite))
+    if args.source_format == "dcp":
+        from .dcp_convert import from_dcp
+
+        m = from_dcp(args.src, args.dst, comm=comm, optimizer=args.optimizer, overwrite=args.overwrite)
+        bar.close()
+        if comm.rank == 0:
+            opt = f", optimizer {m.optimizer['class']}" if m.optimizer else ""
+            print(f"ok: {args.src} -> {os.path.abspath(args.dst)} ({len(m.params)} tensors{opt}, step {m.step}; "
+                  "loads at any world size)")
+        return EXIT_OK
+    if args.optimizer:
+        raise ManifestError("--optimizer is for --from dcp (DeepSpeed checkpoints name their optimizer)")
     m = from_deepspeed(args.src, args.dst, comm=comm, allow_pickle=args.allow_pickle, overwrite=args.overwrite,
                        progress=bar)
     bar.close()
@@ -207,11 +219,15 @@ def parser() -> argparse.ArgumentParser:
                        epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     v.add_argument("path", help="checkpoint directory, or a directory with a 'latest' pointer")
     progress_flags(v)
-    c = sub.add_parser("convert", help="import a DeepSpeed ZeRO checkpoint",
+    c = sub.add_parser("convert", help="import a DeepSpeed ZeRO checkpoint or a torch DCP checkpoint",
                        epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    c.add_argument("--from", dest="source_format", required=True, choices=["deepspeed"],
+    c.add_argument("--from", dest="source_format", required=True, choices=["deepspeed", "dcp"],
                    help="format of SRC")
-    c.add_argument("src", help="DeepSpeed tag folder, or the save folder whose 'latest' names one")
+    c.add_argument("src", help="deepspeed: DeepSpeed tag folder, or the save folder whose 'latest' names one; "
+                               "dcp: the folder torch.distributed.checkpoint.save wrote (.metadata, *.distcp)")
+    c.add_argument("--optimizer", metavar="NAME", default=None,
+                   help="dcp: the torch.optim class of the saved optimizer state (default: told from its "
+                        "state: Adam, AdamW or SGD)")
     c.add_argument("dst", help="new checkpoint directory")
     c.add_argument("--allow-pickle", action="store_true", help=PICKLE_HELP)
     c.add_argument("--overwrite", action="store_true", help="replace DST if it exists")

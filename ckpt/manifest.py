@@ -3,15 +3,18 @@ from __future__ import annotations
 
 import json
 import math
+import zlib
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Iterable, Sequence
 
 from .errors import EXIT_DAMAGED, EXIT_INCOMPLETE, EXIT_USAGE, CheckpointError
 
 FORMAT_NAME = "mpicomm-ckpt"
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)  # 2 added state items (kind "item", the "state" section); 3: data.bin
-                               # starts with a safetensors header (safetensors_header.py)
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)  # 2 added state items (kind "item", the "state" section); 3: data.bin
+                                  # starts with a safetensors header (safetensors_header.py); 4: the
+                                  # manifest carries its own CRC-32 (MANIFEST_CRC_FIELD)
+MANIFEST_CRC_FIELD = "manifest_crc32"  # CRC-32 of canonical_bytes() of the manifest without this field
 MANIFEST_NAME = "manifest.json"
 DATA_NAME = "data.bin"
 LATEST_NAME = "latest"
@@ -142,7 +145,12 @@ class Manifest:
             "info": self.info,
             "state": self.state,
         }
-        return json.dumps(d, indent=1, allow_nan=True)
+        text = json.dumps(d, indent=1, allow_nan=True)
+        if self.version < 4:
+            return text
+        # the checksum of what a reader parses (e.g. int keys come back as strings), in front
+        crc = manifest_crc(json.loads(text))
+        return json.dumps({"format": FORMAT_NAME, MANIFEST_CRC_FIELD: crc, **d}, indent=1, allow_nan=True)
 
     def blocks_of(self, t: TensorEntry) -> range:
         """The checksum blocks that hold tensor ``t``'s bytes."""
@@ -169,6 +177,9 @@ class Manifest:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "Manifest":
+        """Parse and check a manifest: its format and version, every field's type and range,
+        that its tensors fit their files, and (version 4 on) its own CRC-32. Any problem raises a
+        ManifestError (DamagedCheckpointError for a checksum mismatch)."""
         if isinstance(text, (bytes, bytearray)):
             try:
                 text = bytes(text).decode("utf-8")
@@ -189,28 +200,70 @@ class Manifest:
                                 "was written by a newer ckpt; upgrade mpicomm to read it")
         if version not in READABLE_VERSIONS or isinstance(version, bool):
             raise ManifestError(f"expected format version in {READABLE_VERSIONS}, got {version!r}")
+        stored = d.get(MANIFEST_CRC_FIELD)
+        computed = manifest_crc({k: v for k, v in d.items() if k != MANIFEST_CRC_FIELD})  # before any defaults
         try:
-            params = [ParamInfo(p["name"], tuple(p["shape"]), p["dtype"], bool(p.get("buffer", False)))
-                      for p in d["params"]]
-            tensors = [TensorEntry(t["name"], int(t["param"]), t["kind"], tuple(t["shape"]), t["dtype"],
-                                   t["file"], int(t["offset"]), int(t["nbytes"]), t.get("key"), t.get("boxes"))
-                       for t in d["tensors"]]
-            m = cls(world_size=int(d["world_size"]), stage=d["stage"], step=d["step"], params=params,
-                    tensors=tensors, files=d["files"], optimizer=d.get("optimizer"),
-                    extra=d.get("extra"), block_size=int(d["block_size"]),
-                    checksum=d.get("checksum", "crc32"), info=d.get("info") or {}, state=d.get("state"),
-                    version=version)
-            if not isinstance(m.files, dict) or m.block_size <= 0:
-                raise TypeError("'files' or 'block_size'")
+            m = cls._from_dict(d, version)
             m.validate()
         except ManifestError:
             raise
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError) as exc:
             raise ManifestError(f"manifest lacks or mistypes field {exc}") from None
+        if stored is None and version >= 4:
+            raise DamagedCheckpointError(f"manifest lacks its checksum field {MANIFEST_CRC_FIELD!r} (format "
+                                         f"version {version} always has it): it was edited or damaged")
+        if stored is not None and stored != computed:
+            raise DamagedCheckpointError(f"manifest fails its own checksum ({MANIFEST_CRC_FIELD} {stored!r}, computed "
+                                         f"{computed!r}): it was changed or damaged after the save")
         return m
 
+    @classmethod
+    def _from_dict(cls, d: dict[str, Any], version: int) -> "Manifest":
+        params = [ParamInfo(_str(p["name"], "params[].name"), _shape(p["shape"], "params[].shape"),
+                            _str(p["dtype"], "params[].dtype"), _bool(p.get("buffer", False), "params[].buffer"))
+                  for p in _list(d["params"], "params")]
+        tensors = [TensorEntry(_str(t["name"], "tensors[].name"), _int(t["param"], "tensors[].param", -1),
+                               _str(t["kind"], "tensors[].kind"), _shape(t["shape"], "tensors[].shape"),
+                               _str(t["dtype"], "tensors[].dtype"), _str(t["file"], "tensors[].file"),
+                               _int(t["offset"], "tensors[].offset"), _int(t["nbytes"], "tensors[].nbytes"),
+                               _opt_str(t.get("key"), "tensors[].key"), t.get("boxes"))
+                   for t in _list(d["tensors"], "tensors")]
+        stage = d["stage"]
+        if stage is not None:
+            _int(stage, "stage")
+        step = d["step"]
+        if step is not None:
+            _int(step, "step", None)
+        checksum = d.get("checksum", "crc32")
+        if checksum != "crc32":
+            raise ManifestError(f"expected checksum 'crc32', got {checksum!r}")
+        info = d.get("info") or {}
+        if not isinstance(info, dict):
+            raise ManifestError(f"expected 'info' an object, got {type(info).__name__}")
+        return cls(world_size=_int(d["world_size"], "world_size", 1), stage=stage, step=step, params=params,
+                   tensors=tensors, files=d["files"], optimizer=d.get("optimizer"), extra=d.get("extra"),
+                   block_size=_int(d["block_size"], "block_size", 1), checksum=checksum, info=info,
+                   state=d.get("state"), version=version)
+
     def validate(self) -> None:
-        """Check internal consistency: kinds, dtypes, sizes, and that tensors fit their files."""
+        """Check internal consistency: kinds, dtypes, sizes, that tensors fit their files, and the
+        optimizer and state sections' structure (what load reads from them)."""
+        if not isinstance(self.files, dict):
+            raise ManifestError(f"expected 'files' an object, got {type(self.files).__name__}")
+        for name, f in self.files.items():
+            if not isinstance(f, dict):
+                raise ManifestError(f"file {name!r}: expected an object, got {type(f).__name__}")
+            _int(f.get("nbytes"), f"files.{name}.nbytes")
+            crcs = _list(f.get("crc32", []), f"files.{name}.crc32")
+            nblocks = -(-int(f["nbytes"]) // self.block_size)
+            if len(crcs) != nblocks:
+                raise ManifestError(f"file {name!r}: expected {nblocks} block checksums, got {len(crcs)}")
+            for c in crcs:
+                if not (isinstance(c, int) and not isinstance(c, bool) and 0 <= c < 1 << 32):
+                    raise ManifestError(f"file {name!r}: expected block checksums in [0, 2**32), got {c!r}")
+        for p in self.params:
+            if p.dtype not in ITEMSIZE:
+                raise ManifestError(f"param {p.name!r}: unsupported dtype {p.dtype!r}")
         for t in self.tensors:
             if t.kind not in KINDS:
                 raise ManifestError(f"tensor {t.name!r}: expected kind in {KINDS}, got {t.kind!r}")
@@ -221,17 +274,67 @@ class Manifest:
                                     f"bytes for shape {t.shape} {t.dtype}, got {t.nbytes}")
             if not 0 <= t.param < len(self.params) and not (t.kind == "item" and t.param == -1):
                 raise ManifestError(f"tensor {t.name!r}: param index {t.param} out of range")
+            if (t.kind == "item") != (t.param == -1) or (t.kind in ("state", "item")) != (t.key is not None):
+                raise ManifestError(f"tensor {t.name!r}: kind {t.kind!r} with param {t.param} and key {t.key!r}")
             f = self.files.get(t.file)
             if f is None:
                 raise ManifestError(f"tensor {t.name!r}: unknown file {t.file!r}")
             if t.offset < 0 or t.offset + t.nbytes > int(f["nbytes"]):
                 raise ManifestError(f"tensor {t.name!r}: bytes [{t.offset}, {t.offset + t.nbytes}) "
                                     f"outside file {t.file!r} of {f['nbytes']} bytes")
-        for name, f in self.files.items():
-            nblocks = -(-int(f["nbytes"]) // self.block_size)
-            if len(f.get("crc32", [])) != nblocks:
-                raise ManifestError(f"file {name!r}: expected {nblocks} block checksums, "
-                                    f"got {len(f.get('crc32', []))}")
+        if self.optimizer is not None:
+            self._validate_optimizer()
+        if self.state is not None:
+            self._validate_state()
+
+    def _validate_optimizer(self) -> None:
+        o = self.optimizer
+        if not isinstance(o, dict) or not isinstance(o.get("class"), str):
+            raise ManifestError("'optimizer': expected an object with a 'class' name")
+        groups = _list(o.get("param_groups"), "optimizer.param_groups")
+        for gi, g in enumerate(groups):
+            if not isinstance(g, dict):
+                raise ManifestError(f"optimizer.param_groups[{gi}]: expected an object, got {type(g).__name__}")
+            for i in _list(g.get("params", []), f"optimizer.param_groups[{gi}].params"):
+                _int(i, f"optimizer.param_groups[{gi}].params[]", 0, len(self.params))
+        scalars = o.get("scalars")  # every version writes it, {} when there are none
+        if not isinstance(scalars, dict):
+            raise ManifestError(f"optimizer.scalars: expected an object, got {type(scalars).__name__}")
+        for i, per in scalars.items():
+            if not isinstance(per, dict):
+                raise ManifestError(f"optimizer.scalars[{i!r}]: expected an object, got {type(per).__name__}")
+            for key, v in per.items():
+                if not isinstance(v, dict) or "value" not in v or v.get("dtype") not in (None, *ITEMSIZE):
+                    raise ManifestError(f"optimizer.scalars[{i!r}][{key!r}]: expected {{'value', 'dtype'}}, got {v!r}")
+                if v.get("dtype") is not None and (isinstance(v["value"], bool) or
+                                                   not isinstance(v["value"], (int, float))):
+                    raise ManifestError(f"optimizer.scalars[{i!r}][{key!r}]: expected a number, got {v['value']!r}")
+
+    def _validate_state(self) -> None:
+        s = self.state
+        if not isinstance(s, dict):
+            raise ManifestError(f"'state': expected an object, got {type(s).__name__}")
+        items = s.get("items", {})
+        if not isinstance(items, dict):
+            raise ManifestError(f"state.items: expected an object, got {type(items).__name__}")
+        keys = {t.key for t in self.tensors if t.kind == "item"}
+        entries = [(f"state.items[{n!r}]", e) for n, e in items.items()]
+        if "optimizer" in s:
+            entries.append(("state.optimizer", s["optimizer"]))
+        for what, e in entries:
+            if not isinstance(e, dict):
+                raise ManifestError(f"{what}: expected an object, got {type(e).__name__}")
+            parts = [(what, e)] if "value" in e else []
+            if "ranks" in e:
+                parts += [(f"{what}.ranks[{r}]", x) for r, x in enumerate(_list(e["ranks"], f"{what}.ranks"))]
+            for w, part in parts:
+                if not isinstance(part, dict):
+                    raise ManifestError(f"{w}: expected an object, got {type(part).__name__}")
+                names = _list(part.get("tensors", []), f"{w}.tensors")
+                for k in names:
+                    if k not in keys:
+                        raise ManifestError(f"{w}: no tensor {k!r} in the manifest")
+                _check_tree(part.get("value"), len(names), f"{w}.value")
 
 
 class Packer:
@@ -268,6 +371,101 @@ def _entry_json(t: TensorEntry) -> dict[str, Any]:
     if d["boxes"] is None:
         del d["boxes"]
     return d
+
+
+def canonical_bytes(d: dict[str, Any]) -> bytes:
+    """The manifest's JSON data in one fixed spelling (sorted keys, no spaces, ASCII): what its
+    checksum covers, so that re-indenting the file changes nothing."""
+    return json.dumps(d, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=True).encode()
+
+
+def manifest_crc(d: dict[str, Any]) -> str:
+    """The CRC-32 of ``canonical_bytes(d)`` as 8 hex digits (``d`` without MANIFEST_CRC_FIELD)."""
+    return f"{zlib.crc32(canonical_bytes(d)) & 0xFFFFFFFF:08x}"
+
+
+def _int(v: Any, what: str, lo: int | None = 0, hi: int | None = None) -> int:
+    """``v`` if it is an int (not a bool) in [lo, hi), else a ManifestError naming ``what``."""
+    if not isinstance(v, int) or isinstance(v, bool) or (lo is not None and v < lo) or (hi is not None and v >= hi):
+        rng = f" in [{lo}, {hi if hi is not None else 'inf'})" if lo is not None else ""
+        raise ManifestError(f"{what}: expected an integer{rng}, got {v!r}")
+    return v
+
+
+def _str(v: Any, what: str) -> str:
+    if not isinstance(v, str):
+        raise ManifestError(f"{what}: expected a string, got {v!r}")
+    return v
+
+
+def _opt_str(v: Any, what: str) -> str | None:
+    return None if v is None else _str(v, what)
+
+
+def _bool(v: Any, what: str) -> bool:
+    if not isinstance(v, bool):
+        raise ManifestError(f"{what}: expected true or false, got {v!r}")
+    return v
+
+
+def _list(v: Any, what: str) -> list:
+    if not isinstance(v, list):
+        raise ManifestError(f"{what}: expected a list, got {type(v).__name__}")
+    return v
+
+
+def _shape(v: Any, what: str) -> tuple[int, ...]:
+    return tuple(_int(s, what) for s in _list(v, what))
+
+
+_TREE_MARKS = ("@tensor", "@tuple", "@items", "@float")
+
+
+def _check_tree(data: Any, ntensors: int, what: str, depth: int = 0) -> None:
+    """``data`` is what ckpt.tree.encode writes, referring to tensors 0..ntensors-1 only."""
+    if depth > 200:
+        raise ManifestError(f"{what}: nested too deep")
+    if isinstance(data, list):
+        for v in data:
+            _check_tree(v, ntensors, what, depth + 1)
+        return
+    if not isinstance(data, dict):
+        return
+    if len(data) == 1:
+        (mark, inner), = data.items()
+        if mark == "@tensor":
+            _int(inner, f"{what} @tensor", 0, ntensors)
+            return
+        if mark == "@tuple":
+            _check_tree(_list(inner, f"{what} @tuple"), ntensors, what, depth + 1)
+            return
+        if mark == "@items":
+            for kv in _list(inner, f"{what} @items"):
+                if not isinstance(kv, list) or len(kv) != 2:
+                    raise ManifestError(f"{what} @items: expected [key, value] pairs, got {kv!r}")
+                _check_tree(kv, ntensors, what, depth + 1)
+                if not _hashable_key(kv[0]):
+                    raise ManifestError(f"{what} @items: a key that cannot be a dict key: {kv[0]!r}")
+            return
+        if mark == "@float":
+            try:
+                float(_str(inner, f"{what} @float"))
+            except ValueError:
+                raise ManifestError(f"{what} @float: expected a float's repr, got {inner!r}") from None
+            return
+    for v in data.values():
+        _check_tree(v, ntensors, what, depth + 1)
+
+
+def _hashable_key(key: Any) -> bool:
+    """Whether decoding ``key`` gives something a dict key can be (tree._hashable's rule)."""
+    if isinstance(key, list):
+        return all(_hashable_key(k) for k in key)
+    if not isinstance(key, dict):
+        return True
+    if len(key) == 1 and ("@tensor" in key or "@float" in key):
+        return True
+    return len(key) == 1 and "@tuple" in key and all(_hashable_key(k) for k in key["@tuple"])
 
 
 def jsonable(value: Any, what: str) -> Any:

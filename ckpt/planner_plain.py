@@ -10,6 +10,7 @@ import torch
 
 from . import dtensor
 from .dtypes import DTYPES
+from .errors import IncompatibleStateError
 from .manifest import Manifest
 from .planner import ModelState, OptimizerPlanner, ReadPlan, SavePlan, split_state, unscalar
 
@@ -78,6 +79,10 @@ class PlainPlanner(OptimizerPlanner):
                 for i, st in saved["params"].items():
                     state[pos_of[int(i)]].update(st)
                 sd.update(saved["top"])
-            self.optimizer.load_state_dict({**sd, "state": {k: v for k, v in state.items() if v}})
+            try:
+                self.optimizer.load_state_dict({**sd, "state": {k: v for k, v in state.items() if v}})
+            except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+                raise IncompatibleStateError(f"load: {self.class_name()} refused the saved state of the "
+                                             f"checkpoint: {type(exc).__name__}: {exc}") from None
 
         rp.apply.append(apply)

@@ -86,7 +86,7 @@ def read_manifest(path: str | os.PathLike) -> Manifest:
         if set(m.files) != {DATA_NAME}:
             raise ManifestError(f"expected the data file {[DATA_NAME]}, manifest lists {sorted(m.files)}")
     except ManifestError as exc:
-        raise ManifestError(f"{mpath}: {exc}") from None
+        raise type(exc)(f"{mpath}: {exc}") from None  # the same class (e.g. DamagedCheckpointError), file named
     dpath = os.path.join(d, DATA_NAME)
     want = int(m.files[DATA_NAME]["nbytes"])
     if not os.path.isfile(dpath):

@@ -12,12 +12,22 @@ Public API:
 - ``OnebitAllreduce(comm)``: ``ar(tensor, key)`` returns the compressed mean as a new tensor,
   keeping error buffers per key; identity at world size 1.
 - ``OnebitAdam``: Adam, then frozen variance and compressed momentum after ``freeze_step``.
+- ``ZeroOneAdam``: 0/1 Adam (variance at doubling intervals, compressed gradients, then local
+  steps with a compressed sync of the accumulated update at doubling intervals).
+- ``OnebitLamb``: LAMB, then frozen variance and trust ratio, compressed scaled momentum.
+- ``CompressedBackend(group=None)``: ``MpiBackend`` on any torch.distributed process group.
 - ``onebit_ddp_hook`` with ``OnebitDDPState``: DDP comm hook (warm-up and small buckets exact).
+
+The optimizers and ``OnebitAllreduce`` take ``comm=`` as an mpicomm Communicator (or what
+``mpicomm.as_communicator`` takes) or a torch.distributed process group (``transport``).
 
 What lives where: ``layout`` (sizes and the wire format), ``engine`` (the algorithm, once, on
 mpicomm's collectives), ``families`` (kernel families behind one interface), ``kernels`` with
 ``_numba_kernels``/``_numpy_kernels`` (host kernels), ``torch_kernels`` (device kernels),
-``backend``/``allreduce``/``adam``/``ddp_hook`` (the public classes), ``errors``.
+``transport`` (a process group as the engine's communicator), ``adam_update`` (the 1-bit Adam
+family's checks and update), ``flat`` (means of many tensors in one call),
+``backend``/``group_backend``/``allreduce``/``adam``/``zoadam``/``lamb``/``ddp_hook`` (the public
+classes), ``errors``.
 """
 from __future__ import annotations
 
@@ -26,7 +36,12 @@ from .allreduce import OnebitAllreduce
 from .backend import MpiBackend
 from .ddp_hook import OnebitDDPState, onebit_ddp_hook
 from .errors import NonFiniteError, SizeMismatchError
+from .group_backend import CompressedBackend
+from .lamb import OnebitLamb
+from .transport import GroupTransport
 from .wire_format import padded_size
+from .zoadam import ZeroOneAdam
 
-__all__ = ["MpiBackend", "OnebitAllreduce", "OnebitAdam", "OnebitDDPState", "onebit_ddp_hook",
-           "NonFiniteError", "SizeMismatchError", "padded_size"]
+__all__ = ["MpiBackend", "CompressedBackend", "GroupTransport", "OnebitAllreduce", "OnebitAdam",
+           "ZeroOneAdam", "OnebitLamb", "OnebitDDPState", "onebit_ddp_hook", "NonFiniteError",
+           "SizeMismatchError", "padded_size"]

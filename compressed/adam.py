@@ -5,9 +5,9 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-import mpicomm
-
+from . import adam_update as U
 from .allreduce import OnebitAllreduce
+from .transport import as_comm
 
 __all__ = ["OnebitAdam"]
 
@@ -29,16 +29,11 @@ class OnebitAdam(torch.optim.Optimizer):
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, freeze_step: int = 100000,
                  comm: Any = None, *, cuda_aware: bool = False) -> None:
-        if lr < 0 or eps < 0 or weight_decay < 0:
-            raise ValueError(f"OnebitAdam: expected lr, eps, weight_decay >= 0, got {lr}, {eps}, "
-                             f"{weight_decay}")
-        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"OnebitAdam: expected betas in [0, 1), got {betas}")
-        if freeze_step < 0:
-            raise ValueError(f"OnebitAdam: expected freeze_step >= 0, got {freeze_step}")
+        betas = U.check_adam("OnebitAdam", lr, betas, eps, weight_decay)
+        freeze_step = U.check_int("OnebitAdam", "freeze_step", freeze_step, 0)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
-        self.comm = mpicomm.as_communicator(comm)
-        self.freeze_step = int(freeze_step)
+        self.comm = as_comm(comm)
+        self.freeze_step = freeze_step
         self.global_step = 0
         self.onebit = OnebitAllreduce(self.comm, cuda_aware=cuda_aware)
         self._flats: dict[str, torch.Tensor] = {}
@@ -68,28 +63,17 @@ class OnebitAdam(torch.optim.Optimizer):
             if g.is_sparse:
                 raise RuntimeError("OnebitAdam does not support sparse gradients")
             beta1, beta2 = group["betas"]
-            st = self.state[p]
-            if not st:  # fp32 moments whatever the parameter's dtype (computed in fp32)
-                st["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
-                st["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
-            g = g.float()
-            if group["weight_decay"]:
-                g = g.add(p.float(), alpha=group["weight_decay"])
+            st = U.moments(self.state[p], p)  # fp32 whatever the parameter's dtype
+            g = U.with_weight_decay(g, p, group["weight_decay"])
             st["exp_avg"].lerp_(g, 1 - beta1)
             if not frozen:
                 st["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
         if frozen:
             self._average_momenta(active)
         for group, p in active:
-            beta1, beta2 = group["betas"]
             st = self.state[p]
-            bc1 = 1 - beta1 ** t
-            bc2 = 1 - beta2 ** min(t, self.freeze_step) if self.freeze_step > 0 else 1.0
-            denom = (st["exp_avg_sq"].sqrt() / (bc2 ** 0.5 if bc2 > 0 else 1.0)).add_(group["eps"])
-            if p.dtype == torch.float32:
-                p.addcdiv_(st["exp_avg"], denom, value=-group["lr"] / bc1)
-            else:  # low-precision parameter: update in fp32, round once
-                p.copy_(p.float().addcdiv_(st["exp_avg"], denom, value=-group["lr"] / bc1))
+            U.adam_update_(p, st["exp_avg"], st["exp_avg_sq"], lr=group["lr"], betas=group["betas"],
+                           eps=group["eps"], t=t, n_var=min(t, self.freeze_step))
         self.global_step = t
         return loss
 
@@ -138,14 +122,7 @@ class OnebitAdam(torch.optim.Optimizer):
         state_dict = dict(state_dict)
         extra = state_dict.pop("onebit", None)
         super().load_state_dict(state_dict)
-        # torch casts floating state to the parameter's dtype: put the saved fp32 moments back
-        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
-        for i, p in zip(saved_ids, params):
-            saved = state_dict["state"].get(i, {})
-            for name in ("exp_avg", "exp_avg_sq"):
-                if name in saved:
-                    self.state[p][name] = saved[name].detach().to(p.device, torch.float32).clone()
+        U.load_fp32_state(self, state_dict, ("exp_avg", "exp_avg_sq"))  # torch cast them
         if extra is not None:
             self.global_step = int(extra["global_step"])
             self.freeze_step = int(extra["freeze_step"])

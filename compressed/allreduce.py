@@ -8,12 +8,12 @@ from typing import Any
 import numpy as np
 import torch
 
-import mpicomm
 
 from . import kernels as K
 from . import reshard
 from .backend import MpiBackend
 from .engine import Deferred
+from .transport import as_comm
 from .wire_format import padded_size
 
 __all__ = ["OnebitAllreduce"]
@@ -91,7 +91,7 @@ class OnebitAllreduce:
 
     def __init__(self, comm: Any = None, *, cuda_aware: bool = False,
                  kernels: str | None = None) -> None:
-        self.comm = mpicomm.as_communicator(comm)
+        self.comm = as_comm(comm)
         self.backend = MpiBackend(cuda_aware=cuda_aware, comm=self.comm, kernels=kernels)
         self.size = self.comm.size
         self._errors: dict[str, _KeyErrors] = {}

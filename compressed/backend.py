@@ -17,6 +17,7 @@ import mpicomm
 
 from . import engine
 from .families import family_for
+from .transport import as_comm
 from .wire_format import Layout
 
 __all__ = ["MpiBackend"]
@@ -74,7 +75,7 @@ class MpiBackend:
     def __init__(self, cuda_aware: bool = False, comm: Any = None, *, kernels: str | None = None) -> None:
         if kernels not in _KERNELS:
             raise ValueError(f"kernels: expected one of {_KERNELS}, got {kernels!r}")
-        self.comm = mpicomm.as_communicator(comm)
+        self.comm = as_comm(comm)  # an mpicomm Communicator or a process group (transport)
         self.cuda_aware = bool(cuda_aware)
         self.rank = self.comm.rank
         self.size = self.comm.size

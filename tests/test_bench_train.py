@@ -53,14 +53,23 @@ def test_curve(n, tmp_path):
     stdout, doc = _run(n, tmp_path, "--hidden", "32", "--layers", "2", "--batch", "4", "--curve",
                        "--curve-steps", "8", "--freeze-step", "3", "--plot", str(png))
     recs = {r["peer"]: r for r in doc["records"]}
-    assert set(recs) == {"adam", "onebit-adam"}
+    assert list(recs) == list(train.CURVES)
     for rec in recs.values():
         assert common.validate_record(rec) == [], rec
         assert rec["op"] == "curve" and rec["steps"] == 8 and rec["wrong"] == 0
+        assert rec["step_ms"] > 0 and rec["label"].startswith(rec["peer"])
     adam, onebit = recs["adam"]["losses"], recs["onebit-adam"]["losses"]
-    # exact Adam up to the freeze step: the same losses
+    # exact Adam (and LAMB) up to the freeze step: the same losses
     assert onebit[:4] == pytest.approx(adam[:4], rel=1e-5)
+    assert recs["zero-one-adam"]["losses"][:4] == pytest.approx(adam[:4], rel=1e-5)
+    assert recs["onebit-lamb"]["losses"][:4] == pytest.approx(recs["lamb"]["losses"][:4], rel=1e-5)
     assert adam[-1] < adam[0]
+    sent = {k: r["bytes_per_step"] for k, r in recs.items()}
+    if n == 1:
+        assert set(sent.values()) == {0}
+    else:   # compressed rounds (and 0/1 Adam's skipped ones) show
+        assert sent["adam"] == sent["lamb"] > sent["onebit-adam"] > 0 and sent["onebit-lamb"] > 0
+        assert 0 < sent["zero-one-adam"] < sent["adam"]
     assert "# loss after 8 steps: Adam" in stdout and "all losses finite" in stdout
     if plot.matplotlib_missing() is None:
         assert png.read_bytes()[:4] == b"\x89PNG"

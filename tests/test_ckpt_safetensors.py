@@ -78,7 +78,7 @@ def test_data_bin_reads_with_safetensors(comm, world, shared_tmp_path, dtype, op
     path = str(shared_tmp_path / "ck" / "data.bin")
 
     def check():
-        assert m.version == FORMAT_VERSION == 3
+        assert m.version == FORMAT_VERSION == 4
         header = check_header_bytes(path)
         got = load_file(path)
         assert set(got) == set(header)

@@ -198,7 +198,7 @@ def test_manifest_round_trip_and_validation():
     pk.add("w", 0, "state", (2, 3), "bfloat16", key="exp_avg")
     m = Manifest(world_size=3, stage=1, step=7, params=[ParamInfo("w", (2, 3), "float32")],
                  tensors=pk.entries, files={"data.bin": {"nbytes": pk.size, "crc32": [123]}},
-                 optimizer={"class": "torch.optim.adam.Adam", "param_groups": [{"betas": [0.9, 0.99]}]},
+                 optimizer={"class": "torch.optim.adam.Adam", "param_groups": [{"betas": [0.9, 0.99]}], "scalars": {}},
                  extra={"a": [1, 2]}, block_size=1 << 20)
     m2 = Manifest.from_json(m.to_json())
     assert m2.tensors == m.tensors and m2.params == m.params and m2.extra == {"a": [1, 2]}

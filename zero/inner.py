@@ -32,8 +32,36 @@ def is_onebit(cls: type) -> bool:
     return issubclass(cls, OnebitAdam)
 
 
+#: compressed optimizers ZeroOptimizer refuses, with the reason
+REFUSED_COMPRESSED = {
+    "ZeroOneAdam": "after var_freeze_step each rank takes local steps on its own full replica of "
+                   "the weights and momentum and syncs their accumulated update every few steps; "
+                   "sharded weights and state have one owner per element, so there is no local "
+                   "replica to step (use compressed.ZeroOneAdam without ZeroOptimizer, or "
+                   "ZeroOptimizer(compressed.OnebitAdam, ...))",
+    "OnebitLamb": "its trust ratio and frozen-ratio factor need each parameter's whole weight, "
+                  "update and variance norms, and its momentum scaling one norm per parameter, "
+                  "while a flat shard cuts parameters across ranks (use compressed.OnebitLamb "
+                  "without ZeroOptimizer, or ZeroOptimizer(compressed.OnebitAdam, ...))",
+}
+
+
+def _refused_compressed(cls: type) -> str | None:
+    try:
+        import compressed
+    except ImportError:  # pragma: no cover - compressed ships with this package
+        return None
+    for name, why in REFUSED_COMPRESSED.items():
+        if issubclass(cls, getattr(compressed, name)):
+            return why
+    return None
+
+
 def check_inner(cls: type) -> None:
     """Raise for an optimizer class that cannot run correctly on ZeroOptimizer's flat shards."""
+    why = _refused_compressed(cls)
+    if why is not None:
+        raise TypeError(f"ZeroOptimizer: cannot shard {cls.__name__}: {why}")
     if is_onebit(cls):
         if cls.__name__ != "OnebitAdam":
             warnings.warn(f"ZeroOptimizer: {cls.__name__} subclasses OnebitAdam; ZeroOptimizer runs "

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from compressed import adam_update as U
+
 from .partition import ceil_div
 
 
@@ -29,26 +31,14 @@ class ShardedOnebitAdam(torch.optim.Optimizer):
     def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, freeze_step: int = 100000,
                  comm: Any = None, cuda_aware: bool = False) -> None:
-        if lr < 0 or eps < 0 or weight_decay < 0:
-            raise ValueError(f"OnebitAdam: expected lr, eps, weight_decay >= 0, got {lr}, {eps}, {weight_decay}")
-        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"OnebitAdam: expected betas in [0, 1), got {betas}")
-        if freeze_step < 0:
-            raise ValueError(f"OnebitAdam: expected freeze_step >= 0, got {freeze_step}")
+        betas = U.check_adam("OnebitAdam", lr, betas, eps, weight_decay)
+        freeze_step = U.check_int("OnebitAdam", "freeze_step", freeze_step, 0)
         if comm is not None:
             raise ValueError("ZeroOptimizer(OnebitAdam, ...): pass comm= to ZeroOptimizer, not to OnebitAdam")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
-        self.freeze_step = int(freeze_step)
+        self.freeze_step = freeze_step
+        self.global_step = 0    # steps taken; the shard states carry it as "step" in checkpoints
         self._local: dict[int, dict[str, Any]] = {}     # per group: momentum, worker error, buffers
-
-    @property
-    def global_step(self) -> int:
-        """Steps taken (the ``step`` of the shard state)."""
-        for g in self.param_groups:
-            st = self.state.get(g["params"][0], {})
-            if "step" in st:
-                return int(st["step"])
-        return 0
 
     @property
     def frozen(self) -> bool:
@@ -56,43 +46,41 @@ class ShardedOnebitAdam(torch.optim.Optimizer):
         return self.global_step >= self.freeze_step
 
     def _state(self, m: torch.Tensor) -> dict[str, Any]:
-        st = self.state[m]
-        if not st:
-            st["step"] = torch.tensor(0.0)
-            st["exp_avg"] = torch.zeros_like(m)
-            st["exp_avg_sq"] = torch.zeros_like(m)
-        return st
+        return U.moments(self.state[m], m)
 
     def _update(self, group: dict, m: torch.Tensor, st: dict, t: int) -> None:
-        beta1, beta2 = group["betas"]
-        bc1 = 1 - beta1 ** t
-        bc2 = 1 - beta2 ** min(t, self.freeze_step) if self.freeze_step > 0 else 1.0
-        denom = (st["exp_avg_sq"].sqrt() / (bc2 ** 0.5 if bc2 > 0 else 1.0)).add_(group["eps"])
-        m.addcdiv_(st["exp_avg"], denom, value=-group["lr"] / bc1)
+        U.adam_update_(m, st["exp_avg"], st["exp_avg_sq"], lr=group["lr"], betas=group["betas"],
+                       eps=group["eps"], t=t, n_var=min(t, self.freeze_step))
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         """Warm-up step: Adam on each master shard with its averaged gradient ``grad``."""
         if self.frozen:
             raise RuntimeError("ShardedOnebitAdam: after freeze_step the ZeroOptimizer calls frozen_step()")
+        t = self.global_step + 1
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for m in group["params"]:
                 g = m.grad if m.grad is not None else torch.zeros_like(m)
                 st = self._state(m)
-                if group["weight_decay"]:
-                    g = g.add(m, alpha=group["weight_decay"])
+                g = U.with_weight_decay(g, m, group["weight_decay"])
                 st["exp_avg"].lerp_(g, 1 - beta1)
                 st["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
-                st["step"] += 1
-                self._update(group, m, st, int(st["step"]))
+                self._update(group, m, st, t)
+        self.global_step = t
         return None
 
     # -- frozen phase ------------------------------------------------------------------------
 
     def restart_local(self) -> None:
-        """Drop the local momenta and errors: the next frozen step restarts them from the shards
-        (or from what ``load_per_rank_state_dict`` restored)."""
+        """After ``ZeroOptimizer.set_shard_state``: take ``global_step`` back from the shard
+        states (their "step", the checkpoint's form of it) and drop the local momenta and errors:
+        the next frozen step restarts them from the shards (or from what
+        ``load_per_rank_state_dict`` restored)."""
+        for g in self.param_groups:
+            st = self.state.get(g["params"][0])
+            if st and "step" in st:
+                self.global_step = int(st.pop("step"))
         self._local.clear()
 
     def per_rank_state_dict(self) -> dict[str, Any]:
@@ -115,6 +103,8 @@ class ShardedOnebitAdam(torch.optim.Optimizer):
         local momenta are averaged exactly (one fp32 reduce-scatter) into ``exp_avg``, which a
         resumed run starts every rank's local momentum from (error feedback restarts at zero)."""
         st = self.state.get(g.master, {})
+        if st:
+            st = {**st, "step": torch.tensor(float(self.global_step))}
         loc = self._local.get(gi)
         if loc is None or g.layout.world_size == 1:
             return st
@@ -151,6 +141,7 @@ class ShardedOnebitAdam(torch.optim.Optimizer):
     @torch.no_grad()
     def frozen_step(self, groups: list, comm: Any) -> None:
         """One frozen step for every group: local momentum, compressed reduce-scatter, shard update."""
+        t = self.global_step + 1
         for gi, (g, group) in enumerate(zip(groups, self.param_groups)):
             beta1 = group["betas"][0]
             loc = self._locals(gi, g, comm)
@@ -174,8 +165,8 @@ class ShardedOnebitAdam(torch.optim.Optimizer):
                 self._backend(comm).compressed_reduce_scatter(mom.view(-1), avg, err.view(-1))
             st = self._state(g.master)
             st["exp_avg"].copy_(avg[:L]).mul_(loc["mask"])
-            st["step"] += 1
-            self._update(group, g.master, st, int(st["step"]))
+            self._update(group, g.master, st, t)
+        self.global_step = t
 
     def _backend(self, comm: Any) -> Any:
         if getattr(self, "_mpi_backend", None) is None or self._mpi_backend.comm is not comm:

@@ -1,13 +1,17 @@
-"""Load DeepSpeed's torch.save files without running code: weights-only unpickling with an
-allowlist of the few DeepSpeed classes its checkpoints hold (as inert stand-ins), after
-checking every zip entry's CRC-32."""
+"""Load pickles from other programs without running code: torch's weights-only unpickler with
+an allowlist of named classes. DeepSpeed's torch.save files (the few DeepSpeed classes its
+checkpoints hold, as inert stand-ins) after checking every zip entry's CRC-32; plain pickles
+such as torch DCP's ``.metadata`` (``unpickle``, with the caller's allowlist). A global outside
+the allowlist is refused by name, never imported; a damaged zip file is a ZipEntryError naming it."""
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import re
+import struct
 import zipfile
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -72,12 +76,31 @@ DEEPSPEED_GLOBALS: dict[str, type] = {p: _stand_in(p) for p in (
 _GLOBAL = re.compile(r"(?:GLOBAL|global|function|class)\s+'?([\w.]+)'?")
 
 
-def check_zip(path: str, entries: Sequence[str] | None = None) -> list[str]:
-    """Read the entries of zip file ``path`` (all, or those named) and check each one's CRC-32
-    and size against the central directory; return one message per damaged entry."""
+# what reading a damaged zip file can raise (zipfile's own checks, and torch's miniz reader)
+ZIP_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError, ValueError, NotImplementedError,
+              RuntimeError, struct.error, KeyError, IndexError, OverflowError)
+
+
+def damaged(path: str, exc: BaseException) -> "ZipEntryError":
+    """The error for zip file ``path`` whose structure could not be read (``exc``)."""
+    msg = str(exc).split(". ")[0]  # torch's miniz messages go on for three sentences
+    return ZipEntryError(f"{path}: damaged zip file, not readable as torch.save output "
+                         f"({type(exc).__name__}: {msg})")
+
+
+def check_zip(path: Any, entries: Sequence[str] | None = None, name: str | None = None) -> list[str]:
+    """Read the entries of zip file ``path`` (a path or a binary file object; all entries, or
+    those named) and check each one's CRC-32 and size against the central directory; return one
+    message per damaged entry (or one for a directory that cannot be read), naming the file as
+    ``name`` (default: ``path``)."""
+    name = name or str(path)
     bad = []
-    with zipfile.ZipFile(path) as zf:
+    try:
+        zf = zipfile.ZipFile(path)
         infos = zf.infolist() if entries is None else [zf.getinfo(e) for e in entries]
+    except ZIP_ERRORS as exc:
+        return [str(damaged(name, exc))]
+    with zf:
         for info in infos:
             try:
                 n = 0
@@ -86,15 +109,27 @@ def check_zip(path: str, entries: Sequence[str] | None = None) -> list[str]:
                         n += len(chunk)
                 if n != info.file_size:
                     raise zipfile.BadZipFile(f"{n} bytes, the directory says {info.file_size}")
-            except (zipfile.BadZipFile, EOFError, OSError, ValueError) as exc:
-                bad.append(f"{path}: zip entry {info.filename!r} is damaged ({exc})")
+            except ZIP_ERRORS as exc:
+                bad.append(f"{name}: zip entry {info.filename!r} is damaged ({type(exc).__name__}: {exc})")
     return bad
+
+
+def is_zip(path: str) -> bool:
+    """Whether ``path`` is a zip file (torch.save's format since torch 1.6); a zip file whose end
+    records are damaged is a ZipEntryError (zipfile.is_zipfile raises on some of those)."""
+    try:
+        return zipfile.is_zipfile(path)
+    except ZIP_ERRORS as exc:
+        raise damaged(path, exc) from None
 
 
 def zip_entries(path: str) -> list[tuple[str, int]]:
     """(entry name, size) of every entry of zip file ``path``."""
-    with zipfile.ZipFile(path) as zf:
-        return [(i.filename, i.file_size) for i in zf.infolist()]
+    try:
+        with zipfile.ZipFile(path) as zf:
+            return [(i.filename, i.file_size) for i in zf.infolist()]
+    except ZIP_ERRORS as exc:
+        raise damaged(path, exc) from None
 
 
 def check_files(paths: Sequence[str], rank: int = 0, size: int = 1,
@@ -104,7 +139,7 @@ def check_files(paths: Sequence[str], rank: int = 0, size: int = 1,
     rank raises the same ZipEntryError."""
     work = []
     for p in paths:
-        if zipfile.is_zipfile(p):
+        if is_zip(p):
             work += [(p, name, n) for name, n in zip_entries(p)]
     total, acc = sum(n for *_, n in work) or 1, 0
     mine: dict[str, list[str]] = {}
@@ -130,7 +165,7 @@ class Loader:
 
     def load(self, path: str) -> Any:
         # torch's zip format (the default since torch 1.6) can be memory-mapped; older files not
-        mmap = zipfile.is_zipfile(path)
+        mmap = is_zip(path)
         if self.verify and mmap:
             bad = check_zip(path)
             if bad:
@@ -140,14 +175,57 @@ class Loader:
             with torch.serialization.safe_globals(allow):
                 return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
         except pickle.UnpicklingError as exc:
-            m = _GLOBAL.search(str(exc))
-            what = f"the global {m.group(1)}" if m else "an object that is neither a tensor nor plain data"
-            raise PickleRefusedError(
-                f"{path} holds {what}, which is not one of the DeepSpeed classes a checkpoint contains "
-                f"({', '.join(sorted(DEEPSPEED_GLOBALS))}); refusing to unpickle it: unpickling can run "
-                "arbitrary code") from None
+            raise refused(path, exc, DEEPSPEED_GLOBALS, "the DeepSpeed classes a checkpoint contains") from None
+        except ZIP_ERRORS as exc:
+            raise damaged(path, exc) from None
 
 
-def load_file(path: str | os.PathLike) -> Any:
-    """One DeepSpeed file, checked and loaded safely (see Loader)."""
-    return Loader().load(os.fspath(path))
+def refused(path: str, exc: BaseException, allowed: Mapping[str, Any], which: str) -> "PickleRefusedError":
+    """The error for a pickle in ``path`` that the weights-only unpickler refused (``exc``)."""
+    m = _GLOBAL.search(str(exc))
+    what = f"the global {m.group(1)}" if m else "an object that is neither a tensor nor plain data"
+    return PickleRefusedError(
+        f"{path} holds {what}, which is not one of {which} ({', '.join(sorted(allowed))}); refusing to "
+        "unpickle it: unpickling can run arbitrary code")
+
+
+def torch_value_globals() -> dict[str, Any]:
+    """The globals of torch's weights-only allowlist that are values, not code: dtypes, layouts,
+    memory formats, ``torch.Size``, ``collections.OrderedDict`` and the layout lookup."""
+    from torch import _weights_only_unpickler
+
+    keep = {"torch.Size", "torch.serialization._get_layout", "collections.OrderedDict"}
+    return {name: obj for name, obj in _weights_only_unpickler._get_allowed_globals().items()
+            if name in keep or isinstance(obj, (torch.dtype, torch.layout, torch.memory_format))}
+
+
+class _Restricted(pickle.Unpickler):
+    """Resolves a global only from ``allowed`` (name -> object); anything else is refused by
+    name, never imported. No persistent ids (so no storages, no tensors)."""
+
+    def __init__(self, data: bytes, allowed: Mapping[str, Any]) -> None:
+        super().__init__(io.BytesIO(data), encoding="utf-8")
+        self.allowed = allowed
+
+    def find_class(self, module: str, name: str) -> Any:
+        full = f"{module}.{name}"
+        if full in self.allowed:
+            return self.allowed[full]
+        raise pickle.UnpicklingError(f"Unsupported global: GLOBAL {full} is not allowed")
+
+
+def unpickle(data: bytes, path: str, allowed: Mapping[str, Any], which: str) -> Any:
+    """A plain pickle (any protocol; not a torch.save file) whose globals may only be those in
+    ``allowed`` (global name -> the object it resolves to) and torch's value globals (dtypes,
+    ``torch.Size``...): anything else is refused naming the global (PickleRefusedError naming
+    ``path`` and ``which``, what the allowlist is for). Damaged data is a DamagedCheckpointError."""
+    table = {**torch_value_globals(), **allowed}
+    try:
+        return _Restricted(data, table).load()
+    except pickle.UnpicklingError as exc:
+        if _GLOBAL.search(str(exc)):
+            raise refused(path, exc, allowed, which) from None
+        raise DamagedCheckpointError(f"{path}: not a readable pickle ({exc})") from None
+    except (EOFError, ValueError, TypeError, KeyError, IndexError, AttributeError, RuntimeError, OverflowError,
+            struct.error, RecursionError, MemoryError) as exc:
+        raise DamagedCheckpointError(f"{path}: not a readable pickle ({type(exc).__name__}: {exc})") from None
