@@ -28,7 +28,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench ckpt", description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=6, help="Linear(hidden, hidden) layers (default 6)")
     p.add_argument("--hidden", type=int, default=4096, help="hidden size (default 4096: 100.7M parameters)")
-    p.add_argument("--stage", type=int, choices=(1, 3), default=1, help="ZeRO stage (default 1)")
+    p.add_argument("--stage", type=int, choices=(1, 2), default=1, help="ZeRO stage (default 1)")
     p.add_argument("--save-ranks", type=int, default=2, help="ranks that save (default 2)")
     p.add_argument("--load-ranks", type=int, default=3, help="ranks that load (default 3)")
     p.add_argument("--dir", default=None, help="where to write (default: a temporary directory in /tmp)")

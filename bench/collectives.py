@@ -151,7 +151,6 @@ def _torch_case(peer, op, count, per_rank, name, device, n, mcomm) -> Case:
     sync = torch.cuda.synchronize if device == "cuda" else None
     return Case(np.zeros(0), lambda: _to_host(out, name), calls[op],
                 lambda v: ts.copy_(_from_host(v, name, device)), sync=sync, check=check,
-                wire_factor=2.0 if peer == "mpicomm" and sixteen_reduce else 1.0,
                 keep=[ts, tr])
 
 

@@ -1,14 +1,21 @@
-"""End-to-end data-parallel training: DDP on mpicomm, on gloo, with mpicomm's and the 1-bit hooks.
+"""End-to-end data-parallel training: DDP and FSDP2 on mpicomm and on gloo, and DDP hooks.
 
 ``mpiexec -n P python -m bench train [--model mlp|transformer] [--hidden H] [--layers L]
-[--batch B] [--steps N] [--rounds R] [--peers ...] [--json F]``
+[--batch B] [--steps N] [--rounds R] [--dtype float32|bfloat16] [--peers ...] [--json F]``
 
 Peers (each its own replica of the same model, same initial weights, same data):
 
 - ``mpicomm``: ``DistributedDataParallel`` on an mpicomm process group;
 - ``gloo``: DDP on a gloo process group (the reference the others' weights are checked against);
 - ``mpicomm-hook``: DDP on gloo with ``mpicomm.distributed.allreduce_hook`` (gradients via mpicomm);
-- ``onebit-hook``: DDP on gloo with ``compressed.onebit_ddp_hook`` (compressed after the warm-up).
+- ``onebit-hook``: DDP on gloo with ``compressed.onebit_ddp_hook`` (compressed after the warm-up);
+- ``fsdp2-mpicomm-r32``, ``fsdp2-gloo-r32``, ``fsdp2-mpicomm-r16``, ``fsdp2-gloo-r16``: FSDP2
+  (``fully_shard`` on every layer and the model) on a DeviceMesh over the mpicomm or the gloo
+  group, ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32 (r32) or bfloat16
+  (r16))``: bf16 compute, gradients reduce-scattered in the reduce dtype.
+
+``--dtype bfloat16`` runs the DDP peers on a bfloat16 model (bf16 gradients in DDP's buckets);
+the FSDP2 peers always keep float32 master weights and compute in bfloat16.
 
 Each round runs, for every peer in turn (the order rotating): ``--steps`` training steps (Adam;
 timed: forward + backward with DDP's communication), the same number of backward passes under
@@ -25,6 +32,7 @@ the wire.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 import warnings
@@ -33,11 +41,14 @@ from mpi4py import MPI
 
 from . import common, models
 
-PEERS = ("mpicomm", "gloo", "mpicomm-hook", "onebit-hook")
+DDP_PEERS = ("mpicomm", "gloo", "mpicomm-hook", "onebit-hook")
+FSDP_PEERS = ("fsdp2-mpicomm-r32", "fsdp2-gloo-r32", "fsdp2-mpicomm-r16", "fsdp2-gloo-r16")
+PEERS = DDP_PEERS + FSDP_PEERS
 EXACT = ("mpicomm", "gloo", "mpicomm-hook")  # must match gloo's weights
+DTYPES = ("float32", "bfloat16")
 BENCH = "train"
 
-__all__ = ["PEERS", "build_model", "batch", "Peer", "make_peer", "run_round", "main"]
+__all__ = ["PEERS", "DDP_PEERS", "FSDP_PEERS", "DTYPES", "reference_of", "build_model", "batch", "Peer", "make_peer", "run_round", "main"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -75,14 +86,61 @@ def batch(args, rank: int, step: int, teacher):
 # peers
 
 class Peer:
-    """One DDP replica: its model, optimizer, step counter and communication-alone call."""
+    """One replica (DDP or FSDP2): model, optimizer, step counter, communication-alone call."""
 
-    def __init__(self, name, ddp, opt, comm_alone, flat) -> None:
+    def __init__(self, name, ddp, opt, comm_alone, flat, no_sync=None, dtype=None) -> None:
+        import torch
+
         self.name, self.ddp, self.opt = name, ddp, opt
-        self.comm_alone = comm_alone     # fn(): one all-reduce of ``flat`` through this path
+        self.comm_alone = comm_alone     # fn(): one all-reduce (FSDP2: reduce-scatter) of ``flat``
         self.flat = flat
+        self.no_sync = no_sync or ddp.no_sync  # context: backward without communication
+        self.dtype = dtype or torch.float32   # the dtype inputs are fed in
+        self.model = getattr(ddp, "module", ddp)  # the module whose weights are checked
         self.step = 0
         self.loss = float("nan")
+
+
+def reference_of(name: str) -> str:
+    """The peer whose weights ``name``'s are checked against (gloo's twin)."""
+    return name.replace("mpicomm", "gloo") if name.startswith("fsdp2-") else "gloo"
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(model):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def make_fsdp_peer(name: str, args, groups: dict) -> Peer:
+    """FSDP2 on the mpicomm or gloo group, bf16 parameters, reduce dtype float32 or bfloat16."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    pg = groups["mpicomm" if "-mpicomm-" in name else "gloo"]
+    reduce_dtype = torch.float32 if name.endswith("-r32") else torch.bfloat16
+    mesh = DeviceMesh.from_group(pg, "cpu")
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+    model = build_model(args, seed=0)
+    for layer in model:
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    numel = sum(p.numel() for p in build_model(args, seed=0).parameters())
+    n = pg.size()
+    flat = torch.zeros(-(-numel // n) * n, dtype=reduce_dtype)
+    out = torch.zeros(flat.numel() // n, dtype=reduce_dtype)
+
+    def comm_alone():
+        flat.zero_()
+        dist.reduce_scatter_tensor(out, flat, group=pg)
+    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    return Peer(name, model, opt, comm_alone, flat, no_sync=lambda: _fsdp_no_sync(model))
 
 
 def make_peer(name: str, args, groups: dict, mcomm) -> Peer:
@@ -93,9 +151,12 @@ def make_peer(name: str, args, groups: dict, mcomm) -> Peer:
 
     import mpicomm.distributed
 
-    model = build_model(args, seed=0)
+    if name in FSDP_PEERS:
+        return make_fsdp_peer(name, args, groups)
+    dtype = getattr(torch, args.dtype)
+    model = build_model(args, seed=0).to(dtype)
     numel = sum(p.numel() for p in model.parameters())
-    flat = torch.zeros(numel)
+    flat = torch.zeros(numel, dtype=dtype)
     pg = groups["mpicomm"] if name == "mpicomm" else groups["gloo"]
     ddp = DDP(model, process_group=pg, bucket_cap_mb=args.bucket_mb)
     if name in ("mpicomm", "gloo"):
@@ -122,7 +183,7 @@ def make_peer(name: str, args, groups: dict, mcomm) -> Peer:
     else:
         raise ValueError(f"unknown peer {name!r}; expected one of {', '.join(PEERS)}")
     opt = torch.optim.Adam(ddp.parameters(), lr=args.lr)
-    return Peer(name, ddp, opt, comm_alone, flat)
+    return Peer(name, ddp, opt, comm_alone, flat, dtype=dtype)
 
 
 def _train_step(peer: Peer, args, rank: int, teacher) -> tuple[float, float]:
@@ -132,7 +193,7 @@ def _train_step(peer: Peer, args, rank: int, teacher) -> tuple[float, float]:
     x, y = batch(args, rank, peer.step, teacher)
     peer.opt.zero_grad(set_to_none=False)
     t0 = time.perf_counter()
-    loss = torch.nn.functional.mse_loss(peer.ddp(x), y)
+    loss = torch.nn.functional.mse_loss(peer.ddp(x.to(peer.dtype)).float(), y)
     t1 = time.perf_counter()
     loss.backward()
     t2 = time.perf_counter()
@@ -148,8 +209,8 @@ def _backward_alone(peer: Peer, args, rank: int, teacher) -> float:
 
     x, y = batch(args, rank, 10_000_000 + peer.step, teacher)
     peer.opt.zero_grad(set_to_none=False)
-    with peer.ddp.no_sync():
-        loss = torch.nn.functional.mse_loss(peer.ddp(x), y)
+    with peer.no_sync():
+        loss = torch.nn.functional.mse_loss(peer.ddp(x.to(peer.dtype)).float(), y)
         t0 = time.perf_counter()
         loss.backward()
         dt = time.perf_counter() - t0
@@ -185,28 +246,41 @@ def run_round(peer: Peer, args, mpi_comm, teacher) -> dict:
 # checks
 
 def _weights(peer: Peer):
+    """The full float32 weights (FSDP2: gathered, a collective over the peer's group)."""
     import torch
 
-    return torch.cat([p.detach().reshape(-1) for p in peer.ddp.module.parameters()])
+    return torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float()
+                      .reshape(-1) for p in peer.model.parameters()])
 
 
-def check_peers(peers: dict, mpi_comm) -> tuple[dict, list[str]]:
+def tolerance(name: str, dtype: str) -> float:
+    """How far an exact peer's weights may be from its reference's: 1e-4 in float32; bf16
+    compute (FSDP2 peers, --dtype bfloat16) rounds differently wherever a reduction's bits
+    differ (gloo rounds 16-bit sums at every step), so 2e-2 there."""
+    return 2e-2 if name.startswith("fsdp2-") or dtype != "float32" else 1e-4
+
+
+def check_peers(peers: dict, mpi_comm, dtype: str = "float32") -> tuple[dict, list[str]]:
     """Collective: wrong values per peer: weights that differ between ranks (every peer), and,
-    for the exact peers, weights further than 1e-4 from the gloo replica's; and a non-finite loss."""
+    for the exact peers (DDP: mpicomm, gloo, mpicomm-hook; every FSDP2 peer), weights further
+    than :func:`tolerance` from their reference's (gloo's twin); and a non-finite loss."""
     import numpy as np
 
     wrong, notes = {}, []
-    ref = _weights(peers["gloo"]).numpy() if "gloo" in peers else None
-    if ref is None:
-        notes.append("gloo not run: the exact peers' weights are checked across ranks only")
+    weights = {name: _weights(peer).numpy() for name, peer in peers.items()}
+    for name in peers:
+        if (name in EXACT or name in FSDP_PEERS) and reference_of(name) not in peers:
+            notes.append(f"{reference_of(name)} not run: {name}'s weights are checked across "
+                         "ranks only")
     for name, peer in peers.items():
-        w = _weights(peer).numpy()
+        w = weights[name]
         first = np.empty_like(w)
         first[:] = w
         mpi_comm.Bcast(first, root=0)
         bad = int(np.count_nonzero(w != first)) + int(not np.isfinite(peer.loss))
-        if ref is not None and name in EXACT:
-            bad += int(np.count_nonzero(np.abs(w - ref) > 1e-4))
+        ref = weights.get(reference_of(name))
+        if ref is not None and (name in EXACT or name in FSDP_PEERS):
+            bad += int(np.count_nonzero(np.abs(w - ref) > tolerance(name, dtype)))
         wrong[name] = mpi_comm.allreduce(bad, op=MPI.SUM)
     return wrong, notes
 
@@ -352,7 +426,7 @@ def _human_bytes(b: float) -> str:
 # the program
 
 COLUMNS = (
-    common.Column("peer", "peer", 13),
+    common.Column("peer", "peer", 17),
     common.Column("step_ms", "step(ms)", 9, ".2f"),
     common.Column("step_ms_min", "min(ms)", 9, ".2f"),
     common.Column("step_ms_max", "max(ms)", 9, ".2f"),
@@ -392,6 +466,9 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_rounds_arg(p)
     p.add_argument("--peers", type=common.comma_list(PEERS), default=list(PEERS),
                    help=f"comma list (default all: {','.join(PEERS)})")
+    p.add_argument("--dtype", choices=DTYPES, default="float32",
+                   help="the DDP peers' model and gradient dtype (default float32; the FSDP2 "
+                        "peers always compute in bfloat16)")
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb (25)")
     p.add_argument("--onebit-warmup", type=_count(0), default=None,
@@ -441,6 +518,10 @@ def _header(args, ranks: int, params: int) -> tuple[str, list[str]]:
                      "over rounds); bwd+comm = that backward; bwd = backward under no_sync; comm "
                      "= one all-reduce of all gradients on the peer's path; overlap = bwd + comm "
                      "- bwd+comm")
+    if not args.curve:
+        extra.append("fsdp2-X-rNN: fully_shard on group X, MixedPrecisionPolicy(param_dtype="
+                     "bfloat16, reduce_dtype=float32 (r32) / bfloat16 (r16)); comm = one "
+                     "reduce_scatter of all gradients in the reduce dtype")
     return what, extra
 
 
@@ -459,7 +540,8 @@ def main(argv=None) -> int:
     teacher = build_model(args, seed=1).requires_grad_(False)
     params = models.param_count(teacher)
     what, extra = _header(args, mpi_comm.Get_size(), params)
-    rep.start(dtype="float32", iterations=what, extra=extra,
+    dtype = "float32" if args.curve else f"{args.dtype} (DDP peers); FSDP2 peers bfloat16"
+    rep.start(dtype=dtype, iterations=what, extra=extra,
               meta={"model": describe(args), "params": params})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -472,7 +554,7 @@ def _steps_main(args, mpi_comm, mcomm, teacher, params, rep) -> int:
     import torch.distributed as dist
 
     groups = {"gloo": common.init_gloo(mpi_comm)}
-    if "mpicomm" in args.peers:
+    if any(p == "mpicomm" or p.startswith("fsdp2-mpicomm") for p in args.peers):
         groups["mpicomm"] = dist.new_group(backend="mpicomm")
     peers = {name: make_peer(name, args, groups, mcomm) for name in args.peers}
     for peer in peers.values():
@@ -486,7 +568,7 @@ def _steps_main(args, mpi_comm, mcomm, teacher, params, rep) -> int:
     for r in range(args.rounds):
         for name in order[r % len(order):] + order[:r % len(order)]:
             rounds[name].append(run_round(peers[name], args, mpi_comm, teacher))
-    wrong, notes = check_peers(peers, mpi_comm)
+    wrong, notes = check_peers(peers, mpi_comm, args.dtype)
     for line in notes:
         rep.note(line)
     records = []
@@ -494,8 +576,12 @@ def _steps_main(args, mpi_comm, mcomm, teacher, params, rep) -> int:
         times, means = common.median_round([(r["step"],) * 3 for r in rounds[name]])
         mid = rounds[name][means.index(times[1])]
         loss = mpi_comm.allreduce(peer.loss, op=MPI.SUM) / mpi_comm.Get_size()
+        fsdp = name in FSDP_PEERS
+        grad_dtype = (("float32" if name.endswith("-r32") else "bfloat16") if fsdp
+                      else args.dtype)
         rec = dict(rep.base("step"), peer=name, model=describe(args), params=params,
-                   grad_bytes=params * 4,
+                   grad_bytes=params * (4 if grad_dtype == "float32" else 2),
+                   dtype="bfloat16" if fsdp else args.dtype, grad_dtype=grad_dtype,
                    batch=args.batch, steps=args.steps, rounds=args.rounds,
                    step_ms=mid["step"] * 1e3, step_ms_min=min(means) * 1e3,
                    step_ms_max=max(means) * 1e3, step_ms_rounds=[m * 1e3 for m in means],
@@ -506,14 +592,17 @@ def _steps_main(args, mpi_comm, mcomm, teacher, params, rep) -> int:
                    wrong=wrong[name], trained_steps=peer.step)
         records.append(rec)
         rep.emit(rec)
-    ref = next((r for r in records if r["peer"] == "gloo"), None)
-    if ref is not None:
-        rep.note("step time / gloo's (medians): " + ", ".join(
-            f"{r['peer']} {r['step_ms'] / ref['step_ms']:.2f}x" for r in records
-            if r is not ref))
+    by_name = {r["peer"]: r for r in records}
+    ratios = [f"{r['peer']} {r['step_ms'] / by_name[reference_of(r['peer'])]['step_ms']:.2f}x"
+              + ("" if reference_of(r["peer"]) == "gloo" else f" ({reference_of(r['peer'])}'s)")
+              for r in records if reference_of(r["peer"]) in by_name
+              and reference_of(r["peer"]) != r["peer"]]
+    if ratios:
+        rep.note("step time / gloo's (medians): " + ", ".join(ratios))
     _close()
     return rep.finish("all values correct (#wrong = 0: replicas agree across ranks; exact peers "
-                      "within 1e-4 of gloo's weights)")
+                      f"within {tolerance('', args.dtype):g} (FSDP2 peers "
+                      f"{tolerance('fsdp2-', args.dtype):g}) of their gloo twin's weights)")
 
 
 def _curve_main(args, mpi_comm, mcomm, teacher, rep) -> int:

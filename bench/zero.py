@@ -5,14 +5,15 @@
 
 All rows of a part run in the same job, one after the other, on the same MLP (``layers``
 Linear(hidden, hidden) + Tanh, fp32, AdamW or Adam). time: DDP + AdamW on gloo and on gloo with
-its buckets averaged through mpicomm (allreduce_hook) vs ZeroOptimizer(AdamW) stages 1 and 3 (its
+its buckets averaged through mpicomm (allreduce_hook) vs ZeroOptimizer(AdamW) stages 1 and 2 (its
 gradients travel over mpicomm), in interleaved rounds (one step of each row in turn); per phase
-medians, and backward alone / communication alone / both overlapped. memory: the peak resident memory of each rank (VmHWM, reset between rows through
-/proc/self/clear_refs) above what the process held before the row, for DDP + AdamW, ZeroOptimizer
-stages 1 and 3 (and stage 1 with release_grads) and FSDP2 (fully_shard on
-gloo). bytes: payload bytes each rank hands to MPI per
-step, counted by a wrapper around the communicator's MPI calls, for ZeRO Adam, ZeRO 1-bit Adam
-and OnebitAdam without ZeRO (after freeze_step).
+medians, and backward alone / communication alone / both overlapped. memory: the peak resident
+memory of each rank (VmHWM, reset between rows through /proc/self/clear_refs) above what the
+process held before the row, for DDP + AdamW, ZeroOptimizer stages 1 and 2 and FSDP2
+(fully_shard on gloo). bytes: payload bytes each rank hands to MPI per step, counted by a
+wrapper around the communicator's MPI calls, for ZeRO Adam, ZeRO 1-bit Adam (after
+freeze_step), each also with the int8 weight all-gather (gather_bits=8), and OnebitAdam without
+ZeRO.
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ OVERLAP_COLUMNS = (C("peer", "row", 36, align="<"), C("bwd_alone_ms", "bwd alone
 MEMORY_COLUMNS = (C("peer", "row", 36, align="<"), C("peak_text", "peak MiB per rank", 20),
                   C("x_model", "x model", 8, ".2f"), C("wrong", "#wrong", 7, "d"),
                   C("note", "note", 1, align="<"))
-BYTES_COLUMNS = (C("peer", "row", 36, align="<"), C("mib_per_step", "MiB/step", 9, ".2f"),
+BYTES_COLUMNS = (C("peer", "row", 42, align="<"), C("mib_per_step", "MiB/step", 9, ".2f"),
                  C("x_model", "x fp32 model", 13, ".3f"), C("wrong", "#wrong", 7, "d"),
                  C("calls_text", "by call (rank 0, MiB)", 1, align="<"))
 
@@ -172,7 +173,7 @@ def part_time(args, mpi: MPI.Comm, rep: common.Reporter) -> None:
     rows = [("DDP+AdamW gloo", DDPRow(args, mpi, False)),
             ("DDP+AdamW gloo, buckets via mpicomm", DDPRow(args, mpi, True)),
             ("ZeRO-1 AdamW (mpicomm)", ZeroRow(args, mpi, 1)),
-            ("ZeRO-3 AdamW (mpicomm)", ZeroRow(args, mpi, 3))]
+            ("ZeRO-2 AdamW (mpicomm)", ZeroRow(args, mpi, 2))]
     for s in range(args.steps + 1):        # interleaved rounds: one step of every row in turn
         for _, row in rows:
             row.step(s, rec=s > 0)
@@ -242,8 +243,7 @@ def mem_row(args, mpi: MPI.Comm, kind: str) -> float:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     else:
         opt = ZeroOptimizer(torch.optim.AdamW, model.parameters(), stage=int(kind[4]),
-                            comm=mpicomm.init(), bucket_bytes=args.bucket_mb << 20,
-                                 release_grads=kind.endswith("r"), lr=1e-4)
+                            comm=mpicomm.init(), bucket_bytes=args.bucket_mb << 20, lr=1e-4)
     for s in range(2):
         x, y = batch(args.mem_hidden, args.batch, s, mpi.rank)
         opt.zero_grad()
@@ -268,8 +268,8 @@ def part_memory(args, mpi: MPI.Comm, rep: common.Reporter) -> None:
     if problem:
         rep.section(f"{title}: skipped, {problem}", MEMORY_COLUMNS)
         return
-    rows = [("DDP+AdamW gloo", "ddp"), ("ZeRO-1 AdamW", "zero1"), ("ZeRO-3 AdamW", "zero3"),
-            ("ZeRO-1 AdamW, release_grads", "zero1r"), ("FSDP2 (fully_shard) + AdamW gloo", "fsdp2")]
+    rows = [("DDP+AdamW gloo", "ddp"), ("ZeRO-1 AdamW", "zero1"), ("ZeRO-2 AdamW", "zero2"),
+            ("FSDP2 (fully_shard) + AdamW gloo", "fsdp2")]
     rep.section(title, MEMORY_COLUMNS)
     for name, kind in rows:
         rec = dict(rep.base("memory"), peer=name, params=n, model_mib=mib, wrong=0)
@@ -336,7 +336,7 @@ def _nbytes(spec: Any) -> int | None:
     return int(spec.nbytes) if hasattr(spec, "nbytes") else memoryview(spec).nbytes
 
 
-def bytes_row(args, mpi: MPI.Comm, kind: str, stage: int = 1) -> dict:
+def bytes_row(args, mpi: MPI.Comm, kind: str, stage: int = 1, bits: int | None = None) -> dict:
     from zero import ZeroOptimizer
     import compressed
     import mpicomm
@@ -346,10 +346,11 @@ def bytes_row(args, mpi: MPI.Comm, kind: str, stage: int = 1) -> dict:
     comm.mpi_comm = CountingComm(comm.mpi_comm, counts)
     model = make_model(args.hidden, args.layers)
     if kind == "zero-adam":
-        opt: Any = ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=stage, comm=comm, lr=1e-4)
+        opt: Any = ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=stage, comm=comm,
+                                 gather_bits=bits, lr=1e-4)
     elif kind == "zero-1bit":
-        opt = ZeroOptimizer(compressed.OnebitAdam, model.parameters(), stage=stage, comm=comm, lr=1e-4,
-                            freeze_step=1)
+        opt = ZeroOptimizer(compressed.OnebitAdam, model.parameters(), stage=stage, comm=comm,
+                            gather_bits=bits, lr=1e-4, freeze_step=1)
     else:
         opt = compressed.OnebitAdam(model.parameters(), lr=1e-4, freeze_step=1, comm=comm)
     if hasattr(opt, "_grad_comm") and opt._grad_comm is not comm:
@@ -369,10 +370,13 @@ def bytes_row(args, mpi: MPI.Comm, kind: str, stage: int = 1) -> dict:
 
 def part_bytes(args, mpi: MPI.Comm, rep: common.Reporter) -> None:
     n = sum(p.numel() for p in make_model(args.hidden, 1).parameters()) * args.layers
-    rows = [("ZeRO-1 Adam", "zero-adam", 1), ("ZeRO-3 Adam", "zero-adam", 3),
-            ("ZeRO-1 1-bit Adam (frozen)", "zero-1bit", 1), ("ZeRO-3 1-bit Adam (frozen)", "zero-1bit", 3),
-            ("OnebitAdam, no ZeRO (frozen)", "onebit", 1)]
-    res = {name: bytes_row(args, mpi, kind, stage) for name, kind, stage in rows}
+    rows = [("ZeRO-1 Adam", "zero-adam", 1, None), ("ZeRO-2 Adam", "zero-adam", 2, None),
+            ("ZeRO-1 Adam, int8 gather", "zero-adam", 1, 8),
+            ("ZeRO-1 1-bit Adam (frozen)", "zero-1bit", 1, None), ("ZeRO-2 1-bit Adam (frozen)", "zero-1bit", 2, None),
+            ("ZeRO-1 1-bit Adam (frozen), int8 gather", "zero-1bit", 1, 8),
+            ("ZeRO-2 1-bit Adam (frozen), int8 gather", "zero-1bit", 2, 8),
+            ("OnebitAdam, no ZeRO (frozen)", "onebit", 1, None)]
+    res = {name: bytes_row(args, mpi, kind, stage, bits) for name, kind, stage, bits in rows}
     worst = {name: mpi.allreduce(sum(v.values()), op=MPI.MAX) for name, v in res.items()}
     rep.section(f"bytes each rank hands to MPI per step (counted), {mpi.size} ranks, "
                 f"{n / 1e6:.1f}M params ({4 * n / 2**20:.1f} MiB fp32), mean of 3 steps after "

@@ -51,7 +51,10 @@ class ZeroPlanner(OptimizerPlanner):
         return self._param_ids
 
     def saves_weights(self, t: torch.Tensor) -> bool:
-        return t.dtype == torch.float32 and id(t) in self._ids()
+        # fp32 weights are the masters' bytes; with a quantized gather (gather_bits) the model's
+        # working copy is not exact, so weights of any dtype are saved from the masters
+        exact = t.dtype == torch.float32 or getattr(self.optimizer, "gather_bits", None) is not None
+        return exact and id(t) in self._ids()
 
     def loads_weights(self, t: torch.Tensor) -> bool:
         return id(t) in self._ids()  # gathered from the masters after the load
@@ -87,6 +90,10 @@ class ZeroPlanner(OptimizerPlanner):
                 if p.dtype == torch.float32:
                     sp.packer.alias(e, "param")
             sp.own += plan.shard_items(g.layout.segments(rank), entries, sp.buffer(g.master))
+            if g.params and g.dtype != torch.float32 and self.saves_weights(g.params[0]):
+                cast = {li: sp.packer.add(model.names[index[id(p)]], index[id(p)], "param", p.shape,
+                                          dtype_name(p.dtype)) for li, p in enumerate(g.params)}
+                sp.own += plan.shard_items(g.layout.segments(rank), cast, sp.buffer(g.master.to(g.dtype)))
         keys: list[str] = []
         for tensors in group_tensors:
             keys += [k for k in tensors if k not in keys]

@@ -6,20 +6,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import mpicomm
-
 from .allreduce import OnebitAllreduce
+from .transport import as_comm
 
 __all__ = ["OnebitDDPState", "onebit_ddp_hook"]
 
 
 class OnebitDDPState:
-    """State of ``onebit_ddp_hook``: the mpicomm communicator, error buffers, the step counter.
+    """State of ``onebit_ddp_hook``: the communicator, error buffers, the step counter.
 
     The first ``warmup_steps`` steps, and every bucket under ``min_bucket_numel`` elements, are
     averaged uncompressed (mpicomm all_reduce); the rest with 1-bit compressed allreduce, one
-    pair of error buffers per bucket. The hook's traffic goes through mpicomm, whatever process
-    group DDP itself was built on.
+    pair of error buffers per bucket. ``comm`` is an mpicomm Communicator (what
+    ``mpicomm.as_communicator`` takes; None: the world) or a torch.distributed process group
+    (``compressed.transport``), whatever process group DDP itself was built on.
     """
 
     def __init__(self, comm: Any = None, warmup_steps: int = 100, min_bucket_numel: int = 1 << 16,
@@ -27,7 +27,7 @@ class OnebitDDPState:
         if warmup_steps < 0 or min_bucket_numel < 0:
             raise ValueError(f"OnebitDDPState: expected warmup_steps >= 0 and min_bucket_numel >= 0, "
                              f"got {warmup_steps} and {min_bucket_numel}")
-        self.comm = mpicomm.as_communicator(comm)
+        self.comm = as_comm(comm)  # a Communicator or a process group (GroupTransport)
         self.warmup_steps = int(warmup_steps)
         self.min_bucket_numel = int(min_bucket_numel)
         self.allreduce = OnebitAllreduce(self.comm, cuda_aware=cuda_aware)

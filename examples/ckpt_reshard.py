@@ -39,16 +39,16 @@ opt = ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=1, comm=comm, lr
 train(model, opt, 5, seed=comm.rank)
 ckpt.save(os.path.join(run_dir, "step5"), model=model, optimizer=opt, step=5, comm=comm)
 
-# 2. load it on a 1-rank communicator, at ZeRO stage 3: each rank reads only its own bytes
+# 2. load it on a 1-rank communicator, at ZeRO stage 2: each rank reads only its own bytes
 solo = comm.split(0 if comm.rank == 0 else None)
 if solo is not None:
     model1 = make_model()
-    opt1 = ZeroOptimizer(torch.optim.Adam, model1.parameters(), stage=3, comm=solo, lr=1e-2)
+    opt1 = ZeroOptimizer(torch.optim.Adam, model1.parameters(), stage=2, comm=solo, lr=1e-2)
     info = ckpt.load(run_dir, model=model1, optimizer=opt1, comm=solo)   # follows run_dir/latest
     same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
                                                   model1.state_dict().values()))
     print(f"saved at {info.world_size} ranks (stage {info.stage}), step {info.step}; "
-          f"loaded on 1 rank at stage 3: weights identical: {same}")
+          f"loaded on 1 rank at stage 2: weights identical: {same}")
     # 3. or into a plain torch optimizer with the full state
     model2 = make_model()
     plain = torch.optim.Adam(model2.parameters(), lr=1e-2)

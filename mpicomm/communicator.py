@@ -13,19 +13,24 @@ from typing import Callable, Sequence
 import torch
 from mpi4py import MPI
 
-from . import fastpath, large
+from . import fastpath, large, reduce16
 from ._util import env_flag
 from .buffers import IN, INOUT, OUT, Slot, host_overlap, prepare, to_tensor
 from .checking import agree
 from .device_paths import DevicePolicy
 from .errors import check_rank, check_type, describe, fail_value
-from .observe import log_init, observed, observed_as
+from .observe import _DEBUG, _debug_cache, _profiler, log_init, observed, observed_as
+from .observe import log as _log
 from .ops import ReduceOp, parse_op
 from .p2p import PointToPoint
 from .validate import move_type, per_rank_list, reduction, root_list, same_device, same_dtype, splits
 from .work import Work
 
 _world: "Communicator | None" = None
+_Tensor = torch.Tensor
+_IN_PLACE = MPI.IN_PLACE
+_fromaddress = MPI.buffer.fromaddress
+_FAST_REDUCE = fastpath.REDUCE
 
 
 def _node_rank(mpi_comm: MPI.Intracomm) -> tuple[int, int]:
@@ -80,6 +85,7 @@ class Communicator(PointToPoint):
         self.check: bool = env_flag("MPICOMM_CHECK") if check is None else bool(check)
         self._policy: DevicePolicy | None = None
         self._tag_ub: int = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
+        self._r16: reduce16.State | None = None
 
     def __repr__(self) -> str:
         return f"<mpicomm.Communicator rank {self.rank} of {self.size}>"
@@ -110,6 +116,17 @@ class Communicator(PointToPoint):
             step()
         return None
 
+    def _reduce16(self) -> reduce16.State:
+        """State of the 16-bit reductions (their private communicator is made on first use)."""
+        if self._r16 is None:
+            self._r16 = reduce16.State(self.mpi_comm, self._tag_ub)
+        return self._r16
+
+    def _launch16(self, steps: reduce16.Steps, slots: Sequence[Slot], async_op: bool,
+                  result: Sequence):
+        """Finish (or hand to a Work) a started 16-bit reduction."""
+        return self._launch(steps.Wait, lambda: steps, (), slots, async_op, result)
+
     def _launch_pieces(self, blocking: Callable, nonblocking: Callable, count: int, args: Callable,
                        slots: Sequence[Slot], async_op: bool, result: Sequence):
         """Like _launch, one MPI call per piece of ``count`` elements (see mpicomm.large)."""
@@ -120,18 +137,37 @@ class Communicator(PointToPoint):
 
     def all_reduce(self, tensor, op=ReduceOp.SUM, async_op: bool = False) -> Work | None:
         """Reduce ``tensor`` across ranks, in place."""
-        if not async_op and not self.check and fastpath.run(self, "all_reduce", tensor, op=op):
-            return None
+        # The fast-path rule (mpicomm.fastpath) inlined: one Python frame between the caller
+        # and MPI's Allreduce for a contiguous host tensor MPI reduces natively.
+        if (type(tensor) is _Tensor and not async_op and not self.check and fastpath.ENABLED
+                and not _profiler._is_profiler_enabled
+                and (_debug_cache.get(_DEBUG) is False or not _log.isEnabledFor(_DEBUG))
+                and tensor.is_cpu and tensor.is_contiguous()):
+            try:
+                found = _FAST_REDUCE.get((tensor.dtype, op))
+            except TypeError:  # an unhashable op: the general path reports it
+                found = None
+            if found is not None and tensor.numel() <= large.MAX_COUNT:
+                self.mpi_comm.Allreduce(_IN_PLACE, [_fromaddress(tensor.data_ptr(),
+                                                                 tensor.nbytes), found[0]],
+                                        found[1])
+                return None
         return self._all_reduce(tensor, op, async_op)
 
     @observed_as("all_reduce")
-    def _all_reduce(self, tensor, op, async_op):
+    def _all_reduce(self, tensor, op, async_op, factor=None):
+        """``factor``: PREMUL_SUM of a 16-bit tensor (the float32 sum times it, rounded once)."""
         call = "all_reduce"
         op = parse_op(op, call)
         t = to_tensor(tensor, call, "tensor", writable=True)
         mpi_type, wire, mpi_op = reduction(call, t.dtype, op)
         if self.check:
             agree(self.mpi_comm, call, f"op={op}, tensor={_sig(t)}")
+        plan = reduce16.plan_op(op, self.size, factor) if t.dtype in reduce16.DTYPES else None
+        if plan is not None:
+            slot = prepare(t, INOUT, MPI.UINT16_T, t.dtype, reduce16.host_policy, call)
+            return self._launch16(reduce16.all_reduce(self._reduce16(), slot.work, plan),
+                                  [slot], async_op, [tensor])
         slot = prepare(t, INOUT, mpi_type, wire, self.device_policy,
                        "iallreduce" if async_op else "allreduce")
         if op is ReduceOp.AVG:
@@ -145,9 +181,12 @@ class Communicator(PointToPoint):
         return self._launch(comm.Allreduce, comm.Iallreduce, (MPI.IN_PLACE, spec, mpi_op),
                             [slot], async_op, [tensor])
 
-    @observed
     def reduce(self, tensor, dst: int = 0, op=ReduceOp.SUM, async_op: bool = False) -> Work | None:
         """Reduce ``tensor`` across ranks into ``tensor`` on rank ``dst`` (others keep theirs)."""
+        return self._reduce(tensor, dst, op, async_op)
+
+    @observed_as("reduce")
+    def _reduce(self, tensor, dst, op, async_op, factor=None):
         call = "reduce"
         op = parse_op(op, call)
         dst = check_rank(call, "dst", dst, self.size)
@@ -156,6 +195,12 @@ class Communicator(PointToPoint):
         if self.check:
             agree(self.mpi_comm, call, f"op={op}, dst={dst}, tensor={_sig(t)}")
         root = self.rank == dst
+        plan = reduce16.plan_op(op, self.size, factor) if t.dtype in reduce16.DTYPES else None
+        if plan is not None:
+            slot = prepare(t, INOUT if root else IN, MPI.UINT16_T, t.dtype, reduce16.host_policy,
+                           call)
+            return self._launch16(reduce16.reduce(self._reduce16(), slot.work, dst, plan),
+                                  [slot], async_op, [tensor])
         slot = prepare(t, INOUT if root else IN, mpi_type, wire, self.device_policy,
                        "ireduce" if async_op else "reduce")
         if op is ReduceOp.AVG and root:
@@ -180,7 +225,7 @@ class Communicator(PointToPoint):
         return self._reduce_scatter_tensor(output, input, op, async_op)
 
     @observed_as("reduce_scatter_tensor")
-    def _reduce_scatter_tensor(self, output, input, op, async_op):
+    def _reduce_scatter_tensor(self, output, input, op, async_op, factor=None):
         call = "reduce_scatter_tensor"
         op = parse_op(op, call)
         out = to_tensor(output, call, "output", writable=True)
@@ -196,6 +241,13 @@ class Communicator(PointToPoint):
         mpi_call = "ireduce_scatter_block" if async_op else "reduce_scatter_block"
         if host_overlap(out, inp):
             inp = inp.clone()
+        plan = reduce16.plan_op(op, self.size, factor) if inp.dtype in reduce16.DTYPES else None
+        if plan is not None:
+            send = prepare(inp, IN, MPI.UINT16_T, inp.dtype, reduce16.host_policy, call)
+            recv = prepare(out, OUT, MPI.UINT16_T, out.dtype, reduce16.host_policy, call)
+            return self._launch16(
+                reduce16.reduce_scatter(self._reduce16(), recv.work, send.work, plan),
+                [send, recv], async_op, [output])
         send = prepare(inp, IN, mpi_type, wire, self.device_policy, mpi_call)
         recv = prepare(out, OUT, mpi_type, wire, self.device_policy, mpi_call)
         if op is ReduceOp.AVG:
@@ -403,6 +455,8 @@ class Communicator(PointToPoint):
 
     def free(self) -> None:
         """Release the MPI communicator (not for the world communicator)."""
+        if self._r16 is not None:
+            self._r16.free()
         if self.mpi_comm not in (MPI.COMM_WORLD, MPI.COMM_SELF):
             self.mpi_comm.Free()
 

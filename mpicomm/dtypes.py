@@ -1,10 +1,10 @@
 """Which dtypes go to MPI as they are, and which are upcast for arithmetic.
 
 MPI has no bfloat16, float16 or float8 type. Moves (broadcast, gathers, all-to-all, p2p)
-send their bytes unchanged. float8 dtypes only move: reducing them is an error. Reductions of float16/bfloat16 are computed in float32: the
-buffer is upcast, reduced by MPI's native float32 SUM/MAX/..., and rounded back once at the
-end, so the result is the correctly rounded fp32 reduction (better than reducing in 16 bits
-at every step, as a user-defined op would), at 2x the wire bytes of the 16-bit data.
+send their bytes unchanged. float8 dtypes only move: reducing them is an error. Reductions of
+float16/bfloat16 are computed in float32 and rounded once: SUM, AVG, MAX and MIN by
+``reduce16`` (16 bits on the wire, a fused float32 kernel), PROD by upcasting the buffer
+(``UPCAST``), MPI's native float32 product and one rounding back.
 """
 from __future__ import annotations
 

@@ -5,6 +5,13 @@ A blocking, unchecked collective takes the fast path when every buffer is a cont
 the operation requires, the count fits the MPI library and (for reductions) MPI reduces that dtype
 with that op natively. That is exactly when the general path would hand the user's memory to MPI
 unchanged. Anything else, including every error, takes the general path.
+
+``all_reduce`` applies the same rule inline in ``Communicator.all_reduce`` (one Python frame
+between the caller and MPI's Allreduce: about +0.6 us of CPU time per call over mpi4py on the
+same buffer, measured here); the other calls go through :func:`run`. MPI-4 persistent
+collectives (``Allreduce_init`` + ``Start``/``Wait``) were measured and not adopted: on MPICH
+5.0.2 at one rank ``Start(); Wait()`` took 0.83 us of CPU time against 0.25 us for
+``Allreduce`` on a prepared buffer, and at two ranks the difference was lost in the noise.
 """
 from __future__ import annotations
 
@@ -24,7 +31,7 @@ ENABLED = True
 
 _fromaddress = MPI.buffer.fromaddress
 # (dtype, op) -> (MPI datatype, MPI op) for reductions MPI performs natively on host memory.
-_REDUCE = {
+REDUCE = {
     (dtype, key): (mpi_type, MPI_OPS[op])
     for dtype, mpi_type in dtypes.NATIVE.items() if dtype != torch.bool
     for op in (ReduceOp.SUM, ReduceOp.MAX, ReduceOp.MIN, ReduceOp.PROD) + (
@@ -45,7 +52,6 @@ class Rule:
 
 
 RULES = {
-    "all_reduce": Rule("Allreduce", reduces=True),
     "broadcast": Rule("Bcast"),
     "all_gather_into_tensor": Rule("Allgather", sizes=lambda n, o, i: o == n * i),
     "reduce_scatter_tensor": Rule("Reduce_scatter_block", reduces=True,
@@ -71,7 +77,7 @@ def run(comm, call: str, out, inp=None, op=None, root=None) -> bool:
     rule = RULES[call]
     if rule.reduces:
         try:
-            found = _REDUCE.get((out.dtype, op))
+            found = REDUCE.get((out.dtype, op))
         except TypeError:  # an unhashable op: the general path reports it
             return False
         if found is None:

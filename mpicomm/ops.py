@@ -19,6 +19,10 @@ class ReduceOp(enum.Enum):
     BOR = "bor"
     BXOR = "bxor"
 
+    # Members are singletons compared by identity: hash them by identity too (C-level, so that
+    # a (dtype, op) table lookup on every call costs no Python-level __hash__ call).
+    __hash__ = object.__hash__
+
     def __str__(self) -> str:  # "ReduceOp.SUM" reads better in errors than "<ReduceOp.SUM: 'sum'>"
         return f"ReduceOp.{self.name}"
 

@@ -20,7 +20,7 @@ import ckpt
 from zero import ZeroOptimizer
 import mpicomm
 
-KINDS = {"plain": None, "zero1": 1, "zero3": 3}
+KINDS = {"plain": None, "zero1": 1, "zero2": 2}
 
 
 class Sampler:

@@ -47,6 +47,24 @@ def test_peers_side_by_side(n, model, tmp_path):
     assert "all values correct" in stdout and "overlap" in stdout
 
 
+def test_bfloat16_ddp_and_fsdp2_rows(tmp_path):
+    """--dtype bfloat16: DDP on bf16 gradients; FSDP2 rows with bf16 and fp32 reductions, each
+    checked against its gloo twin (2 ranks: 16-bit sums of two values round alike)."""
+    stdout, doc = _run(2, tmp_path, *SMALL, "--dtype", "bfloat16", "--peers",
+                       "mpicomm,gloo,fsdp2-mpicomm-r32,fsdp2-gloo-r32,fsdp2-mpicomm-r16,"
+                       "fsdp2-gloo-r16")
+    recs = {r["peer"]: r for r in doc["records"]}
+    for rec in recs.values():
+        assert common.validate_record(rec) == [], rec
+        assert rec["wrong"] == 0 and rec["dtype"] == "bfloat16"
+    assert recs["mpicomm"]["grad_dtype"] == "bfloat16"
+    assert recs["fsdp2-mpicomm-r32"]["grad_dtype"] == "float32"
+    for name in ("mpicomm", "fsdp2-mpicomm-r32", "fsdp2-mpicomm-r16"):
+        twin = train.reference_of(name)
+        assert recs[name]["loss"] == pytest.approx(recs[twin]["loss"], rel=1e-3), name
+    assert "fsdp2-mpicomm-r16 " in stdout and "(fsdp2-gloo-r16's)" in stdout
+
+
 @pytest.mark.parametrize("n", [1, 2])
 def test_curve(n, tmp_path):
     png = tmp_path / "curve.png"

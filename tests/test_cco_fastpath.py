@@ -65,6 +65,29 @@ def _run(comm, call, op, dtype, strided):
     return out, np.concatenate([e[comm.rank * k:(comm.rank + 1) * k] for e in everyone])
 
 
+def _spy_general_paths(comm, monkeypatch) -> list:
+    """A list that gets, per call, whether it took the fast path (its general path not called:
+    all_reduce's fast path is inlined in Communicator.all_reduce, the others go through
+    fastpath.run)."""
+    taken = []
+    cls = type(comm)
+    for call in REDUCING + MOVING:
+        general = getattr(cls, f"_{call}")
+        public = getattr(cls, call)
+
+        def spy_general(self, *a, _general=general, **k):
+            taken[-1] = False
+            return _general(self, *a, **k)
+
+        def spy_public(self, *a, _public=public, **k):
+            taken.append(True)
+            return _public(self, *a, **k)
+
+        monkeypatch.setattr(cls, f"_{call}", spy_general)
+        monkeypatch.setattr(cls, call, spy_public)
+    return taken
+
+
 @pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
 @pytest.mark.parametrize("call,op", CASES, ids=IDS)
 @pytest.mark.parametrize("dtype", TORCH_DTYPES, ids=[str(d)[6:] for d in TORCH_DTYPES])
@@ -73,15 +96,7 @@ def test_fast_and_general_paths_agree(comm, monkeypatch, dtype, call, op, stride
         pytest.skip("AVG on integers is an error (test_cco_errors)")
     if op in BITWISE and dtype in FLOAT_TORCH:
         pytest.skip("bitwise ops on floating dtypes are an error (test_cco_errors)")
-    taken = []
-    real_run = fastpath.run
-
-    def spy(*args, **kwargs):
-        done = real_run(*args, **kwargs)
-        taken.append(done)
-        return done
-
-    monkeypatch.setattr(fastpath, "run", spy)
+    taken = _spy_general_paths(comm, monkeypatch)
     fast, ref = _run(comm, call, op, dtype, strided)
     monkeypatch.setattr(fastpath, "ENABLED", False)
     general, _ = _run(comm, call, op, dtype, strided)
@@ -95,9 +110,7 @@ def test_fast_and_general_paths_agree(comm, monkeypatch, dtype, call, op, stride
 
 def test_fast_path_declines_what_it_cannot_do(comm, monkeypatch):
     # overlapping buffers, numpy arrays, mismatched sizes and invalid roots all go the general way
-    taken = []
-    real_run = fastpath.run
-    monkeypatch.setattr(fastpath, "run", lambda *a, **k: taken.append(real_run(*a, **k)) or taken[-1])
+    taken = _spy_general_paths(comm, monkeypatch)
     buf = torch.full((2 * comm.size,), float(comm.rank))
     comm.all_gather_into_tensor(buf, buf[2 * comm.rank:2 * comm.rank + 2])  # in place: overlaps
     x = np.ones(3, dtype=np.float32)

@@ -70,6 +70,8 @@ def test_reductions_in_pieces(comm, tiny_limit, dtype, op, async_op):
     if async_op:
         work.wait()
     assert_close_all(to_f64(out), ref, rtol=2 ** -8, what=f"reduce_scatter {op}")
+    if dtype == torch.bfloat16 and op != "prod":
+        return  # 16 bits on the wire in bounded segments (mpicomm.reduce16): never in pieces
     assert_all({"piece", "reduce_scatter_pieces"} <= set(tiny_limit), str(tiny_limit))
 
 

@@ -313,7 +313,7 @@ def test_from_deepspeed_loads_into_plain_and_zero_optimizers(comm, world, shared
     world.Barrier()
     t = truth()
     m = from_deepspeed(src, ours, comm=comm)
-    assert m.stage == (3 if stage == 3 else 1) and m.world_size == comm.size and m.step == STEP
+    assert m.stage == (2 if stage == 3 else 1) and m.world_size == comm.size and m.step == STEP
 
     # a plain optimizer gets the full state on every rank
     net = Net(dtype)

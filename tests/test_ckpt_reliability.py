@@ -262,7 +262,7 @@ def test_flipped_byte_names_tensor_and_block(tmp_path, capsys):
     assert code == ckpt_cli.EXIT_DAMAGED and f"BAD: 1 of {len(m.files['data.bin']['crc32'])} blocks" in out
     assert f"block {block} " in out and "'2.weight' state exp_avg" in out, out
     other = make_model(3)
-    opt = ZeroOptimizer(torch.optim.Adam, other.parameters(), stage=3, comm=self_comm(), lr=0.01)
+    opt = ZeroOptimizer(torch.optim.Adam, other.parameters(), stage=2, comm=self_comm(), lr=0.01)
     with pytest.raises(ckpt.ChecksumError, match=rf"checksum mismatch .*block {block} .*'2.weight' state exp_avg"):
         ckpt.load(tmp_path / "c", model=other, optimizer=opt, comm=MPI.COMM_SELF)
 
@@ -354,7 +354,7 @@ def test_load_into_a_different_model(tmp_path):
     # strict=False with an extra buffer: the optimizer's parameters all match, so it loads too
     grown = make_model(9)
     grown.register_buffer("counter", torch.tensor([3]))
-    opt = ZeroOptimizer(torch.optim.Adam, grown.parameters(), stage=3, comm=self_comm(), lr=0.5)
+    opt = ZeroOptimizer(torch.optim.Adam, grown.parameters(), stage=2, comm=self_comm(), lr=0.5)
     res = ckpt.load(tmp_path / "c", model=grown, optimizer=opt, comm=MPI.COMM_SELF, strict=False)
     assert res.optimizer_loaded and res.missing == ["counter"] and not res.unexpected and not res.mismatched
     assert same_state(torch.nn.Sequential(*list(grown.children())), saved) and int(grown.counter) == 3
@@ -453,7 +453,7 @@ def same_everywhere(world, caught, failed_rank, step):
 def test_failure_on_one_rank_raises_everywhere(comm, world, shared_tmp_path, monkeypatch):
     last = world.Get_size() - 1
     model = make_model()
-    opt = ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=3, comm=comm, lr=0.01)
+    opt = ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=2, comm=comm, lr=0.01)
     ckpt.save(shared_tmp_path / "good", model=model, optimizer=opt, step=1, comm=comm)
     real_host = ckpt_io._host
 

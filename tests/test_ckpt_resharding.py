@@ -212,7 +212,7 @@ def _move_params():
 
 @pytest.mark.parametrize("move", _move_params())
 @pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 def test_reshard(world, shared_tmp_path, dtype_name, stage, opt_name, move):
     dtype = DTYPES[dtype_name]
@@ -235,7 +235,7 @@ def test_reshard(world, shared_tmp_path, dtype_name, stage, opt_name, move):
         if load_c is None:
             return
         r = load_c.rank
-        other = 3 if stage == 1 else 1
+        other = 2 if stage == 1 else 1
         # (a) same stage, with optimizer state; then train on and compare with a plain optimizer
         model = make_model(dtype, seed=2)
         opt = ZeroOptimizer(cls, model.parameters(), stage=stage, comm=load_c, **{**kw, "lr": 0.5})

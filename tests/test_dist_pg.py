@@ -108,6 +108,30 @@ def test_premul_sum_scales_then_sums(plain, world):
     assert_close_all(inp, keep.numpy(), what="PREMUL_SUM must not change the input")
 
 
+@pytest.mark.parametrize("async_op", [False, True])
+def test_premul_sum_of_bf16_rounds_once(plain, world, async_op):
+    """bfloat16 PREMUL_SUM: the float32 sum times the factor, rounded once (numpy reference);
+    a premultiply rounded to bfloat16 first would differ: 0.3 * x is not a bfloat16 value."""
+    n, f = world.size, 0.3
+    x = (torch.arange(40, dtype=torch.float32) * 1.37 + world.rank * 0.71).to(torch.bfloat16)
+    rows = np.stack(world.allgather(x.float().numpy()))
+    acc = rows[0].copy()
+    for row in rows[1:]:
+        acc = acc + row
+    want = torch.from_numpy(acc * np.float32(f)).to(torch.bfloat16)
+    t = x.clone()
+    work = dist.all_reduce(t, op=dist._make_nccl_premul_sum(f), async_op=async_op)
+    if async_op:
+        work.wait()
+    out = torch.empty(4, dtype=torch.bfloat16)
+    inp = x[:4 * n].clone()
+    dist.reduce_scatter_tensor(out, inp, op=dist._make_nccl_premul_sum(f))
+    assert_all(torch.equal(t, want), f"all_reduce gave {t[:4].tolist()}, want {want[:4].tolist()}")
+    assert_all(torch.equal(out, want[4 * world.rank:4 * world.rank + 4]),
+               f"reduce_scatter gave {out.tolist()}")
+    assert_all(torch.equal(inp, x[:4 * n]), "PREMUL_SUM must not change the input")
+
+
 @pytest.mark.parametrize("name", ["BAND", "BOR", "BXOR"])
 def test_bitwise_ops(plain, world, name):
     vals = [(0b1011 << r) | r for r in range(world.size)]

@@ -11,6 +11,7 @@ import sys
 from bench.records import validate_record
 from compressed.wire_format import P1_TRAILER
 from mpitest import mpiexec_cmd
+from zero.quantize import BLOCK
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -43,9 +44,14 @@ def test_bench_zero_counts_bytes(tmp_path):
     assert ob["Alltoall"] == world * (chunk // 8 + P1_TRAILER)
     assert "Reduce_scatter_block" not in ob and ob["Allgather"] == 4 * local1   # weights only, no fp32 else
     assert ob["Allreduce"] == z1["Allreduce"] == 5 * 8       # the one small check per step
+    # int8 weight gather: one byte per element of the shard, one fp32 scale per block, padding to 4
+    q = rows["ZeRO-1 1-bit Adam (frozen), int8 gather"]["by_call"]
+    assert q["Allgather"] == math.ceil(local1 / BLOCK) * 4 + math.ceil(local1 / 4) * 4
+    assert q["Alltoall"] == ob["Alltoall"]
+    assert rows["ZeRO-1 Adam, int8 gather"]["by_call"]["Allgather"] == q["Allgather"]
     assert rows["ZeRO-1 Adam"]["bytes_per_step"] >= sum(z1.values())   # the busiest rank's total
     mem = [r for r in records if r["op"] == "memory"]
-    assert len(mem) == 5 and all(r["peak_mib_per_rank"] is not None and len(r["peak_mib_per_rank"]) == 2
+    assert len(mem) == 4 and all(r["peak_mib_per_rank"] is not None and len(r["peak_mib_per_rank"]) == 2
                                  or r["note"].startswith("did not run") for r in mem), mem
     times = [r for r in records if r["op"] == "time"]
     assert [r["peer"] for r in times][0] == "DDP+AdamW gloo" and times[0]["x_ddp_gloo"] == 1.0

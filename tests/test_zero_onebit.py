@@ -1,4 +1,4 @@
-"""1-bit Adam inside ZeroOptimizer (stages 1 and 3): warm-up is ZeRO Adam, then compressed momenta.
+"""1-bit Adam inside ZeroOptimizer (stages 1 and 2): warm-up is ZeRO Adam, then compressed momenta.
 
 References: ZeroOptimizer(torch.optim.Adam) for the warm-up (itself checked against plain torch
 elsewhere), compressed.OnebitAdam without ZeRO for convergence, the communicator's calls for
@@ -44,7 +44,7 @@ def train(model, opt, steps: int, rank: int, dtype=torch.float32) -> float:
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("wd", [0.0, 0.01])
 def test_warmup_equals_zero_adam(mode, stage, wd):
     comm = mpicomm.init()
@@ -96,7 +96,7 @@ class Calls:
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", [1, 2])
 def test_frozen_phase_compressed_and_ranks_agree(stage):
     comm = mpicomm.init()
     model = make_model()
@@ -123,7 +123,7 @@ def test_frozen_phase_compressed_and_ranks_agree(stage):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_converges_like_onebit_adam(mode, stage, dtype):
     comm = mpicomm.init()
@@ -142,7 +142,7 @@ def test_converges_like_onebit_adam(mode, stage, dtype):
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", [1, 2])
 def test_resume_after_freeze_is_exact_at_the_same_size(shared_tmp_path, stage):
     comm = mpicomm.init()
     model = make_model()

@@ -47,7 +47,7 @@ def _rows_from_layout(layout):
     return rows
 
 
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 7])
 @pytest.mark.parametrize("numels", NUMELS, ids=lambda n: "x".join(map(str, n)))
 def test_layout_matches_numpy_padding(numels, world, stage):
@@ -58,7 +58,7 @@ def test_layout_matches_numpy_padding(numels, world, stage):
     np.testing.assert_array_equal(_rows_from_layout(layout), expected)
 
 
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_layout_covers_each_element_once(stage):
     numels = [13, 64, 9, 2, 100, 1]
     for world in range(1, 9):
@@ -74,7 +74,7 @@ def test_layout_covers_each_element_once(stage):
 
 def test_layout_rejects_bad_arguments():
     with pytest.raises(ValueError, match="stage"):
-        ShardLayout([3], 2, 2)
+        ShardLayout([3], 2, 4)
     with pytest.raises(ValueError, match="world_size"):
         ShardLayout([3], 0, 1)
     with pytest.raises(ValueError, match="rank"):

@@ -1,7 +1,8 @@
 """The sharded (ZeRO-style) optimizer: fp32 master weights and optimizer state split over ranks.
 
     from zero import ZeroOptimizer
-    opt = ZeroOptimizer(torch.optim.AdamW, model.parameters(), stage=1, comm=comm, lr=1e-3)
+    opt = ZeroOptimizer(torch.optim.AdamW, model.parameters(), stage=2, comm=comm, lr=1e-3,
+                        gather_bits=8)      # stage 1: state sharded; 2: gradients too; int8 gather
     loss.backward(); opt.step(); opt.zero_grad()
 
 Gradients are averaged onto their shard owners from backward hooks, the wrapped optimizer steps
@@ -11,7 +12,8 @@ any optimizer, at any world size, through its public shard groups (``ShardGroup`
 What lives where:
     optimizer   ZeroOptimizer and ShardGroup (one parameter group's shard on this rank)
     partition   which elements each rank owns: ShardLayout, Segment, split_evenly (pure, no MPI)
-    buckets     gradient reduction onto the owners in buckets, from backward hooks
+    buckets     the bucket plan (once, for both directions); gradient reduction from backward hooks
+    quantize    symmetric int8 per block for the weight all-gather (gather_bits=8; pure, no MPI)
     inner       which wrapped optimizers can run on a shard
     onebit      1-bit Adam on the shards (compressed reduce-scatter onto the owners)
 
@@ -21,5 +23,7 @@ from __future__ import annotations
 
 from .optimizer import ShardGroup, ZeroOptimizer
 from .partition import STAGES, Segment, ShardLayout, ceil_div, split_evenly
+from .quantize import GATHER_BITS
 
-__all__ = ["STAGES", "Segment", "ShardGroup", "ShardLayout", "ZeroOptimizer", "ceil_div", "split_evenly"]
+__all__ = ["GATHER_BITS", "STAGES", "Segment", "ShardGroup", "ShardLayout", "ZeroOptimizer", "ceil_div",
+           "split_evenly"]

@@ -1,12 +1,15 @@
-"""Gradient buckets of a ZeroOptimizer, reduce-scattered onto their shard owners without blocking.
+"""Bucket planning for a ZeroOptimizer (once, for both directions), and the gradient reduction.
 
 A bucket is a column range [lo, hi) of a group's (world, local) padded layout: row r of it goes to
-rank r. Stage 3 buckets follow parameter boundaries (a bucket holds whole parameters); stage 1
-buckets are column ranges of at most ``bucket_bytes``, each touching ``world`` stretches of the
-flat group. Buckets are planned from the last parameter (the highest columns) to the first, the
-order backward produces gradients in, and always launched in that fixed order, so every rank
-issues the same collectives in the same order whatever order its gradients become ready in.
-A bucket's fp32 send buffer exists only while it is in flight.
+rank r. ``plan_buckets`` cuts each group into buckets of at most ``bucket_bytes`` of fp32 per
+column range: in a per-parameter layout (stage 2) at parameter boundaries (a bucket holds whole
+parameters, unless one parameter alone is wider); in the flat layout (stage 1) every ``width``
+columns, each bucket touching ``world`` stretches of the flat group. Buckets are planned from
+the last parameter (the highest columns) to the first, the order backward produces gradients
+in. ``GradReducer`` reduce-scatters the gradients onto their owners bucket by bucket, always in
+that fixed order, so every rank issues the same collectives in the same order whatever order
+its gradients become ready in; ``ZeroOptimizer.gather_params`` all-gathers the weights back
+through the same buckets. A bucket's fp32 send buffer exists only while it is in flight.
 """
 from __future__ import annotations
 
@@ -32,22 +35,57 @@ class Bucket:
     launched: bool = False
 
 
+def plan_buckets(gi: int, layout: Any, bucket_bytes: int) -> list[Bucket]:
+    """Buckets of group ``gi`` (its ``ShardLayout``), from the highest columns down, each at most
+    ``bucket_bytes`` of fp32 over all ranks (one column range is ``world`` elements wide)."""
+    world = layout.world_size
+    width = max(1, int(bucket_bytes) // (4 * world))
+    if layout.per_param:
+        offsets = [0]
+        for n in layout.numels:
+            offsets.append(offsets[-1] + ceil_div(n, world))
+        cuts = [layout.local_numel]
+        for pi in reversed(range(len(layout.numels))):
+            if cuts[-1] - offsets[pi] > width and offsets[pi + 1] < cuts[-1]:
+                cuts.append(offsets[pi + 1])
+        cuts.append(0)
+    else:
+        cuts = list(range(layout.local_numel, 0, -width)) + [0]
+    segs = layout.all_segments()
+    out = []
+    for hi, lo in zip(cuts, cuts[1:]):
+        if lo >= hi:
+            continue
+        pieces = []
+        for r, s in segs:
+            a, z = max(s.local, lo), min(s.local + s.length, hi)
+            if a < z:
+                pieces.append((r, s.param, s.start + a - s.local, a - lo, z - a))
+        out.append(Bucket(gi, tuple(sorted({pc[1] for pc in pieces})), lo, hi, pieces))
+    return out
+
+
 class GradReducer:
     """Plans buckets over ``groups`` (objects with ``params``, ``layout``, ``master``) and reduces
-    the model's gradients into each group's ``master.grad`` (this rank's mean-gradient shard)."""
+    the model's gradients into each group's ``master.grad`` (this rank's mean-gradient shard).
 
-    def __init__(self, groups: list, comm: Any, stage: int, bucket_bytes: int, release: bool = False) -> None:
+    ``release``: drop each ``p.grad`` once all of it is in a send buffer, and keep at most
+    ``MAX_IN_FLIGHT`` buckets in flight (waiting for the oldest before launching another), so no
+    full-size gradient is kept (stage 2)."""
+
+    MAX_IN_FLIGHT = 2
+
+    def __init__(self, groups: list, comm: Any, bucket_bytes: int, release: bool = False) -> None:
         self.groups = groups
-        self.release = release                             # drop p.grad once all of it is sent
+        self.release = release
         self.released: set[tuple[int, int]] = set()
         self.comm = comm
         self.world = int(comm.size)
         self.rank = int(comm.rank)
-        self.stage = stage
         self.buckets: list[Bucket] = []
         self.where: dict[tuple[int, int], list[int]] = {}   # (group, param) -> bucket indices
         for gi in reversed(range(len(groups))):
-            self._plan(gi, groups[gi], max(1, int(bucket_bytes) // (4 * self.world)))
+            self.buckets += plan_buckets(gi, groups[gi].layout, bucket_bytes)
         for bi, b in enumerate(self.buckets):
             for pi in b.params:
                 self.where.setdefault((b.group, pi), []).append(bi)
@@ -55,31 +93,6 @@ class GradReducer:
         self.next = 0                                      # first bucket not launched yet
         self.done = 0                                      # buckets before this one are finished
         self.stale = False                                 # a launched bucket's gradient changed
-
-    def _plan(self, gi: int, g: Any, width: int) -> None:
-        layout = g.layout
-        if self.stage == 3:
-            offsets = [0]
-            for n in layout.numels:
-                offsets.append(offsets[-1] + ceil_div(n, self.world))
-            cuts = [layout.local_numel]
-            for pi in reversed(range(len(layout.numels))):
-                if cuts[-1] - offsets[pi] > width and offsets[pi + 1] < cuts[-1]:
-                    cuts.append(offsets[pi + 1])
-            cuts.append(0)
-        else:
-            cuts = list(range(layout.local_numel, 0, -width)) + [0]
-        segs = layout.all_segments()
-        for hi, lo in zip(cuts, cuts[1:]):
-            if lo >= hi:
-                continue
-            pieces = []
-            for r, s in segs:
-                a, z = max(s.local, lo), min(s.local + s.length, hi)
-                if a < z:
-                    pieces.append((r, s.param, s.start + a - s.local, a - lo, z - a))
-            params = tuple(sorted({pc[1] for pc in pieces}))
-            self.buckets.append(Bucket(gi, params, lo, hi, pieces))
 
     # -- readiness (called from gradient hooks) ----------------------------------------------------
 
@@ -108,6 +121,10 @@ class GradReducer:
     # -- launching and finishing ---------------------------------------------------------------
 
     def _launch(self, b: Bucket) -> None:
+        if self.release:
+            while self.next - self.done >= self.MAX_IN_FLIGHT:
+                self._wait(self.buckets[self.done])
+                self.done += 1
         params = self.groups[b.group].params
         cols = b.hi - b.lo
         dev = self.groups[b.group].master.device

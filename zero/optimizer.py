@@ -14,6 +14,7 @@ from .partition import STAGES, ShardLayout
 from .buckets import GradReducer
 from .inner import check_inner, is_onebit
 from .onebit import ShardedOnebitAdam
+from .quantize import check_gather_bits, dequantize, packed_bytes, quantize_into
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 log = logging.getLogger("zero")
@@ -25,6 +26,13 @@ _MODIFIED = (
     "clips with a rank-local norm and torch.amp.GradScaler.unscale_ unscales rank-local gradients: "
     "both are wrong here. Clip with opt.clip_grad_norm_(max_norm) (the norm of the averaged "
     "gradient), scale the loss instead of the gradients, and call opt.zero_grad() before backward.")
+
+_STAGE3 = (
+    "ZeroOptimizer: stage 3 (parameters sharded too, gathered around each module's forward and "
+    "backward) is not provided; shard the model with torch.distributed.fsdp.fully_shard on "
+    "dist.init_process_group('mpicomm') with a plain torch optimizer, and save it with "
+    "ckpt.save(path, model=model, optimizer=opt, comm=comm). ZeroOptimizer offers stage=1 "
+    "(optimizer state sharded) and stage=2 (gradients sharded too)")
 
 
 @dataclass
@@ -43,35 +51,48 @@ class ShardGroup:
     layout: ShardLayout
     master: torch.Tensor
     dtype: torch.dtype
-    buckets: list | None = None              # column ranges for gather_params (internal)
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
     """Shard fp32 master weights and the state of ``optimizer_class`` over the ranks of ``comm``.
 
-    The model's gradients are averaged onto their shard owners (stage 1: each parameter group
-    as one flat padded buffer split evenly; stage 3: every parameter split on its own) in buckets
-    of at most ``bucket_bytes``, launched from gradient hooks as backward produces them when
-    ``overlap`` (the default), so ``step()`` mostly waits. ``step()`` then runs the wrapped
-    optimizer on the shard and all-gathers the weights back into the model (cast to its dtype;
-    the model keeps full weights on every rank). A parameter whose ``grad`` is None counts as a
-    zero gradient. Under ``with opt.no_sync():`` backward only accumulates locally (use it for
-    all micro-batches but the last). ``clip_grad_norm_`` clips the averaged gradient;
-    ``skip_nonfinite=True`` skips a step on every rank when any averaged gradient is inf/NaN
-    (counted in ``skipped_steps``). ``release_grads=True`` sets each parameter's ``grad`` to None
-    once all of it has been sent (less memory; gradients are then only available averaged, in
-    the shards). ``compressed.OnebitAdam`` as ``optimizer_class`` gives 1-bit
-    Adam on the shards. Save and load with ``ckpt.save`` / ``ckpt.load``.
+    The model's gradients are averaged onto their shard owners in buckets of at most
+    ``bucket_bytes``, launched from gradient hooks as backward produces them when ``overlap``
+    (the default), so ``step()`` mostly waits. ``step()`` then runs the wrapped optimizer on the
+    shard and all-gathers the weights back into the model (cast to its dtype; the model keeps
+    full weights on every rank).
+
+    ``stage=1``: the fp32 masters and the optimizer state are sharded (each parameter group one
+    flat padded buffer split evenly); every rank keeps the model's full gradients until
+    ``zero_grad()``. ``stage=2``: gradients are sharded too: every parameter is split on its own,
+    each ``p.grad`` is set to None as soon as its bucket is sent and at most two buckets are in
+    flight, so after backward a rank holds only its averaged gradient shard (run all
+    micro-batches but the last under ``no_sync()``). Stage 3 is refused: use FSDP2.
+
+    ``gather_bits=8`` all-gathers the weights as symmetric int8 per block of
+    ``zero.quantize.BLOCK`` elements with one fp32 scale each (ZeRO++ qwZ); the owners keep
+    exact fp32 masters (what a checkpoint saves), only the model's working copy is dequantized
+    (error per block at most max|block| / 254).
+
+    A parameter whose ``grad`` is None counts as a zero gradient. Under ``with opt.no_sync():``
+    backward only accumulates locally (use it for all micro-batches but the last).
+    ``clip_grad_norm_`` clips the averaged gradient; ``skip_nonfinite=True`` skips a step on
+    every rank when any averaged gradient is inf/NaN (counted in ``skipped_steps``).
+    ``compressed.OnebitAdam`` as ``optimizer_class`` gives 1-bit Adam on the shards. Save and
+    load with ``ckpt.save`` / ``ckpt.load``.
     """
 
     def __init__(self, optimizer_class: type[torch.optim.Optimizer], params: Iterable[Any],
                  stage: int = 1, comm: Any = None, bucket_bytes: int = 32 << 20, *,
-                 overlap: bool = True, skip_nonfinite: bool = False, release_grads: bool = False,
+                 overlap: bool = True, skip_nonfinite: bool = False, gather_bits: int | None = None,
                  **optimizer_kwargs: Any) -> None:
         import mpicomm
 
+        if stage == 3:
+            raise ValueError(_STAGE3)
         if stage not in STAGES:
             raise ValueError(f"ZeroOptimizer: expected stage in {STAGES}, got {stage!r}")
+        self.gather_bits = check_gather_bits(gather_bits)
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise TypeError(f"ZeroOptimizer: expected a torch.optim.Optimizer subclass, got {optimizer_class!r}")
         check_inner(optimizer_class)
@@ -87,7 +108,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.skip_nonfinite = bool(skip_nonfinite)
         self.skipped_steps = 0
         self.last_step_skipped = False
-        self._scratch_bufs: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        self._scratch_bufs: dict[tuple[torch.dtype, torch.device, int], torch.Tensor] = {}
 
         groups = list(params)
         if not groups:
@@ -130,8 +151,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # gradient traffic on a communicator of its own: buckets launched from hooks at different
         # times on different ranks can never be matched with the caller's collectives on ``comm``
         self._grad_comm = self.comm.dup() if self.world_size > 1 else self.comm
-        self.release_grads = bool(release_grads)
-        self._reducer = GradReducer(self._groups, self._grad_comm, stage, self.bucket_bytes, self.release_grads)
+        self._reducer = GradReducer(self._groups, self._grad_comm, self.bucket_bytes, release=stage == 2)
         self._accumulating = False
         self._seen: dict[tuple[int, int], tuple[Any, int]] = {}   # grad (weak) and its version at hook time
         self._synced: tuple[float, float] | None = None                     # (norm_type, norm) once reduced
@@ -219,10 +239,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return self._synced[1], bool(self._finite)
         averaging = self._averages_grads()
         for attempt in range(2):
+            modified = self._modified()      # before finish() releases (stage 2) what it sends
             if averaging:
                 self._reducer.finish()
             acc, finite = self._local_power(norm_type)
-            modified = self._modified()
             stale = self._reducer.stale if averaging else False
             by_max = math.isinf(norm_type)
             # [norm power, non-finite, modified count, stale, which ranks modified (bit mask)]
@@ -236,10 +256,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 ranks = "unknown (inf norm)" if by_max else \
                     [r for r in range(min(self.world_size, 53)) if int(vec[4]) >> r & 1]
                 raise RuntimeError(_MODIFIED.format(n=int(vec[2]), ranks=ranks))
-            if vec[3] > 0 and self.release_grads:
+            if vec[3] > 0 and self._reducer.release:
                 self._end_cycle()
-                raise RuntimeError("ZeroOptimizer(release_grads=True): backward ran again after gradients were "
-                                   "sent and released; run all micro-batches but the last under opt.no_sync()")
+                raise RuntimeError("ZeroOptimizer(stage=2): backward ran again after gradients were sent and "
+                                   "released; run all micro-batches but the last under opt.no_sync()")
             if vec[3] > 0 and attempt == 0:
                 # a bucket's gradient grew after it was sent (backward again without no_sync):
                 # every rank sends all buckets again, now that all gradients are final
@@ -286,29 +306,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     # -- training -------------------------------------------------------------------------------
 
-    def _buckets(self, g: ShardGroup) -> list[tuple[int, int, list[tuple[int, int, int, int, int]]]]:
-        """Column ranges [c0, c1) of the (world, local) padded buffer, at most ``bucket_bytes``
-        of fp32 per range, with the pieces (rank, param, param start, column, length) in each."""
-        if g.buckets is None:
-            width = max(1, self.bucket_bytes // (4 * g.layout.world_size))
-            out = []
-            segs = g.layout.all_segments()
-            for c0 in range(0, g.layout.local_numel, width):
-                c1 = min(c0 + width, g.layout.local_numel)
-                pieces = []
-                for r, s in segs:
-                    a, b = max(s.local, c0), min(s.local + s.length, c1)
-                    if a < b:
-                        pieces.append((r, s.param, s.start + a - s.local, a - c0, b - a))
-                out.append((c0, c1, pieces))
-            g.buckets = out
-        return g.buckets
-
-    def _scratch(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        buf = self._scratch_bufs.get((dtype, device))
+    def _scratch(self, numel: int, dtype: torch.dtype, device: torch.device, slot: int = 0) -> torch.Tensor:
+        buf = self._scratch_bufs.get((dtype, device, slot))
         if buf is None or buf.numel() < numel:
             buf = torch.empty(numel, dtype=dtype, device=device)
-            self._scratch_bufs[(dtype, device)] = buf
+            self._scratch_bufs[(dtype, device, slot)] = buf
         return buf[:numel]
 
     @torch.no_grad()
@@ -345,18 +347,26 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def gather_params(self) -> None:
-        """All-gather the fp32 master shards into the model weights (cast to the model dtype),
-        through buffers of at most ``bucket_bytes``."""
+        """All-gather the fp32 master shards into the model weights (cast to the model dtype, or
+        int8 per block with ``gather_bits=8``), bucket by bucket (collective)."""
         world = self.world_size
-        for g in self._groups:
-            for c0, c1, pieces in self._buckets(g):
-                buf = self._scratch(world * (c1 - c0), g.dtype, g.master.device).view(world, c1 - c0)
-                shard = g.master[c0:c1]
-                if g.dtype != torch.float32:
-                    shard = shard.to(g.dtype)
-                self._grad_comm.all_gather_into_tensor(buf.reshape(-1), shard)
-                for r, pi, st, col, n in pieces:
-                    g.params[pi].view(-1)[st:st + n].copy_(buf[r, col:col + n])
+        for b in self._reducer.buckets:
+            g = self._groups[b.group]
+            n = b.hi - b.lo
+            shard = g.master[b.lo:b.hi]
+            if self.gather_bits == 8:
+                w = packed_bytes(n)
+                row = self._scratch(w, torch.uint8, shard.device)
+                quantize_into(shard, row)
+                packed = self._scratch(world * w, torch.uint8, shard.device, slot=1).view(world, w)
+                self._grad_comm.all_gather_into_tensor(packed.reshape(-1), row)
+                buf = dequantize(packed, n)
+            else:
+                buf = self._scratch(world * n, g.dtype, shard.device).view(world, n)
+                self._grad_comm.all_gather_into_tensor(buf.reshape(-1), shard if g.dtype == torch.float32
+                                                       else shard.to(g.dtype))
+            for r, pi, st, col, k in b.pieces:
+                g.params[pi].view(-1)[st:st + k].copy_(buf[r, col:col + k])
 
     def _sync_hyperparams(self) -> None:
         for outer, inner in zip(self.param_groups, self.optimizer.param_groups):
@@ -394,7 +404,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         raise NotImplementedError("ZeroOptimizer holds a shard of the state; load it with ckpt.load(...)")
 
     def __repr__(self) -> str:
-        return (f"ZeroOptimizer({self.optimizer_class.__name__}, stage={self.stage}, "
+        bits = "" if self.gather_bits is None else f", gather_bits={self.gather_bits}"
+        return (f"ZeroOptimizer({self.optimizer_class.__name__}, stage={self.stage}{bits}, "
                 f"rank={self.rank}/{self.world_size}, groups={len(self._groups)})")
 
 

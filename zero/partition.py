@@ -5,7 +5,11 @@ import bisect
 from dataclasses import dataclass
 from typing import Sequence
 
-STAGES = (1, 3)
+#: the stages ZeroOptimizer runs (1: optimizer state sharded; 2: gradients too)
+STAGES = (1, 2)
+#: the layouts ShardLayout knows: 1 flat; 2 and 3 each parameter split on its own (ZeroOptimizer's
+#: stage 2, and DeepSpeed's ZeRO-3 partition, read when importing its checkpoints)
+LAYOUT_STAGES = (1, 2, 3)
 
 
 @dataclass(frozen=True)
@@ -44,16 +48,17 @@ class ShardLayout:
 
     Stage 1: the group's parameters are flattened one after another, padded to a multiple
     of ``world_size`` and split evenly; rank r owns elements [r*L, (r+1)*L) of that buffer.
-    Stage 3: every parameter is split on its own into ``ceil(numel / world_size)``-element
-    pieces; rank r's shard is its piece of each parameter in turn, each padded to full size.
+    Stages 2 and 3: every parameter is split on its own into ``ceil(numel / world_size)``-element
+    pieces; rank r's shard is its piece of each parameter in turn, each padded to full size
+    (ZeroOptimizer's stage 2 layout, and DeepSpeed ZeRO-3's partition).
     Either way every rank's local shard has ``local_numel`` elements and the padded full
     buffer, viewed as ``(world_size, local_numel)``, has rank r's shard in row r.
     """
 
     def __init__(self, numels: Sequence[int], world_size: int, stage: int,
                  param_ids: Sequence[int] | None = None) -> None:
-        if stage not in STAGES:
-            raise ValueError(f"expected stage in {STAGES}, got {stage!r}")
+        if stage not in LAYOUT_STAGES:
+            raise ValueError(f"expected stage in {LAYOUT_STAGES}, got {stage!r}")
         if world_size < 1:
             raise ValueError(f"expected world_size >= 1, got {world_size}")
         if any(n < 0 for n in numels):
@@ -61,12 +66,13 @@ class ShardLayout:
         self.numels = tuple(int(n) for n in numels)
         self.world_size = int(world_size)
         self.stage = int(stage)
+        self.per_param = self.stage >= 2
         ids = range(len(self.numels)) if param_ids is None else param_ids
         if len(ids) != len(self.numels):
             raise ValueError(f"expected {len(self.numels)} param_ids, got {len(ids)}")
         self.param_ids = tuple(int(i) for i in ids)
         self.total_numel = sum(self.numels)
-        if self.stage == 1:
+        if not self.per_param:
             self._offsets = [0]
             for n in self.numels:
                 self._offsets.append(self._offsets[-1] + n)
@@ -90,10 +96,10 @@ class ShardLayout:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"expected 0 <= rank < {self.world_size}, got {rank}")
         if rank not in self._cache:
-            self._cache[rank] = tuple(self._stage1(rank) if self.stage == 1 else self._stage3(rank))
+            self._cache[rank] = tuple(self._per_param(rank) if self.per_param else self._flat(rank))
         return self._cache[rank]
 
-    def _stage1(self, rank: int) -> list[Segment]:
+    def _flat(self, rank: int) -> list[Segment]:
         lo = rank * self.local_numel
         hi = min(lo + self.local_numel, self.total_numel)
         out: list[Segment] = []
@@ -110,7 +116,7 @@ class ShardLayout:
             i += 1
         return out
 
-    def _stage3(self, rank: int) -> list[Segment]:
+    def _per_param(self, rank: int) -> list[Segment]:
         out: list[Segment] = []
         for i, (n, piece) in enumerate(zip(self.numels, self.pieces)):
             start = rank * piece

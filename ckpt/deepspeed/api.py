@@ -83,7 +83,8 @@ def from_deepspeed(ds_checkpoint_dir: str | os.PathLike, path: str | os.PathLike
     Collective over ``comm`` (None: mpicomm's world); each rank reads only the parameters of
     its own shard. The result holds the model weights (DeepSpeed's dtype), fp32 masters, the
     optimizer's exp_avg / exp_avg_sq / step and hyperparameters, sharded like a
-    ``ZeroOptimizer`` of the same stage (ZeRO-2 maps to stage 1) over ``comm``; it loads with
+    ``ZeroOptimizer`` over ``comm`` (ZeRO-1/2 as stage 1, ZeRO-3 as stage 2: each parameter split
+    on its own, the ZeRO-3 partition); it loads with
     ``ckpt.load`` at any world size. DeepSpeed's files are pickles: they are loaded weights-only
     with an allowlist of DeepSpeed's classes (as inert stand-ins), so no code runs and any other
     global is refused; ``allow_pickle`` is accepted for compatibility and unnecessary. Every zip
@@ -112,7 +113,7 @@ def _read(folder: str, meta: DeepSpeedState, comm: mpicomm.Communicator, progres
           ) -> tuple[DeepSpeedState, list[list[str]], int]:
     """The tensors of DeepSpeed checkpoint ``folder`` that this rank needs (no communication),
     with the parameter names of each group and our ZeRO stage."""
-    stage = 3 if meta.stage == 3 else 1
+    stage = 2 if meta.stage == 3 else 1      # stage 2 splits each parameter as ZeRO-3 does
     by_group: list[list[str]] = [[n for n in meta.names if meta.group[n] == gi]
                                  for gi in range(len(meta.param_groups))]
     layouts = [(names, ShardLayout([meta.numel(n) for n in names], comm.size, stage)) for names in by_group]
