@@ -8,10 +8,11 @@ snapshot memory), ``ckpt.load`` at
 ``--load-ranks`` with each rank's peak RSS growth, and checks the loaded state. When DeepSpeed is
 importable it then runs the same model through DeepSpeed (gloo, CPU): ``save_checkpoint`` at
 ``--save-ranks``, ``ds_to_universal``, and a universal ``load_checkpoint`` at ``--load-ranks``,
-each in worker processes started here. FSDP2 rows (``--fsdp2-ranks``): the same model under
-``fully_shard`` with AdamW, ckpt save + load beside torch DCP save + fsync of its files + load, and
-ckpt's async save (the first, which allocates its host memory, and one in steady state). Without DeepSpeed the table says that it did not run (a
-figure of your own can be given with ``--reference-s`` and is labelled as such).
+each in worker processes started here. Without DeepSpeed the table says that it did not run (a
+figure of your own can be given with ``--reference-s`` and is labelled as such). FSDP2 rows
+(``--fsdp2-ranks``): the same model under ``fully_shard`` with AdamW, ckpt save + load beside torch
+DCP save + fsync of its files + load, and ckpt's async save (the first, which allocates its host
+memory, and one in steady state).
 """
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="run DeepSpeed side by side: auto = when importable (default)")
     p.add_argument("--fsdp2-ranks", type=int, default=None,
                    help="ranks of the FSDP2 rows: the same model + AdamW under fully_shard, ckpt beside torch DCP "
-                        "(save + fsync + load), async save first and steady (default 2, or 1 in a 1-rank run; 0 skips them)")
+                        "(save + fsync + load), async save first and steady (default 2, or 1 in a 1-rank run; "
+                        "0 skips them)")
     p.add_argument("--fsdp2-reps", type=int, default=2, help="FSDP2 save/load repetitions, best kept (default 2)")
     p.add_argument("--json", default=None, help="write the records as JSON to this file")
     return p
