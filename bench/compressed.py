@@ -15,17 +15,27 @@ For every size (bytes of float32 input per rank) it measures, side by side in on
 
 Opt-in rows (``--ops``; ``OnebitAllreduce``, which owns its error buffers and defers updates):
 
-- ``all_reduce:1bit-ar``   ``compressed.OnebitAllreduce.allreduce_`` (in place, like the row above);
+- ``all_reduce:1bit-ar``   ``compressed.OnebitAllreduce.allreduce_`` (in place, like the row above),
+                           hierarchical or flat as the default decides (several nodes with
+                           several ranks each: hierarchical);
+- ``all_reduce:1bit-flat`` the same with ``hierarchical=False`` (the flat algorithm);
+- ``all_reduce:1bit-hier`` the same with ``hierarchical=True`` (refused on one node, one rank per
+                           node or uneven nodes);
 - ``all_reduce:1bit-new``  ``compressed.OnebitAllreduce.__call__`` (returns a new tensor);
 - ``compress:fused``       its worker compression kernel, one pass: the previous call's error
                            update (x_prev - scale_prev * sign(x_prev)) + g into the spare buffer,
                            sum of squares, signs packed (``kernels.encode_into``), buffers swapped.
 
 ``x_fp32`` is each row's time over the fp32 allreduce's; ``wire(B)`` the bytes one rank sends
-(ring allreduce: 2(p-1)/p * size; compressed: both phases' messages). Correctness is checked
-once per size outside the timed loops: the fp32 sum against its known value, and the compressed
-result against a float64 simulation built on plain allreduce (positions whose compensated server
-value is within float noise of zero are not counted).
+(ring allreduce: 2(p-1)/p * size; compressed: both phases' messages, plus the full-precision
+messages inside the node when hierarchical). Correctness is checked once per size outside the
+timed loops: the fp32 sum against its known value, and the compressed result against a float64
+simulation built on plain allreduce (hierarchical: the node's mean, then the flat simulation
+across nodes; positions whose compensated server value is within float noise of zero are not
+counted). Under ``bench netsim`` the rows also get the bytes counted on the simulated links.
+
+``--crossover``: see ``bench.crossover`` (fp32 against each 1-bit API over sizes, the size from
+which 1-bit is faster, here and on netsim at each ``--rates``).
 """
 from __future__ import annotations
 
@@ -58,8 +68,28 @@ COLUMNS = (
 __all__ = ["main", "simulate_compressed", "check_compressed"]
 
 
-def simulate_compressed(g: np.ndarray, mpi_comm: MPI.Comm) -> tuple[np.ndarray, np.ndarray]:
-    """Float64 simulation of one compressed allreduce with zero errors: (output, compensated s)."""
+def simulate_compressed(g: np.ndarray, mpi_comm: MPI.Comm,
+                        hierarchy=None) -> tuple[np.ndarray, np.ndarray]:
+    """Float64 simulation of one compressed allreduce with zero errors: (output, compensated s).
+
+    ``hierarchy`` (a ``compressed.hierarchical.Hierarchy``, enabled): the node's mean, this
+    rank's part of it compressed across nodes, parts gathered in the node (its documented
+    semantics); only its node membership is taken from it."""
+    if hierarchy is not None and hierarchy.enabled:
+        node, cross = hierarchy.node.mpi_comm, hierarchy.cross.mpi_comm
+        L, n = node.Get_size(), g.size
+        padded = -(-n // (8 * mpi_comm.Get_size())) * 8 * mpi_comm.Get_size()
+        sub = padded // L
+        x = np.zeros(padded)
+        x[:n] = g
+        mean = np.empty(padded)
+        node.Allreduce(x / L, mean, op=MPI.SUM)
+        j = node.Get_rank()
+        out_part, s_part = simulate_compressed(mean[j * sub:(j + 1) * sub], cross)
+        out, s_all = np.empty(padded), np.empty(padded)
+        node.Allgather(np.ascontiguousarray(out_part), out)
+        node.Allgather(np.ascontiguousarray(s_part), s_all)
+        return out[:n], s_all[:n]
     p, r = mpi_comm.Get_size(), mpi_comm.Get_rank()
     n = g.size
     N = -(-n // (8 * p)) * 8 * p
@@ -89,28 +119,29 @@ def check_compressed(backend, g: np.ndarray, mpi_comm: MPI.Comm) -> int:
     we = torch.zeros(N)
     se = torch.zeros(N // p)
     out = backend.compressed_allreduce(torch.from_numpy(g.copy()), we, se, 0).numpy().astype(np.float64)
-    want, s = simulate_compressed(g.astype(np.float64), mpi_comm)
+    want, s = simulate_compressed(g.astype(np.float64), mpi_comm, backend.hierarchy)
     near0 = np.abs(s) <= 1e-5 * (np.abs(s).max() + 1e-30)
     bad = (np.abs(out - want) > 2e-6 * np.abs(want) + 1e-30) & ~near0
     return int(mpi_comm.allreduce(int(bad.sum()), op=MPI.SUM))
 
 
-def check_onebit(g: np.ndarray, mpi_comm: MPI.Comm, new: bool, kernels: str | None = None) -> int:
+def check_onebit(g: np.ndarray, mpi_comm: MPI.Comm, new: bool, kernels: str | None = None,
+                 hierarchical: bool | None = None) -> int:
     """Collective: positions where a fresh ``OnebitAllreduce`` of ``g`` disagrees with the simulation."""
     import torch
 
     import compressed
 
-    ar = compressed.OnebitAllreduce(mpi_comm, kernels=kernels)
+    ar = compressed.OnebitAllreduce(mpi_comm, kernels=kernels, hierarchical=hierarchical)
     t = torch.from_numpy(g.copy())
     out = (ar(t, key="check") if new else ar.allreduce_(t, key="check")).numpy().astype(np.float64)
-    want, s = simulate_compressed(g.astype(np.float64), mpi_comm)
+    want, s = simulate_compressed(g.astype(np.float64), mpi_comm, ar.backend.hierarchy)
     near0 = np.abs(s) <= 1e-5 * (np.abs(s).max() + 1e-30)
     bad = (np.abs(out - want) > 2e-6 * np.abs(want) + 1e-30) & ~near0
     return int(mpi_comm.allreduce(int(bad.sum()), op=MPI.SUM))
 
 
-def _cases(ops, g, lay, world, backend, fam, kernels, rng) -> dict:
+def _cases(ops, g, lay, world, backend, onebit, fam, kernels, rng) -> dict:
     """op -> (callable, peer, wire bytes per rank, correctness check or None), in table order."""
     import torch
 
@@ -141,7 +172,7 @@ def _cases(ops, g, lay, world, backend, fam, kernels, rng) -> dict:
     if "all_reduce:1bit" in ops:
         we, se, buf = torch.zeros(lay.padded), torch.zeros(lay.chunk), torch.from_numpy(g.copy())
         cases["all_reduce:1bit"] = (lambda: backend.compressed_allreduce(buf, we, se, 0), "mpicomm",
-                                    lay.wire_bytes(), lambda: check_compressed(backend, g, world))
+                                    backend.call_wire_bytes(n), lambda: check_compressed(backend, g, world))
     if "compress" in ops:
         we2, msg2 = f32(lay.padded), msg()
 
@@ -150,17 +181,24 @@ def _cases(ops, g, lay, world, backend, fam, kernels, rng) -> dict:
             fam.worker_residual(gk, we2, math.sqrt(ssq / lay.padded))
 
         cases["compress"] = (compress, "local", 0, None)
+    for op, hier in (("all_reduce:1bit-flat", False), ("all_reduce:1bit-hier", True)):
+        if op in ops:
+            arh = onebit[hier]
+            th = torch.from_numpy(g.copy())
+            cases[op] = (lambda a=arh, t=th: a.allreduce_(t, key=f"ar_{n}"), "mpicomm",
+                         arh.backend.call_wire_bytes(n),
+                         lambda h=hier: check_onebit(g, world, False, kernels, h))
     if "all_reduce:1bit-ar" in ops or "all_reduce:1bit-new" in ops:
-        import compressed
-
-        ar = compressed.OnebitAllreduce(world, kernels=kernels)
+        ar = onebit[None]
         t = torch.from_numpy(g.copy())
         if "all_reduce:1bit-ar" in ops:
-            cases["all_reduce:1bit-ar"] = (lambda: ar.allreduce_(t, key="ar_"), "mpicomm",
-                                           lay.wire_bytes(), lambda: check_onebit(g, world, False, kernels))
+            cases["all_reduce:1bit-ar"] = (lambda: ar.allreduce_(t, key=f"ar_{n}"), "mpicomm",
+                                           ar.backend.call_wire_bytes(n),
+                                           lambda: check_onebit(g, world, False, kernels))
         if "all_reduce:1bit-new" in ops:
-            cases["all_reduce:1bit-new"] = (lambda: ar(t, key="new"), "mpicomm",
-                                            lay.wire_bytes(), lambda: check_onebit(g, world, True, kernels))
+            cases["all_reduce:1bit-new"] = (lambda: ar(t, key=f"new{n}"), "mpicomm",
+                                            ar.backend.call_wire_bytes(n),
+                                            lambda: check_onebit(g, world, True, kernels))
     if "compress:fused" in ops:
         # torch-allocated (64-byte aligned) like OnebitAllreduce's buffers
         fused = {"e": f32(lay.padded), "x": f32(lay.padded), "pending": 0.0}
@@ -187,7 +225,8 @@ def _cases(ops, g, lay, world, backend, fam, kernels, rng) -> dict:
 
 
 DEFAULT_OPS = ("all_reduce", "all_reduce:1bit", "compress", "encode", "decompress", "memcpy")
-OPS = DEFAULT_OPS + ("all_reduce:1bit-ar", "all_reduce:1bit-new", "compress:fused")
+OPS = DEFAULT_OPS + ("all_reduce:1bit-ar", "all_reduce:1bit-new", "all_reduce:1bit-flat",
+                     "all_reduce:1bit-hier", "compress:fused")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -202,15 +241,36 @@ def _parser() -> argparse.ArgumentParser:
                         help=f"comma list of rows to measure (default {','.join(DEFAULT_OPS)}; "
                              f"also {','.join(o for o in OPS if o not in DEFAULT_OPS)})")
     parser.add_argument("--no-check", action="store_true", help="skip the correctness checks")
-    parser.add_argument("--rounds", type=int, default=3, metavar="R",
+    parser.add_argument("--rounds", type=int, default=None, metavar="R",
                         help="interleaved measurement rounds per size; each op keeps its best "
-                             "round (default 3)")
+                             "round (default 3; 1 with --crossover)")
+    parser.add_argument("--crossover", action="store_true",
+                        help="find the size from which 1-bit beats fp32: here and on netsim at "
+                             "each --rates (bench.crossover); --json/--plot get its results")
+    parser.add_argument("--rates", default="100mbit,1gbit,10gbit",
+                        help="with --crossover: netsim link rates ('' for none; default "
+                             "100mbit,1gbit,10gbit)")
+    parser.add_argument("--ranks", type=int, default=2,
+                        help="with --crossover outside mpiexec: ranks of the local run (default 2)")
     return parser
 
 
 def main(argv: list[str]) -> int:
     """Run the benchmark (collective over MPI.COMM_WORLD); 0 when every checked value was right."""
     args = _parser().parse_args(argv)
+    if args.crossover:
+        from . import crossover
+        default = common.parse_sizes("1K:64M")
+        args.crossover_sizes = (crossover.DEFAULT_SIZES if args.sizes == default
+                                else ",".join(str(s) for s in args.sizes))
+        args.rounds = 1 if args.rounds is None else args.rounds
+        try:
+            return crossover.run(args, MPI.COMM_WORLD)
+        except ValueError as exc:
+            print(f"bench compressed --crossover: {exc}", file=sys.stderr)
+            return 2
+    if args.rounds is None:
+        args.rounds = 3
     import compressed
     return _run(args, compressed)
 
@@ -227,13 +287,25 @@ def _run(args, compressed) -> int:
     fam = family_for(kernels, torch.device("cpu"))
     impl = fam.name
     ops = args.ops
-    rep = common.Reporter(BENCH, world, args, COLUMNS)
     backend = compressed.MpiBackend(comm=world, kernels=kernels)
+    onebit: dict = {}  # hierarchical setting -> OnebitAllreduce (made once: collective)
+    wanted = {"all_reduce:1bit-ar": None, "all_reduce:1bit-new": None,
+              "all_reduce:1bit-flat": False, "all_reduce:1bit-hier": True}
+    for op, hier in wanted.items():
+        if op in ops and hier not in onebit:
+            try:
+                onebit[hier] = compressed.OnebitAllreduce(world, kernels=kernels, hierarchical=hier)
+            except ValueError as exc:  # the same on every rank
+                if world.Get_rank() == 0:
+                    print(f"bench compressed: {op}: {exc}", file=sys.stderr)
+                return 2
+    rep = common.Reporter(BENCH, world, args, COLUMNS)
     most = len(backend.layout(max(args.sizes) // 4 or 1).pieces())
     rep.start(dtype="float32", extra=[
         f"kernels: {impl}; 1-bit messages: packed signs per chunk, scales in trailers "
         f"(compressed.wire_format); {most} piece(s) per phase at the largest size "
-        f"({'ranks on one node' if backend.comm.local_size == p else 'ranks on several nodes'})",
+        f"({'ranks on one node' if backend.comm.local_size == p else 'ranks on several nodes'}); "
+        f"default algorithm: {backend.hierarchy.describe()}",
         "x_fp32: time / fp32 all_reduce time at the same size; local rows run on every rank at once",
     ])
     summary: list[str] = []
@@ -243,7 +315,7 @@ def _run(args, compressed) -> int:
         lay = Layout(n, p)
         rng = np.random.default_rng(world.Get_rank())
         g = rng.standard_normal(n).astype(np.float32)
-        cases = _cases(ops, g, lay, world, backend, fam, kernels, rng)
+        cases = _cases(ops, g, lay, world, backend, onebit, fam, kernels, rng)
         best: dict[str, tuple[float, float, float]] = {}
         meter, sent = netsim.LinkMeter(world), {}  # bytes on the simulated links (netsim only)
         for _ in range(args.rounds):  # interleaved rounds: every op sees the same machine load
@@ -278,10 +350,19 @@ def _run(args, compressed) -> int:
             if meter.enabled:
                 counted = sum(sent["all_reduce"]) / max(1e-9, sum(sent["all_reduce:1bit"]))
                 parts.append(f"counted on the links fp32/1-bit {counted:.1f}x")
-        for op in ("all_reduce:1bit-ar", "all_reduce:1bit-new"):
+        for op in ("all_reduce:1bit-ar", "all_reduce:1bit-new", "all_reduce:1bit-flat",
+                   "all_reduce:1bit-hier"):
             if op in times and "all_reduce" in times:
                 parts.append(f"{op[11:]}/fp32 {times[op] / times['all_reduce']:.3f}x "
                              f"(fp32/{op[11:]} {times['all_reduce'] / times[op]:.1f}x)")
+        if "all_reduce:1bit-ar" in times and "all_reduce:1bit" in times:
+            parts.append(f"MpiBackend/OnebitAllreduce time "
+                         f"{times['all_reduce:1bit'] / times['all_reduce:1bit-ar']:.3f}x")
+        if "all_reduce:1bit-hier" in times and "all_reduce:1bit-flat" in times:
+            parts.append(f"hier/flat time {times['all_reduce:1bit-hier'] / times['all_reduce:1bit-flat']:.3f}x")
+            if meter.enabled:
+                counted = sum(sent["all_reduce:1bit-hier"]) / max(1e-9, sum(sent["all_reduce:1bit-flat"]))
+                parts.append(f"counted on the links hier/flat {counted:.3f}x")
         if "compress:fused" in times and "memcpy" in times:
             parts.append(f"fused compress (OnebitAllreduce) / memcpy "
                          f"{times['memcpy'] / times['compress:fused']:.2f}")

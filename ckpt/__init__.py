@@ -29,6 +29,8 @@ What lives where:
     planner_plain  ... for a plain torch optimizer (replicated state, extras included)
     planners       ``planner_for``: which planner serves an optimizer (the only module importing them all)
     items          ... for state items (``state=``) and optimizer extras: replicated or per rank
+    dtensor        DTensors through metadata only (local shard, placements, mesh): layout, checks across ranks
+    dtensor_layout pure: the global index ranges a mesh coordinate holds, and their runs of bytes
     stateful       RNG, PerRank, the per-rank protocol and its default rule (same_rank)
     tree           nested state as JSON plus raw tensors
     storage        working directory, commit, ``latest``, resolving paths, manifest and checksum checks

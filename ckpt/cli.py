@@ -68,6 +68,9 @@ def _inspect(args: argparse.Namespace) -> int:
         for i, g in enumerate(m.optimizer["param_groups"]):
             hp = {k: v for k, v in g.items() if k != "params"}
             print(f"    group {i}: {len(g['params'])} params, {hp}")
+    sharded = [t for t in m.tensors if t.boxes is not None]
+    if sharded:
+        print(f"  {len(sharded)} tensor(s) saved from DTensor shards (stored whole; --tensors lists the shards)")
     if m.extra is not None:
         print(f"  extra {json.dumps(m.extra)}")
     section = m.state or {}
@@ -78,8 +81,9 @@ def _inspect(args: argparse.Namespace) -> int:
     if args.tensors:
         print(f"  {'kind':<8} {'key':<12} {'dtype':<9} {'offset':>14} {'nbytes':>12}  name shape")
         for t in m.tensors:
+            shards = f" from {len(t.boxes)} DTensor shard(s)" if isinstance(t.boxes, list) else ""
             print(f"  {t.kind:<8} {t.key or '-':<12} {t.dtype:<9} {t.offset:>14} {t.nbytes:>12}  "
-                  f"{t.name} {list(t.shape)}")
+                  f"{t.name} {list(t.shape)}{shards}")
     else:
         rows = [(p.name + (" (buffer)" if p.buffer else ""), "x".join(map(str, p.shape)) or "scalar", p.dtype,
                  _fmt_size(_numel(p.shape) * ITEMSIZE[p.dtype])) for p in m.params]

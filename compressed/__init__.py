@@ -9,8 +9,10 @@ Public API:
   (``SizeMismatchError``). ``compressed_reduce_scatter`` is phase 1 alone.
 - ``padded_size(n, world_size)``: the worker error's size (n rounded up to 8 * world_size);
   the server error holds that / world_size.
-- ``OnebitAllreduce(comm)``: ``ar(tensor, key)`` returns the compressed mean as a new tensor,
-  keeping error buffers per key; identity at world size 1.
+- ``OnebitAllreduce(comm, hierarchical=None)``: ``ar(tensor, key)`` returns the compressed mean
+  as a new tensor, keeping error buffers per key; identity at world size 1. ``hierarchical``
+  (also on ``MpiBackend`` and ``OnebitDDPState``): None = full precision inside each node and
+  1-bit across nodes when there are several nodes with several ranks each; False = flat.
 - ``OnebitAdam``: Adam, then frozen variance and compressed momentum after ``freeze_step``.
 - ``ZeroOneAdam``: 0/1 Adam (variance at doubling intervals, compressed gradients, then local
   steps with a compressed sync of the accumulated update at doubling intervals).
@@ -21,8 +23,8 @@ Public API:
 The optimizers and ``OnebitAllreduce`` take ``comm=`` as an mpicomm Communicator (or what
 ``mpicomm.as_communicator`` takes) or a torch.distributed process group (``transport``).
 
-What lives where: ``layout`` (sizes and the wire format), ``engine`` (the algorithm, once, on
-mpicomm's collectives), ``families`` (kernel families behind one interface), ``kernels`` with
+What lives where: ``wire_format`` (sizes and the wire format), ``engine`` (the algorithm, once, on
+mpicomm's collectives), ``hierarchical`` (node structure and the hierarchical call), ``families`` (kernel families behind one interface), ``kernels`` with
 ``_numba_kernels``/``_numpy_kernels`` (host kernels), ``torch_kernels`` (device kernels),
 ``transport`` (a process group as the engine's communicator), ``adam_update`` (the 1-bit Adam
 family's checks and update), ``flat`` (means of many tensors in one call),

@@ -22,16 +22,17 @@ __all__ = ["OnebitAllreduce"]
 class _KeyErrors:
     """One key's error buffers; ``*_pending`` are error updates not yet applied (0: none)."""
 
-    __slots__ = ("numel", "we", "se", "we_pending", "se_pending")
+    __slots__ = ("numel", "we", "se", "we_pending", "se_pending", "used")
 
-    def __init__(self, numel: int, we: torch.Tensor, se: torch.Tensor) -> None:
+    def __init__(self, numel: int, we: torch.Tensor, se: torch.Tensor, used: int | None = None) -> None:
         self.numel, self.we, self.se = int(numel), we, se
         self.we_pending = 0.0
         self.se_pending = 0.0
+        self.used = we.numel() if used is None else int(used)  # worker elements the calls use
 
     def materialize(self) -> None:
         """Apply the pending updates, so that the buffers hold the errors themselves."""
-        for buf, name in ((self.we, "we_pending"), (self.se, "se_pending")):
+        for buf, name in ((self.we[:self.used], "we_pending"), (self.se, "se_pending")):
             pending = getattr(self, name)
             if pending != 0.0:
                 K.correct(buf.numpy(), pending)
@@ -87,12 +88,19 @@ class OnebitAllreduce:
     apply pending updates, so they show DeepSpeed's error buffers; the results are the same.
     CPU results of 1 MiB and more reuse the memory of earlier results that nothing references
     any more (a fresh buffer costs page faults on every call).
+
+    ``hierarchical`` as ``MpiBackend``'s: None (default) is hierarchical (``compressed.hierarchical``)
+    when the communicator spans several nodes with the same number (> 1) of ranks each, True
+    insists (``ValueError`` on every rank otherwise), False runs flat. Hierarchical, a key's
+    worker error is used in its first ``padded / ranks_per_node`` elements (this rank's part of
+    the node's mean); the rest stays zero.
     """
 
     def __init__(self, comm: Any = None, *, cuda_aware: bool = False,
-                 kernels: str | None = None) -> None:
+                 kernels: str | None = None, hierarchical: bool | None = None) -> None:
         self.comm = as_comm(comm)
-        self.backend = MpiBackend(cuda_aware=cuda_aware, comm=self.comm, kernels=kernels)
+        self.backend = MpiBackend(cuda_aware=cuda_aware, comm=self.comm, kernels=kernels,
+                                  hierarchical=hierarchical)
         self.size = self.comm.size
         self._errors: dict[str, _KeyErrors] = {}
         self._spares: dict[tuple[int, str], torch.Tensor] = {}
@@ -128,7 +136,7 @@ class OnebitAllreduce:
         spare_key = (st.we.numel(), str(st.we.device))
         spare = self._spares.pop(spare_key, None)
         if spare is None:
-            spare = torch.empty_like(st.we)
+            spare = torch.zeros_like(st.we)  # the part a hierarchical call does not use stays 0
         try:
             scale, sscale = self.backend.allreduce_into(
                 inp, out, st.we, st.se, Deferred(spare, st.we_pending, st.se_pending))
@@ -153,7 +161,8 @@ class OnebitAllreduce:
                 raise KeyError(f"OnebitAllreduce: no error buffers for key {key!r}")
             n = padded_size(numel, self.size)
             st = _KeyErrors(numel, torch.zeros(n, dtype=torch.float32, device=device),
-                            torch.zeros(n // self.size, dtype=torch.float32, device=device))
+                            torch.zeros(n // self.size, dtype=torch.float32, device=device),
+                            self.backend.worker_used(numel))
             self._errors[key] = st
         elif numel is not None and st.numel != numel:
             raise ValueError(f"OnebitAllreduce: key {key!r} holds error buffers for {st.numel} "
@@ -210,7 +219,7 @@ class OnebitAllreduce:
                 raise ValueError(f"OnebitAllreduce.load_state_dict: key {k!r} of {n} elements needs "
                                  f"{padded_size(n, self.size)} and {padded_size(n, self.size) // self.size} "
                                  f"error elements, got {we.numel()} and {se.numel()}")
-            errors[k] = _KeyErrors(n, we, se)
+            errors[k] = _KeyErrors(n, we, se, self.backend.worker_used(n))
         self._errors = errors
 
     def per_rank_state_dict(self) -> dict:

@@ -20,17 +20,19 @@ class OnebitDDPState:
     pair of error buffers per bucket. ``comm`` is an mpicomm Communicator (what
     ``mpicomm.as_communicator`` takes; None: the world) or a torch.distributed process group
     (``compressed.transport``), whatever process group DDP itself was built on.
+    ``hierarchical`` as ``OnebitAllreduce``'s (None: hierarchical when there are several nodes
+    with the same number > 1 of ranks each; False: flat).
     """
 
     def __init__(self, comm: Any = None, warmup_steps: int = 100, min_bucket_numel: int = 1 << 16,
-                 *, cuda_aware: bool = False) -> None:
+                 *, cuda_aware: bool = False, hierarchical: bool | None = None) -> None:
         if warmup_steps < 0 or min_bucket_numel < 0:
             raise ValueError(f"OnebitDDPState: expected warmup_steps >= 0 and min_bucket_numel >= 0, "
                              f"got {warmup_steps} and {min_bucket_numel}")
         self.comm = as_comm(comm)  # a Communicator or a process group (GroupTransport)
         self.warmup_steps = int(warmup_steps)
         self.min_bucket_numel = int(min_bucket_numel)
-        self.allreduce = OnebitAllreduce(self.comm, cuda_aware=cuda_aware)
+        self.allreduce = OnebitAllreduce(self.comm, cuda_aware=cuda_aware, hierarchical=hierarchical)
         self.step = 0
         self.compressed_buckets = 0
         self.uncompressed_buckets = 0

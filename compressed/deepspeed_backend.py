@@ -8,6 +8,7 @@ decide how device buffers reach MPI (directly when CUDA-aware, else staged).
 """
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from typing import Any
 
@@ -18,6 +19,7 @@ import mpicomm
 
 from . import engine
 from .families import family_for
+from .hierarchical import Hierarchy
 from .transport import as_comm
 from .wire_format import Layout
 
@@ -30,6 +32,20 @@ _KERNELS = (None, "host", "numba", "numpy", "torch")
 def _one_node(comm: mpicomm.Communicator) -> bool:
     """Whether all of ``comm``'s ranks share one node (then phases go in one piece)."""
     return comm.local_size == comm.size
+
+
+#: Tuning knob (same value on every rank): most pieces per phase across nodes (default
+#: ``wire_format.MAX_PIECES``); more pieces overlap packing with the transfer.
+PIECES_ENV = "MPICOMM_ONEBIT_PIECES"
+
+
+def _env_pieces() -> int | None:
+    text = os.environ.get(PIECES_ENV, "").strip()
+    if not text:
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"{PIECES_ENV}: expected a positive number of pieces, got {text!r}")
+    return int(text)
 
 
 def _is_cupy(x: Any) -> bool:
@@ -70,12 +86,21 @@ class MpiBackend:
     (the default host one), "torch"; by default host kernels for CPU buffers and torch for
     device buffers. Every family puts the same bytes on the wire (``compressed.wire_format``).
 
-    ``wire_bytes`` counts the bytes this rank sent, ``calls`` the calls made.
+    ``hierarchical``: None (default) runs ``compressed.hierarchical`` (full precision inside each
+    node, 1-bit across nodes) when the communicator spans several nodes with the same number
+    (> 1) of ranks each, else the flat algorithm; True insists (``ValueError`` on every rank
+    otherwise); False always runs flat. Deciding asks the communicator's ranks which node they
+    are on, so the constructor is collective unless the ranks share one node or False is given.
+
+    ``wire_bytes`` counts the bytes this rank sent (to any rank), ``calls`` the calls made.
     """
 
-    def __init__(self, cuda_aware: bool = False, comm: Any = None, *, kernels: str | None = None) -> None:
+    def __init__(self, cuda_aware: bool = False, comm: Any = None, *, kernels: str | None = None,
+                 hierarchical: bool | None = None) -> None:
         if kernels not in _KERNELS:
             raise ValueError(f"kernels: expected one of {_KERNELS}, got {kernels!r}")
+        if hierarchical not in (None, True, False):
+            raise TypeError(f"hierarchical: expected None, True or False, got {hierarchical!r}")
         self.comm = as_comm(comm)  # an mpicomm Communicator or a process group (transport)
         self.cuda_aware = bool(cuda_aware)
         self.rank = self.comm.rank
@@ -86,7 +111,9 @@ class MpiBackend:
         self._workspaces: OrderedDict[tuple, engine.Workspace] = OrderedDict()
         self._families: dict[str, Any] = {}
         # one node: shared memory, nothing to overlap; pieces would only add synchronisation
-        self._max_pieces = 1 if _one_node(self.comm) else None
+        self._max_pieces = 1 if _one_node(self.comm) else _env_pieces()
+        self.hierarchy = Hierarchy(self.comm, hierarchical, self._max_pieces)
+        self.hierarchical = self.hierarchy.enabled
 
     # ------------------------------------------------------------------------------------------
     def compressed_allreduce(self, buffer_m, worker_error, server_error, local_rank: int = 0):
@@ -131,7 +158,8 @@ class MpiBackend:
                              f"{n} elements, got {_describe(out)}")
         if n == 0:
             return 0.0, 0.0
-        fam, ws = self._setup(inp, lay)
+        hier = self.hierarchy
+        fam, ws = self._setup(inp, hier.layout(n) if hier.enabled else lay)
         g, dst = self._input(fam, ws, inp, lay), self._output(fam, ws, out, lay)
         flat = [fam.view(x.detach().reshape(-1)) if isinstance(x, torch.Tensor) else x.reshape(-1)
                 for x in (worker_error, server_error)]
@@ -139,14 +167,32 @@ class MpiBackend:
             xout = deferred.xout
             xout = fam.view(xout.detach().reshape(-1)) if isinstance(xout, torch.Tensor) else xout.reshape(-1)
             deferred = engine.Deferred(xout, deferred.worker_pending, deferred.server_pending)
-        scales = engine.allreduce(self.comm, fam, lay, g, dst, flat[0], flat[1], ws, deferred)
+        if hier.enabled:
+            scales = hier.allreduce(fam, n, g, dst, flat[0], flat[1], ws,
+                                    lambda name, k: self._scratch(fam, ws, name, k), deferred)
+        else:
+            scales = engine.allreduce(self.comm, fam, lay, g, dst, flat[0], flat[1], ws, deferred)
         self._write_back(fam, dst, out)
         self.calls += 1
-        self.wire_bytes += lay.wire_bytes()
+        self.wire_bytes += self.call_wire_bytes(n)
         return scales
+
+    def call_wire_bytes(self, numel: int) -> int:
+        """Bytes this rank sends (to any rank) in one ``compressed_allreduce`` of ``numel``."""
+        if self.hierarchy.enabled:
+            return sum(self.hierarchy.wire_bytes(numel))
+        return self.layout(numel).wire_bytes()
+
+    def worker_used(self, numel: int) -> int:
+        """Elements of the worker error a call on ``numel`` elements uses (the rest stays as is):
+        all ``padded_size(numel, world_size)`` when flat, this rank's part when hierarchical."""
+        if self.hierarchy.enabled:
+            return self.hierarchy.layout(numel).numel
+        return self.layout(numel).padded
 
     def compressed_reduce_scatter(self, inp, out, worker_error):
         """Phase 1 alone: write into ``out`` this rank's chunk of the compressed mean; return it.
+        Always the flat algorithm, whatever ``hierarchical`` says.
 
         ``inp``: any float buffer of n elements (only read); ``worker_error``: contiguous float32,
         ``padded_size(n, world_size)`` elements, updated in place (error feedback); ``out``:
@@ -185,6 +231,7 @@ class MpiBackend:
         return fam
 
     def _setup(self, inp, lay: Layout):
+        """Kernel family and message workspace (sized for ``lay``) for a call on ``inp``."""
         dev = _device(inp)
         fam = self._family(dev)
         if isinstance(inp, np.ndarray) and fam.name == "torch":

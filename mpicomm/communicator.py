@@ -449,6 +449,11 @@ class Communicator(PointToPoint):
             return None
         return Communicator(sub, check=self.check)
 
+    def split_node(self) -> "Communicator":
+        """Sub-communicator of this communicator's ranks on this rank's node (shared memory,
+        ``MPI_COMM_TYPE_SHARED``), in this communicator's rank order. Collective."""
+        return Communicator(self.mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, self.rank), check=self.check)
+
     def dup(self) -> "Communicator":
         """A communicator over the same ranks with its own message space."""
         return Communicator(self.mpi_comm.Dup(), check=self.check)

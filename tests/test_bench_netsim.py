@@ -320,6 +320,23 @@ def test_two_hosts_two_ranks_each(tmp_path):
     assert 0.1 * rec["wire_bytes"] < rec["wire_bytes_measured"] < rec["wire_bytes"], rec
 
 
+@pytest.mark.slow
+@needs_netns
+def test_hierarchical_one_bit_on_two_hosts_two_ranks_each(tmp_path):
+    # MPI's shared-memory split sees the simulated hosts as nodes: the default is hierarchical,
+    # right against the float64 simulation, and fewer bytes cross the links than flat
+    out = tmp_path / "h.json"
+    proc = _netsim("--hosts", "2", "--ranks-per-host", "2", "--rate", "1gbit", "--", "compressed",
+                   "--sizes", "1M", "--ops", "all_reduce:1bit-flat,all_reduce:1bit-hier,all_reduce:1bit-ar",
+                   "--rounds", "1", "--iters", "3", "--warmup", "1", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "default algorithm: hierarchical: 2 nodes x 2 ranks" in proc.stdout
+    recs = {r["op"]: r for r in json.loads(out.read_text())["records"]}
+    assert all(r["wrong"] == 0 for r in recs.values()), recs
+    flat, hier = recs["all_reduce:1bit-flat"], recs["all_reduce:1bit-hier"]
+    assert hier["wire_bytes_measured"] <= 0.6 * flat["wire_bytes_measured"], (hier, flat)
+
+
 @needs_netns
 def test_failing_benchmark_still_tears_down():
     proc = subprocess.Popen([sys.executable, "-m", "bench", "netsim", "--hosts", "2", "--",
