@@ -8,7 +8,7 @@ import sys
 
 from mpitest import mpiexec_cmd
 
-from mpicomm._util import clean_env
+from mpicomm import clean_env
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "fsdp2_ckpt.py"
