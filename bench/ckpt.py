@@ -9,7 +9,10 @@ snapshot memory), ``ckpt.load`` at
 importable it then runs the same model through DeepSpeed (gloo, CPU): ``save_checkpoint`` at
 ``--save-ranks``, ``ds_to_universal``, and a universal ``load_checkpoint`` at ``--load-ranks``,
 each in worker processes started here. Without DeepSpeed the table says that it did not run (a
-figure of your own can be given with ``--reference-s`` and is labelled as such).
+figure of your own can be given with ``--reference-s`` and is labelled as such). FSDP2 rows
+(``--fsdp2-ranks``): the same model under ``fully_shard`` with AdamW, ckpt save + load beside torch
+DCP save + fsync of its files + load, and ckpt's async save (the first, which allocates its host
+memory, and one in steady state).
 """
 from __future__ import annotations
 
@@ -38,6 +41,11 @@ def _parser() -> argparse.ArgumentParser:
                         "compare with (labelled as given, not measured in this run)")
     p.add_argument("--deepspeed", choices=("auto", "yes", "no"), default="auto",
                    help="run DeepSpeed side by side: auto = when importable (default)")
+    p.add_argument("--fsdp2-ranks", type=int, default=None,
+                   help="ranks of the FSDP2 rows: the same model + AdamW under fully_shard, ckpt beside torch DCP "
+                        "(save + fsync + load), async save first and steady (default 2, or 1 in a 1-rank run; "
+                        "0 skips them)")
+    p.add_argument("--fsdp2-reps", type=int, default=2, help="FSDP2 save/load repetitions, best kept (default 2)")
     p.add_argument("--json", default=None, help="write the records as JSON to this file")
     return p
 
@@ -239,11 +247,14 @@ def main(argv: list[str]) -> int:
 
     world = MPI.COMM_WORLD
     rank = world.rank
-    need = max(args.save_ranks, args.load_ranks)
+    if args.fsdp2_ranks is None:
+        args.fsdp2_ranks = min(2, world.size)
+    need = max(args.save_ranks, args.load_ranks, args.fsdp2_ranks)
     if world.size < need:
         if rank == 0:
             print(f"bench ckpt: expected at least {need} ranks (--save-ranks {args.save_ranks}, "
-                  f"--load-ranks {args.load_ranks}), got {world.size}", file=sys.stderr)
+                  f"--load-ranks {args.load_ranks}, --fsdp2-ranks {args.fsdp2_ranks}), got {world.size}",
+                  file=sys.stderr)
         return 2
     torch.set_num_threads(1)
     base = args.dir
@@ -336,6 +347,14 @@ def main(argv: list[str]) -> int:
              "state checked" if not bad_state else "WRONG STATE", wrong=bad_state)
         total = save_s + load_s
         emit("ckpt save + load", args.save_ranks, nbytes, total, "")
+
+        # 3a. FSDP2: ckpt beside torch DCP on the same state, and ckpt's async save
+        if args.fsdp2_ranks:
+            from bench import ckpt_fsdp2
+
+            gc.collect()
+            ckpt_fsdp2.run(world, args.fsdp2_ranks, args.layers, args.hidden, base, args.fsdp2_reps, emit)
+            gc.collect()
 
         # 3b. optional: a save without fsync (page cache speed); flushed untimed before going on
         if args.no_sync:

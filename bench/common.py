@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence, TextIO
 
 from accelerators.mpi_lib import library_version
-from mpicomm._util import format_bytes
+from mpicomm import format_bytes
 from mpi4py import MPI
 
 from .arguments import comma_list

@@ -265,7 +265,7 @@ def main(argv: list[str]) -> int:
                                 else ",".join(str(s) for s in args.sizes))
         args.rounds = 1 if args.rounds is None else args.rounds
         try:
-            return crossover.run(args, MPI.COMM_WORLD)
+            return crossover.run(args, MPI.COMM_WORLD, main)
         except ValueError as exc:
             print(f"bench compressed --crossover: {exc}", file=sys.stderr)
             return 2

@@ -155,8 +155,10 @@ def _records(path: str, setting: str) -> list[dict]:
     return [dict(r, setting=setting) for r in recs if r.get("op") in OPS]
 
 
-def run(args, world) -> int:
-    """The --crossover program: measure every setting, print verdicts, write JSON and plot."""
+def run(args, world, measure) -> int:
+    """The --crossover program: measure every setting, print verdicts, write JSON and plot.
+
+    ``measure(argv) -> int`` is ``bench compressed``'s main, run in place under the user's mpiexec."""
     from . import netsim
 
     records: list[dict] = []
@@ -169,8 +171,7 @@ def run(args, world) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "local.json") if world.Get_rank() == 0 else os.devnull
             path = world.bcast(path)
-            from . import compressed as prog
-            rc = prog.main(_bench_args(args, path))
+            rc = measure(_bench_args(args, path))
             if world.Get_rank() == 0:
                 records += _records(path, "local")
         if rates:

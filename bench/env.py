@@ -5,14 +5,14 @@ import socket
 
 from mpi4py import MPI
 
-from mpicomm import _util
+import mpicomm
 
 __all__ = ["clean_env", "free_port", "init_gloo"]
 
 
 def clean_env() -> dict:
     """This process's environment without the MPI launcher's variables (for a fresh launch)."""
-    return _util.clean_env()
+    return mpicomm.clean_env()
 
 
 def free_port() -> int:

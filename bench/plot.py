@@ -39,7 +39,7 @@ def matplotlib_missing() -> str | None:
 
 def size_label(n: float) -> str:
     """A tick label for a byte count: 8 B, 512 B, 1 KiB, 1.5 KiB, 64 MiB, 1 GiB."""
-    from mpicomm._util import format_bytes
+    from mpicomm import format_bytes
 
     return format_bytes(n).replace(".0 ", " ")
 

@@ -7,7 +7,7 @@ Peers (each its own replica of the same model, same initial weights, same data):
 
 - ``mpicomm``: ``DistributedDataParallel`` on an mpicomm process group;
 - ``gloo``: DDP on a gloo process group (the reference the others' weights are checked against);
-- ``mpicomm-hook``: DDP on gloo with ``mpicomm.distributed.allreduce_hook`` (gradients via mpicomm);
+- ``mpicomm-hook``: DDP on gloo with ``mpicomm.distributed.allreduce_ddp_hook`` (gradients via mpicomm);
 - ``onebit-hook``: DDP on gloo with ``compressed.onebit_ddp_hook`` (compressed after the warm-up);
 - ``fsdp2-mpicomm-r32``, ``fsdp2-gloo-r32``, ``fsdp2-mpicomm-r16``, ``fsdp2-gloo-r16``: FSDP2
   (``fully_shard`` on every layer and the model) on a DeviceMesh over the mpicomm or the gloo
@@ -164,7 +164,7 @@ def make_peer(name: str, args, groups: dict, mcomm) -> Peer:
             flat.zero_()
             dist.all_reduce(flat, group=pg)
     elif name == "mpicomm-hook":
-        ddp.register_comm_hook(mcomm, mpicomm.distributed.allreduce_hook)
+        ddp.register_comm_hook(mcomm, mpicomm.distributed.allreduce_ddp_hook)
 
         def comm_alone():
             flat.zero_()

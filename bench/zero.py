@@ -5,7 +5,7 @@
 
 All rows of a part run in the same job, one after the other, on the same MLP (``layers``
 Linear(hidden, hidden) + Tanh, fp32, AdamW or Adam). time: DDP + AdamW on gloo and on gloo with
-its buckets averaged through mpicomm (allreduce_hook) vs ZeroOptimizer(AdamW) stages 1 and 2 (its
+its buckets averaged through mpicomm (allreduce_ddp_hook) vs ZeroOptimizer(AdamW) stages 1 and 2 (its
 gradients travel over mpicomm), in interleaved rounds (one step of each row in turn); per phase
 medians, and backward alone / communication alone / both overlapped. memory: the peak resident
 memory of each rank (VmHWM, reset between rows through /proc/self/clear_refs) above what the
@@ -130,7 +130,7 @@ class DDPRow:
         self.args, self.mpi, self.via_mpicomm = args, mpi, via_mpicomm
         self.model = DDP(make_model(args.hidden, args.layers), bucket_cap_mb=args.bucket_mb)
         if via_mpicomm:
-            self.model.register_comm_hook(mpicomm.init(), mpicomm.distributed.allreduce_hook)
+            self.model.register_comm_hook(mpicomm.init(), mpicomm.distributed.allreduce_ddp_hook)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         self.flat = torch.zeros(sum(p.numel() for p in self.model.parameters()))
         self.ph = Phases()

@@ -27,7 +27,10 @@ What lives where:
     planner        what each rank writes and reads: model weights, the optimizer planner interface
     planner_zero   ... for a ZeroOptimizer (sharded masters and state)
     planner_plain  ... for a plain torch optimizer (replicated state, extras included)
+    planners       ``planner_for``: which planner serves an optimizer (the only module importing them all)
     items          ... for state items (``state=``) and optimizer extras: replicated or per rank
+    dtensor        DTensors through metadata only (local shard, placements, mesh): layout, checks across ranks
+    dtensor_layout pure: the global index ranges a mesh coordinate holds, and their runs of bytes
     stateful       RNG, PerRank, the per-rank protocol and its default rule (same_rank)
     tree           nested state as JSON plus raw tensors
     storage        working directory, commit, ``latest``, resolving paths, manifest and checksum checks
@@ -47,8 +50,8 @@ from __future__ import annotations
 from .api import LoadResult, load, save
 from .async_save import AsyncSaveError, SaveHandle, wait_pending
 from .export import export_safetensors
-from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError, ChecksumError, CollectiveError,
-                     IncompatibleStateError, RankFailure, StateMismatchError)
+from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError, ChecksumError, FailureReport,
+                     IncompatibleStateError, StateMismatchError, StepFailedError)
 from .manifest import (FORMAT_VERSION, DamagedCheckpointError, IncompleteCheckpointError, Manifest, ManifestError,
                        TensorEntry)
 from .stateful import RNG, PerRank, same_rank
@@ -57,8 +60,19 @@ from zero import ZeroOptimizer  # a re-export for older code: the optimizer live
 from .deepspeed import PickleRefusedError, from_deepspeed, to_deepspeed_universal  # noqa: E402
 
 
+__all__ = [
+    "AsyncSaveError", "DCPReader", "from_dcp", "SaveHandle", "export_safetensors", "wait_pending",
+    "CheckpointError", "CheckpointExistsError", "CheckpointNotFoundError", "ChecksumError", "FailureReport",
+    "DamagedCheckpointError", "FORMAT_VERSION", "IncompatibleStateError", "IncompleteCheckpointError", "LoadResult",
+    "Manifest", "ManifestError", "PerRank", "PickleRefusedError", "RNG",
+    "StateMismatchError", "StepFailedError", "TensorEntry", "ZeroOptimizer", "from_deepspeed", "incomplete_reason", "load",
+    "read_manifest", "resolve", "same_rank", "save", "to_deepspeed_universal",
+]
+
 
 def __getattr__(name: str):
+    """DCP interop, imported on first use; the deprecated names (``CollectiveError``,
+    ``RankFailure``), with a DeprecationWarning."""
     # torch.distributed.checkpoint is imported when DCP interop is first used, not with ckpt
     if name == "DCPReader":
         from .dcp_reader import DCPReader
@@ -66,14 +80,11 @@ def __getattr__(name: str):
     if name == "from_dcp":
         from .dcp_convert import from_dcp
         return from_dcp
-    raise AttributeError(f"module 'ckpt' has no attribute {name!r}")
+    from .errors import DEPRECATED
 
+    if name in DEPRECATED:
+        import warnings
 
-__all__ = [
-    "AsyncSaveError", "DCPReader", "from_dcp", "SaveHandle", "export_safetensors", "wait_pending",
-    "CheckpointError", "CheckpointExistsError", "CheckpointNotFoundError", "ChecksumError", "CollectiveError",
-    "DamagedCheckpointError", "FORMAT_VERSION", "IncompatibleStateError", "IncompleteCheckpointError", "LoadResult",
-    "Manifest", "ManifestError", "PerRank", "PickleRefusedError", "RNG", "RankFailure",
-    "StateMismatchError", "TensorEntry", "ZeroOptimizer", "from_deepspeed", "incomplete_reason", "load",
-    "read_manifest", "resolve", "same_rank", "save", "to_deepspeed_universal",
-]
+        warnings.warn(f"ckpt.{name} is deprecated; use ckpt.{DEPRECATED[name]}", DeprecationWarning, stacklevel=2)
+        return globals()[DEPRECATED[name]]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

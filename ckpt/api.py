@@ -2,7 +2,9 @@
 ``storage``, bytes in ``io``, failures on every rank through ``collective``)."""
 from __future__ import annotations
 
+import json
 import os
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,14 +13,15 @@ import torch
 import mpicomm
 
 from . import async_save as async_save_mod
-from . import items, safetensors_header
+from . import dtensor, items, safetensors_header
 from .async_save import SaveHandle
 from .collective import Collective
 from .errors import IncompatibleStateError, StateMismatchError
 from .io import DEFAULT_CHUNK_BYTES, read_items, write_items
 from .manifest import DATA_NAME, DEFAULT_BLOCK_SIZE, Manifest, jsonable
 from .planner import (Match, ModelState, OptimizerPlanner, ReadPlan, SavePlan, check_optimizer_params, plan_model_load,
-                      plan_model_save, planner_for)
+                      plan_model_save)
+from .planners import planner_for
 from .stateful import is_per_rank, is_stateful, restore, split_item
 from .storage import commit_save, create_workdir, read_manifest, resolve, verify_data
 from zero import ZeroOptimizer
@@ -93,7 +96,12 @@ def save(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.op
     sp, manifest, captured, summary = run.everywhere("planning", lambda: _plan_save(
         comm, model, opt, step, extra, state or {}, block_size, chunk_bytes))
     summaries = run.allgather(summary)
-    run.everywhere("planning state items", lambda: _plan_items_save(comm, manifest, sp, captured, summaries))
+    if len({s["@table"] for s in summaries}) > 1:  # the same answer on every rank
+        tables = run.allgather(sp.table())
+        run.everywhere("checking tensor shapes", lambda: dtensor.check_tables(tables, "save"))
+    run.everywhere("planning state items", lambda: (
+        dtensor.check_meshes(sp.sharded, [s["@pg"] for s in summaries], "save"),
+        _plan_items_save(comm, manifest, sp, captured, summaries)))
     mine = sp.items(comm.rank, comm.size, block_size)
 
     def finish(c: mpicomm.Communicator, buffers: list[torch.Tensor], manifest: Manifest) -> Manifest:
@@ -143,7 +151,10 @@ def _plan_save(comm: mpicomm.Communicator, model: torch.nn.Module, opt: Optimize
             mine = per_rank.per_rank_state_dict() if per_rank is not None else None
             captured[("optimizer", "optimizer")] = items.capture(extra_state, "optimizer state", has_extra,
                                                                  mine, per_rank is not None)
-    return sp, manifest, captured, {key: c.summary() for key, c in captured.items()}
+    summary: dict[Any, Any] = {key: c.summary() for key, c in captured.items()}
+    summary["@pg"] = dtensor.pg_rank()
+    summary["@table"] = zlib.crc32(json.dumps(sp.table()).encode())
+    return sp, manifest, captured, summary
 
 
 def _parts(obj: Any, what: str) -> tuple[Any, str, bool, Any, bool]:
@@ -193,8 +204,9 @@ def load(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.op
     chunk_bytes = max(m.block_size, chunk_bytes // m.block_size * m.block_size)  # rounds end on the saved blocks
     opt = planner_for(optimizer)
     result: dict[str, Any] = {}
+    pg_ranks = run.allgather(dtensor.pg_rank())
     rp, match, has_opt = run.everywhere("planning", lambda: _plan_load(
-        comm, m, ckdir, model, opt, strict, state or {}, result))
+        comm, m, ckdir, model, opt, strict, state or {}, result, pg_ranks))
     pieces = run.everywhere("reading data", lambda: read_items(
         comm.mpi_comm, os.path.join(ckdir, DATA_NAME), rp.items, rp.dests, rp.dtypes, block_size=m.block_size,
         chunk_bytes=chunk_bytes))
@@ -210,7 +222,7 @@ def load(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.op
 
 def _plan_load(comm: mpicomm.Communicator, m: Manifest, ckdir: str, model: torch.nn.Module,
                opt: OptimizerPlanner | None, strict: bool, state: dict[str, Any],
-               result: dict[str, Any]) -> tuple[ReadPlan, Match, bool]:
+               result: dict[str, Any], pg_ranks: list[int | None]) -> tuple[ReadPlan, Match, bool]:
     """What this rank reads, how the model matches the checkpoint, and whether optimizer state loads;
     the steps that load the state items put them in ``result``."""
     model_state = ModelState.of(model)
@@ -235,8 +247,9 @@ def _plan_load(comm: mpicomm.Communicator, m: Manifest, ckdir: str, model: torch
         if entry is None:
             raise IncompatibleStateError(f"load: state item {name!r} is not in the checkpoint {ckdir}; it holds "
                                          f"{sorted(section.get('items', {}))}")
-        loaded = items.plan_load(f"state item {name!r}", entry, m, rp)
+        loaded = items.plan_load(f"state item {name!r}", entry, m, rp, target)
         rp.apply.append(lambda n=name, t=target, ld=loaded: result.__setitem__(n, _load_item(n, t, ld, comm)))
+    dtensor.check_meshes(rp.sharded, pg_ranks, "load")
     return rp, match, has_opt
 
 

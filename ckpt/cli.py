@@ -11,11 +11,11 @@ import os
 import sys
 
 import mpicomm
-from mpicomm._util import format_bytes
+from mpicomm import format_bytes
 
 from .collective import Collective
 from .errors import (EXIT_DAMAGED, EXIT_EXISTS, EXIT_FAILED, EXIT_INCOMPLETE, EXIT_OK, EXIT_PICKLE, EXIT_USAGE,
-                     CheckpointError, CheckpointExistsError, CollectiveError, StateMismatchError)
+                     CheckpointError, CheckpointExistsError, StateMismatchError, StepFailedError)
 from .io import read_blocks
 from .manifest import DATA_NAME, FORMAT_VERSION, ITEMSIZE, ManifestError
 from .progress_bar import Bar
@@ -68,6 +68,9 @@ def _inspect(args: argparse.Namespace) -> int:
         for i, g in enumerate(m.optimizer["param_groups"]):
             hp = {k: v for k, v in g.items() if k != "params"}
             print(f"    group {i}: {len(g['params'])} params, {hp}")
+    sharded = [t for t in m.tensors if t.boxes is not None]
+    if sharded:
+        print(f"  {len(sharded)} tensor(s) saved from DTensor shards (stored whole; --tensors lists the shards)")
     if m.extra is not None:
         print(f"  extra {json.dumps(m.extra)}")
     section = m.state or {}
@@ -78,8 +81,9 @@ def _inspect(args: argparse.Namespace) -> int:
     if args.tensors:
         print(f"  {'kind':<8} {'key':<12} {'dtype':<9} {'offset':>14} {'nbytes':>12}  name shape")
         for t in m.tensors:
+            shards = f" from {len(t.boxes)} DTensor shard(s)" if isinstance(t.boxes, list) else ""
             print(f"  {t.kind:<8} {t.key or '-':<12} {t.dtype:<9} {t.offset:>14} {t.nbytes:>12}  "
-                  f"{t.name} {list(t.shape)}")
+                  f"{t.name} {list(t.shape)}{shards}")
     else:
         rows = [(p.name + (" (buffer)" if p.buffer else ""), "x".join(map(str, p.shape)) or "scalar", p.dtype,
                  _fmt_size(_numel(p.shape) * ITEMSIZE[p.dtype])) for p in m.params]
@@ -258,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         code = exc.exit_code if isinstance(exc, CheckpointError) else EXIT_FAILED
         if _is_rank0():
             msg = str(exc) if not isinstance(exc, StateMismatchError) else exc.args[0]
-            kind = "" if isinstance(exc, (ManifestError, CollectiveError)) else f"{type(exc).__name__}: "
+            kind = "" if isinstance(exc, (ManifestError, StepFailedError)) else f"{type(exc).__name__}: "
             print(f"python -m ckpt {args.cmd}: {kind}{msg}", file=sys.stderr)
         return code
 

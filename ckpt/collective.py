@@ -6,7 +6,7 @@ exception on every rank: each failing rank sends only its rank, the exception's 
 its nearest built-in base and its message (never the exception object), so an exception that
 cannot be pickled cannot leave the other ranks waiting. The exception raised everywhere is
 rebuilt from the lowest failing rank's report: the same ckpt class for a ``CheckpointError``
-(so its ``exit_code`` holds on every rank), else a ``CollectiveError`` that is also an instance
+(so its ``exit_code`` holds on every rank), else a ``StepFailedError`` that is also an instance
 of the built-in base (``OSError``, ``MemoryError``...). Its ``failures`` list every rank's
 report. In a one-rank job the step's own exception is raised unchanged.
 """
@@ -16,7 +16,7 @@ import builtins
 import pickle
 from typing import Any, Callable, TypeVar
 
-from .errors import CheckpointError, CollectiveError, RankFailure
+from .errors import CheckpointError, FailureReport, StepFailedError
 
 T = TypeVar("T")
 
@@ -55,18 +55,18 @@ def _checkpoint_classes() -> dict[str, type]:
 
 
 def _mixed(base: type) -> type:
-    """A CollectiveError that is also a ``base`` (a built-in exception class)."""
+    """A StepFailedError that is also a ``base`` (a built-in exception class)."""
     cls = _MIXED.get(base)
     if cls is None:
-        name = f"CollectiveError[{base.__name__}]"
-        cls = type(name, (CollectiveError, base), {"__module__": __name__, "__qualname__": name})
+        name = f"StepFailedError[{base.__name__}]"
+        cls = type(name, (StepFailedError, base), {"__module__": __name__, "__qualname__": name})
         _MIXED[base] = cls
     return cls
 
 
 def rebuild(what: str, size: int, reports: list[_Report]) -> CheckpointError:
     """The exception that every rank raises for the failure ``reports`` (in rank order)."""
-    failures = tuple(RankFailure(r, t.rsplit(".", 1)[-1], m) for r, t, _b, m in reports)
+    failures = tuple(FailureReport(r, t.rsplit(".", 1)[-1], m) for r, t, _b, m in reports)
     if len(failures) == 1:
         f = failures[0]
         text = f"{what} failed on rank {f.rank} of {size}: {f.type_name}: {f.message}"
@@ -79,11 +79,11 @@ def rebuild(what: str, size: int, reports: list[_Report]) -> CheckpointError:
     if cls is None:
         base = getattr(builtins, base_name, None)
         ok = isinstance(base, type) and issubclass(base, Exception) and base is not Exception
-        cls = _mixed(base) if ok else CollectiveError
+        cls = _mixed(base) if ok else StepFailedError
     try:
         exc = cls(text)
     except Exception:  # noqa: BLE001 - a class that needs other arguments: the plain error
-        exc = CollectiveError(text)
+        exc = StepFailedError(text)
     exc.failures = failures
     return exc
 

@@ -18,8 +18,9 @@ EXIT_FAILED = 6       # anything else: I/O or MPI errors, an unsupported source,
 
 
 @dataclass(frozen=True)
-class RankFailure:
-    """What failed on one rank: its number, the exception's type name and message."""
+class FailureReport:
+    """A record (not an exception) of what failed on one rank: its number, the exception's type
+    name and message; ``CheckpointError.failures`` lists them."""
 
     rank: int
     type_name: str
@@ -36,7 +37,7 @@ class CheckpointError(Exception):
     step (empty for an error raised by one process on its own)."""
 
     exit_code: int = EXIT_FAILED
-    failures: tuple[RankFailure, ...] = ()
+    failures: tuple[FailureReport, ...] = ()
 
 
 class ChecksumError(CheckpointError, RuntimeError):
@@ -45,8 +46,14 @@ class ChecksumError(CheckpointError, RuntimeError):
     exit_code = EXIT_DAMAGED
 
 
-class CollectiveError(CheckpointError, RuntimeError):
-    """A collective save or load step failed on some rank; ``failures`` says where and how."""
+class StepFailedError(CheckpointError, RuntimeError):
+    """A step of a collective save or load failed on some rank with an error that is not a
+    ``CheckpointError`` (raised on every rank, also as the original's built-in type);
+    ``failures`` says where and how."""
+
+
+#: Deprecated names (ckpt.__getattr__ warns): what they are called now.
+DEPRECATED = {"CollectiveError": "StepFailedError", "RankFailure": "FailureReport"}
 
 
 class CheckpointExistsError(CheckpointError, FileExistsError):

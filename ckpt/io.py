@@ -92,11 +92,26 @@ def _round(fh: MPI.File, batch: Sequence[IOItem], mem: np.ndarray, call) -> None
             ftype.Free()
 
 
+def _write_hints() -> MPI.Info:
+    """ROMIO: write the pieces of a file view as they are, never by reading and rewriting the
+    span between them (data sieving); other MPI-IO implementations ignore the hint."""
+    info = MPI.Info.Create()
+    info.Set("romio_ds_write", "disable")
+    return info
+
+
 def _plan(items: Sequence[IOItem], direct: set[int], chunk_bytes: int, block_size: int,
           itemsize: dict[int, int] | None = None) -> list[list[IOItem]]:
     chunks = _chunks(coalesce(items), direct, chunk_bytes, block_size, itemsize)
-    # ranges moved in place that are big enough get a round each; the rest share staging
-    return batches(chunks, lambda c: c.buf in direct and c.nbytes >= min(chunk_bytes, 1 << 20), chunk_bytes)
+    # ranges moved in place that are big enough get a round each, first; the rest share staging
+    # rounds after them. Every rank's round i is then of the same kind: interleaving a rank's big
+    # and small rounds in file order would pair one rank's big write with another's small one in
+    # each collective call, and the ranks would take turns instead of writing together.
+    def alone(c: IOItem) -> bool:
+        return c.buf in direct and c.nbytes >= min(chunk_bytes, 1 << 20)
+
+    return [[c] for c in chunks if alone(c)] + batches([c for c in chunks if not alone(c)], lambda c: False,
+                                                       chunk_bytes)
 
 
 def write_items(mpi_comm: MPI.Comm, filename: str, items: Sequence[IOItem],
@@ -118,7 +133,11 @@ def write_items(mpi_comm: MPI.Comm, filename: str, items: Sequence[IOItem],
     error: BaseException | None = None  # after a local failure: keep joining the collective calls, empty
     pieces: list[Piece] = []
     write = MPI.File.Write_at_all
-    fh = MPI.File.Open(mpi_comm, filename, MPI.MODE_WRONLY | MPI.MODE_CREATE)
+    info = _write_hints()
+    try:
+        fh = MPI.File.Open(mpi_comm, filename, MPI.MODE_WRONLY | MPI.MODE_CREATE, info)
+    finally:
+        info.Free()
     fd = None
     try:
         fh.Set_size(file_size)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from . import plan
+from . import dtensor, plan
 from .dtypes import DTYPES, dtype_name
 from .errors import IncompatibleStateError
 from .manifest import Manifest, ManifestError
@@ -42,6 +42,8 @@ class Captured:
             digest = zlib.crc32(json.dumps(self.value, sort_keys=True).encode())
             for t in self.tensors:
                 digest = zlib.crc32(json.dumps([list(t.shape), dtype_name(t.dtype)]).encode(), digest)
+                if dtensor.is_dtensor(t):  # shards differ per rank; their layout is checked with the model's
+                    continue
                 digest = zlib.crc32(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy(), digest)
         meta = [(list(t.shape), dtype_name(t.dtype)) for t in self.mine_tensors] if self.has_mine else None
         return digest, self.mine if self.has_mine else None, meta
@@ -54,6 +56,9 @@ def capture(value: Any, what: str, has_value: bool, mine: Any, has_mine: bool) -
         c.value = encode(value, what, c.tensors)
     if has_mine:
         c.mine = encode(mine, f"{what} (per rank)", c.mine_tensors)
+        if any(dtensor.is_dtensor(t) for t in c.mine_tensors):
+            raise IncompatibleStateError(f"{what}: per-rank state holds a DTensor; a DTensor is one tensor "
+                                         "sharded over ranks: save it in the replicated part (not in PerRank)")
     return c
 
 
@@ -109,15 +114,45 @@ class Loaded:
         return [decode(r["value"], [self.tensors[k] for k in r["tensors"]]) for r in self.entry["ranks"]]
 
 
-def plan_load(name: str, entry: dict[str, Any], m: Manifest, rp: ReadPlan) -> Loaded:
-    """Plan the reads of every tensor of item ``name`` (both parts, every saved rank's)."""
+def plan_load(name: str, entry: dict[str, Any], m: Manifest, rp: ReadPlan, target: Any = None) -> Loaded:
+    """Plan the reads of every tensor of item ``name`` (both parts, every saved rank's). Where
+    ``target`` holds a DTensor at a saved tensor's place, only that DTensor's shard is read."""
     loaded = Loaded(entry)
     keys = list(entry.get("tensors", [])) + [k for r in entry.get("ranks", []) for k in r["tensors"]]
+    found: dict[int, torch.Tensor] = {}
+    if target is not None and "value" in entry:
+        _dtensors(_plain(target), entry["value"], found)
+    shards = {entry["tensors"][k]: t for k, t in found.items() if isinstance(k, int) and 0 <= k < len(keys)}
     for key in keys:
         e = m.find("item", -1, key)
         if e is None:
             raise ManifestError(f"load: {name}: the manifest has no tensor {key!r}")
-        t = torch.empty(e.shape, dtype=DTYPES[e.dtype])
+        t = dtensor.like(shards[key], DTYPES[e.dtype]) if key in shards else torch.empty(e.shape, dtype=DTYPES[e.dtype])
         loaded.tensors[key] = t
-        rp.items.append(plan.IOItem(e.offset, e.nbytes, rp.dest(t.view(-1), e.dtype), 0))
+        rp.whole(e, t)
     return loaded
+
+
+def _plain(target: Any) -> Any:
+    from .stateful import is_stateful
+
+    return target.state_dict() if is_stateful(target) else target
+
+
+def _dtensors(target: Any, data: Any, out: dict[int, torch.Tensor]) -> None:
+    """The DTensors of ``target`` at the places of the encoded ``data``'s tensors: index -> DTensor."""
+    if isinstance(data, dict) and len(data) == 1:
+        (mark, inner), = data.items()
+        if mark == "@tensor":
+            if dtensor.is_dtensor(target):
+                out[inner] = target
+            return
+        if mark == "@tuple":
+            data = inner
+    if isinstance(data, list) and isinstance(target, (list, tuple)):
+        for t, d in zip(target, data):
+            _dtensors(_plain(t), d, out)
+    elif isinstance(data, dict) and isinstance(target, dict):
+        for k, d in data.items():
+            if k in target:
+                _dtensors(_plain(target[k]), d, out)

@@ -65,6 +65,9 @@ class TensorEntry:
     offset: int
     nbytes: int
     key: str | None = None
+    # saved from a DTensor: every distinct shard written, as per-dimension [start, stop) ranges of
+    # the global tensor (dtensor_layout.as_json); the file holds the full tensor all the same
+    boxes: Any = field(default=None, compare=False)
 
     @property
     def numel(self) -> int:
@@ -136,7 +139,7 @@ class Manifest:
             "checksum": self.checksum,
             "params": [asdict(p) for p in self.params],
             "optimizer": self.optimizer,
-            "tensors": [asdict(t) for t in self.tensors],
+            "tensors": [_entry_json(t) for t in self.tensors],
             "files": self.files,
             "extra": self.extra,
             "info": self.info,
@@ -223,7 +226,7 @@ class Manifest:
                                _str(t["kind"], "tensors[].kind"), _shape(t["shape"], "tensors[].shape"),
                                _str(t["dtype"], "tensors[].dtype"), _str(t["file"], "tensors[].file"),
                                _int(t["offset"], "tensors[].offset"), _int(t["nbytes"], "tensors[].nbytes"),
-                               _opt_str(t.get("key"), "tensors[].key"))
+                               _opt_str(t.get("key"), "tensors[].key"), t.get("boxes"))
                    for t in _list(d["tensors"], "tensors")]
         stage = d["stage"]
         if stage is not None:
@@ -343,10 +346,10 @@ class Packer:
         self.entries: list[TensorEntry] = []
 
     def add(self, name: str, param: int, kind: str, shape: Sequence[int], dtype: str,
-            key: str | None = None) -> TensorEntry:
+            key: str | None = None, boxes: Any = None) -> TensorEntry:
         numel = math.prod(shape)
         e = TensorEntry(name, param, kind, tuple(int(s) for s in shape), dtype, self.file,
-                        self.size, numel * ITEMSIZE[dtype], key)
+                        self.size, numel * ITEMSIZE[dtype], key, boxes)
         self.size += e.nbytes
         self.entries.append(e)
         return e
@@ -358,9 +361,16 @@ class Packer:
 
     def alias(self, of: TensorEntry, kind: str, key: str | None = None) -> TensorEntry:
         """An entry sharing the bytes of ``of`` (e.g. fp32 model weights equal to the masters)."""
-        e = TensorEntry(of.name, of.param, kind, of.shape, of.dtype, of.file, of.offset, of.nbytes, key)
+        e = TensorEntry(of.name, of.param, kind, of.shape, of.dtype, of.file, of.offset, of.nbytes, key, of.boxes)
         self.entries.append(e)
         return e
+
+
+def _entry_json(t: TensorEntry) -> dict[str, Any]:
+    d = asdict(t)
+    if d["boxes"] is None:
+        del d["boxes"]
+    return d
 
 
 def canonical_bytes(d: dict[str, Any]) -> bytes:

@@ -116,7 +116,9 @@ def batches(chunks: Sequence[IOItem], alone: Callable[[IOItem], bool], max_bytes
             max_items: int = 4096) -> list[list[IOItem]]:
     """Group chunks (sorted by file offset) into rounds of one collective call each: a chunk
     for which ``alone`` holds gets a round to itself; others share rounds of at most
-    ``max_bytes`` and ``max_items``, in increasing, non-overlapping file order (a file view)."""
+    ``max_bytes`` and ``max_items``, in increasing, non-overlapping file order (a file view)
+    spanning at most ``2 * max_bytes`` of the file (MPI-IO may read and rewrite a view's whole
+    span: data sieving)."""
     out: list[list[IOItem]] = []
     cur: list[IOItem] = []
     size = 0
@@ -128,7 +130,8 @@ def batches(chunks: Sequence[IOItem], alone: Callable[[IOItem], bool], max_bytes
             out.append([c])
             continue
         if cur and (size + c.nbytes > max_bytes or len(cur) >= max_items
-                    or c.offset < cur[-1].offset + cur[-1].nbytes):
+                    or c.offset < cur[-1].offset + cur[-1].nbytes
+                    or c.offset + c.nbytes - cur[0].offset > 2 * max_bytes):
             out.append(cur)
             cur, size = [], 0
         cur.append(c)

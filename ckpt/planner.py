@@ -1,5 +1,6 @@
 """What each rank writes and reads (pure, no MPI): the model's weights, and one planner per
-optimizer kind behind ``OptimizerPlanner`` (``planner_for`` picks it).
+optimizer kind behind ``OptimizerPlanner`` (``planners.planner_for`` picks it; this module
+imports no planner).
 
 A save plan packs every tensor into the data file (``Packer``) and lists the byte ranges this
 rank writes from which local buffer; a read plan lists the ranges this rank reads into which
@@ -12,7 +13,8 @@ from typing import Any, Callable
 
 import torch
 
-from . import plan
+from . import dtensor, plan
+from . import dtensor_layout as dl
 from .dtypes import DTYPES, dtype_name
 from .errors import IncompatibleStateError, StateMismatchError
 from .manifest import DATA_NAME, Manifest, ManifestError, Packer, ParamInfo, jsonable, like
@@ -49,6 +51,21 @@ class ModelState:
                 for n, t in zip(self.names, self.tensors)]
 
 
+REPLICA_ALIGN = 4096  # a replicated shard is split among its holders at multiples of this many bytes
+
+
+def _what(kind: str, name: str, key: str | None) -> str:
+    return {"param": f"{name!r}", "master": f"master weights of {name!r}", "state": f"optimizer state {key!r} of "
+            f"{name!r}"}.get(kind, f"{name!r}" if key is None else f"{key!r}")
+
+
+def shard_runs(e: Any, s: dl.Sharding, buf: int) -> list[plan.IOItem]:
+    """Items that move this rank's shard of DTensor layout ``s`` between entry ``e`` (the full
+    tensor in the file) and local buffer ``buf``: runs of contiguous bytes, in local order."""
+    isz = e.itemsize
+    return [plan.IOItem(e.offset + f * isz, n * isz, buf, lo * isz) for f, lo, n in dl.runs(s.shape, s.mine())]
+
+
 @dataclass
 class SavePlan:
     """Entries packed in the data file, this rank's local buffers, and the items that move them:
@@ -58,15 +75,35 @@ class SavePlan:
     buffers: list[torch.Tensor] = field(default_factory=list)
     replicated: list[plan.IOItem] = field(default_factory=list)
     own: list[plan.IOItem] = field(default_factory=list)
+    sharded: list[tuple[str, dl.Sharding]] = field(default_factory=list)  # DTensors: (what, layout)
 
     def buffer(self, t: torch.Tensor) -> int:
         self.buffers.append(t.detach() if t.is_contiguous() else t.detach().contiguous())
         return len(self.buffers) - 1
 
     def whole(self, name: str, param: int, kind: str, t: torch.Tensor, key: str | None = None) -> None:
-        """Pack tensor ``t`` whole, held by every rank."""
+        """Pack tensor ``t`` whole: held by every rank, or a DTensor, of which this rank writes its
+        local shard (a shard held by several ranks, ``Replicate``, split among them)."""
+        if dtensor.is_dtensor(t):
+            what = _what(kind, name, key)
+            s = dtensor.sharding(t, f"save: {what}")
+            boxes = s.boxes()
+            dl.check_cover(s.shape, boxes)
+            e = self.packer.add(name, param, kind, s.shape, dtype_name(t.dtype), key,
+                                [dl.as_json(b) for b in boxes])
+            items = shard_runs(e, s, self.buffer(dtensor.local(t)))
+            index, count = s.replicas()
+            self.own += plan.share_items(items, count, index, REPLICA_ALIGN) if count > 1 else items
+            self.sharded.append((what, s))
+            return
         e = self.packer.add(name, param, kind, t.shape, dtype_name(t.dtype), key)
         self.replicated.append(plan.IOItem(e.offset, e.nbytes, self.buffer(t), 0))
+
+    def table(self) -> list[tuple]:
+        """What every rank must agree on: each entry's name, kind, key, shape, dtype and DTensor layout."""
+        layouts = {what: s.key() for what, s in self.sharded}
+        return [(e.name, e.kind, e.key, list(e.shape), e.dtype, layouts.get(_what(e.kind, e.name, e.key)))
+                for e in self.packer.entries]
 
     def items(self, rank: int, size: int, block_size: int) -> list[plan.IOItem]:
         """What this rank writes: its share of the replicated items, and its own."""
@@ -83,6 +120,7 @@ class ReadPlan:
     dests: list[torch.Tensor] = field(default_factory=list)
     dtypes: list[torch.dtype] = field(default_factory=list)
     apply: list[Callable[[], None]] = field(default_factory=list)
+    sharded: list[tuple[str, dl.Sharding]] = field(default_factory=list)  # DTensors read: (what, layout)
 
     def dest(self, t: torch.Tensor, dtype: str) -> int:
         self.dests.append(t)
@@ -90,13 +128,25 @@ class ReadPlan:
         return len(self.dests) - 1
 
     def whole(self, e: Any, dest: torch.Tensor) -> None:
-        """Read entry ``e`` whole into ``dest`` (through a contiguous copy when needed)."""
-        dest = dest.detach()
+        """Read entry ``e`` into ``dest`` (through a contiguous copy when needed): whole, or only
+        this rank's shard when ``dest`` is a DTensor."""
+        s = None
+        if dtensor.is_dtensor(dest):
+            what = _what(e.kind, e.name, e.key)
+            s = dtensor.sharding(dest, f"load: {what}")
+            if s.shape != tuple(e.shape):
+                raise StateMismatchError(f"load: {what}: expected global shape {list(s.shape)}, checkpoint has "
+                                         f"{list(e.shape)}")
+            self.sharded.append((what, s))
+            dest = dtensor.local(dest)
+        else:
+            dest = dest.detach()
         if not dest.is_contiguous():
             tmp = torch.empty(dest.shape, dtype=dest.dtype, device=dest.device)
             self.apply.append(lambda d=dest, s=tmp: d.copy_(s))
             dest = tmp
-        self.items.append(plan.IOItem(e.offset, e.nbytes, self.dest(dest.view(-1), e.dtype), 0))
+        buf = self.dest(dest.view(-1), e.dtype)
+        self.items += [plan.IOItem(e.offset, e.nbytes, buf, 0)] if s is None else shard_runs(e, s, buf)
 
 
 class OptimizerPlanner:
@@ -177,17 +227,6 @@ class OptimizerPlanner:
         """The saved hyperparameters of every group, with the tuple-ness of the current ones."""
         return [{k: like(g.get(k), v) for k, v in s.items() if k != "params"}
                 for g, s in zip(self.optimizer.param_groups, m.optimizer["param_groups"])]
-
-
-def planner_for(optimizer: torch.optim.Optimizer | None) -> OptimizerPlanner | None:
-    """The planner for ``optimizer``'s kind (None for no optimizer)."""
-    if optimizer is None:
-        return None
-    from .planner_plain import PlainPlanner
-    from .planner_zero import ZeroPlanner
-    from zero import ZeroOptimizer
-
-    return ZeroPlanner(optimizer) if isinstance(optimizer, ZeroOptimizer) else PlainPlanner(optimizer)
 
 
 # -- scalars and per-parameter state ----------------------------------------------------------

@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import plan
+from . import dtensor
 from .dtypes import DTYPES
 from .errors import IncompatibleStateError
 from .manifest import Manifest
@@ -60,8 +60,10 @@ class PlainPlanner(OptimizerPlanner):
             for key in m.state_keys():
                 e = m.find("state", i, key)
                 if e is not None:
-                    st[key] = t = torch.empty(e.shape, dtype=DTYPES[e.dtype])
-                    rp.items.append(plan.IOItem(e.offset, e.nbytes, rp.dest(t.view(-1), e.dtype), 0))
+                    # a DTensor parameter gets its state as DTensors laid out like it: only its shard is read
+                    st[key] = t = dtensor.like(p, DTYPES[e.dtype]) if dtensor.is_dtensor(p) \
+                        else torch.empty(e.shape, dtype=DTYPES[e.dtype])
+                    rp.whole(e, t)
             for key, d in m.optimizer["scalars"].get(str(i), {}).items():
                 st[key] = unscalar(d)
             state[pos] = st

@@ -137,8 +137,9 @@ def restore(target: Any, value: Any, what: str) -> Any:
             got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
             raise IncompatibleStateError(f"load: {what}: expected a tensor of shape {tuple(target.shape)}, "
                                          f"checkpoint has {got}")
-        with torch.no_grad():
-            target.copy_(value)
+        from .dtensor import copy_into
+
+        copy_into(target, value)
         return target
     if isinstance(target, dict) and isinstance(value, dict):
         for k, v in value.items():

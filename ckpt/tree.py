@@ -27,7 +27,9 @@ def encode(value: Any, what: str, tensors: list[torch.Tensor]) -> Any:
         if value.dtype not in DTYPES.values():
             raise IncompatibleStateError(f"{what}: cannot store a tensor of dtype {value.dtype}: expected one of "
                                          f"{sorted(DTYPES)}")
-        tensors.append(value.detach().contiguous())
+        from .dtensor import is_dtensor
+
+        tensors.append(value if is_dtensor(value) else value.detach().contiguous())  # a DTensor: its shard
         return {"@tensor": len(tensors) - 1}
     if type(value).__module__ == "numpy" and hasattr(value, "item") and getattr(value, "ndim", None) == 0:
         return encode(value.item(), what, tensors)

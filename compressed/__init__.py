@@ -28,14 +28,15 @@ mpicomm's collectives), ``hierarchical`` (node structure and the hierarchical ca
 ``_numba_kernels``/``_numpy_kernels`` (host kernels), ``torch_kernels`` (device kernels),
 ``transport`` (a process group as the engine's communicator), ``adam_update`` (the 1-bit Adam
 family's checks and update), ``flat`` (means of many tensors in one call),
-``backend``/``group_backend``/``allreduce``/``adam``/``zoadam``/``lamb``/``ddp_hook`` (the public
+``deepspeed_backend`` (``MpiBackend``: DeepSpeed's compression backend, not a
+torch.distributed backend)/``group_backend``/``allreduce``/``adam``/``zoadam``/``lamb``/``ddp_hook`` (the public
 classes), ``errors``.
 """
 from __future__ import annotations
 
 from .adam import OnebitAdam
 from .allreduce import OnebitAllreduce
-from .backend import MpiBackend
+from .deepspeed_backend import MpiBackend
 from .ddp_hook import OnebitDDPState, onebit_ddp_hook
 from .errors import NonFiniteError, SizeMismatchError
 from .group_backend import CompressedBackend

@@ -11,7 +11,7 @@ import torch
 
 from . import kernels as K
 from . import reshard
-from .backend import MpiBackend
+from .deepspeed_backend import MpiBackend
 from .engine import Deferred
 from .transport import as_comm
 from .wire_format import padded_size

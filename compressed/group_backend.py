@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .backend import MpiBackend
+from .deepspeed_backend import MpiBackend
 from .transport import GroupTransport
 
 __all__ = ["CompressedBackend"]

@@ -6,25 +6,28 @@ same calls as module functions), ``fastpath`` (the one rule that sends plain hos
 straight to MPI), ``validate`` and ``errors`` (argument checks and their messages), ``buffers``
 (torch/numpy/cupy to MPI buffers and back), ``dtypes`` and ``ops`` (dtype and op tables),
 ``device_paths`` (direct or staged device buffers), ``large`` (counts beyond 2^31 on MPI-3
-libraries), ``checking`` (checking mode), ``work`` and ``progress`` (async handles and the
-progress thread), ``observe`` (profiler events and logging), ``_util`` (env flags, byte sizes,
-env cleaning), and ``distributed/`` (the torch.distributed backend and DDP hook).
+libraries), ``checking`` (checking mode), ``work`` and ``progress_thread`` (async handles and
+the thread that completes them), ``observe`` (profiler events and logging), ``byte_sizes``
+(``format_bytes``), ``launch_env`` (``clean_env``: the environment for launching a fresh job),
+and ``distributed/`` (the torch.distributed backend and DDP hook).
 """
 from __future__ import annotations
 
 from . import distributed  # registers the "mpicomm" torch.distributed backend
 from .communicator import Communicator, as_communicator, get_world, init, is_initialized
+from .byte_sizes import format_bytes
 from .errors import CollectiveMismatchError
+from .launch_env import clean_env
 from .ops import ReduceOp
-from .work import Work
+from .work import WaitTimeoutError, Work
 from .world import (all_gather, all_gather_into_tensor, all_reduce, all_to_all_single, barrier,
                     broadcast, gather, get_rank, get_world_size, irecv, isend, recv, reduce,
                     reduce_scatter_tensor, scatter, send, split)
 
 __all__ = [
-    "Communicator", "ReduceOp", "Work", "CollectiveMismatchError",
+    "Communicator", "ReduceOp", "Work", "WaitTimeoutError", "CollectiveMismatchError",
     "init", "as_communicator", "get_world", "is_initialized", "get_rank", "get_world_size",
     "all_reduce", "reduce", "reduce_scatter_tensor", "broadcast", "all_gather_into_tensor",
     "all_gather", "all_to_all_single", "gather", "scatter", "send", "recv", "isend", "irecv",
-    "barrier", "split",
+    "barrier", "split", "format_bytes", "clean_env",
 ]

@@ -14,7 +14,7 @@ import torch
 from mpi4py import MPI
 
 from . import fastpath, large, reduce16
-from ._util import env_flag
+from accelerators.flags import env_flag
 from .buffers import IN, INOUT, OUT, Slot, host_overlap, prepare, to_tensor
 from .checking import agree
 from .device_paths import DevicePolicy

@@ -19,7 +19,7 @@ import torch
 import torch.autograd.profiler as _profiler
 
 from . import dtypes
-from ._util import format_bytes
+from .byte_sizes import format_bytes
 
 log = logging.getLogger("mpicomm")
 LEVEL_VAR = "MPICOMM_LOG_LEVEL"

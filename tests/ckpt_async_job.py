@@ -31,7 +31,8 @@ def main(root: str) -> None:
 
     def stalls(*a, **kw):
         out = real(*a, **kw)
-        time.sleep(600)
+        open(os.path.join(root, f"written.{comm.rank}"), "w").close()  # this rank's data is written
+        time.sleep(600)  # and its save never finishes: the job is killed meanwhile
         return out
 
     ckpt_api.write_items = stalls
@@ -41,12 +42,10 @@ def main(root: str) -> None:
     ckpt.save(os.path.join(root, "s2"), model=net, step=2, comm=comm, async_save=True)
     if comm.rank == 0:
         deadline = time.time() + 120
-        while time.time() < deadline:
-            work = [d for d in os.listdir(root) if ".tmp-" in d and os.path.exists(os.path.join(root, d, "data.bin"))]
-            if work:
+        while time.time() < deadline:  # every rank wrote its part of the new checkpoint's data
+            if all(os.path.exists(os.path.join(root, f"written.{r}")) for r in range(comm.size)):
                 break
             time.sleep(0.05)
-        time.sleep(0.5)
         open(os.path.join(root, "killed"), "w").close()
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(600)

@@ -11,7 +11,7 @@ import torch
 from mpi4py import MPI
 from mpitest import mpiexec_cmd
 
-from mpicomm._util import clean_env
+from mpicomm import clean_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -144,6 +144,31 @@ def _mine(pid: int) -> list[str]:
     return netsim.leftovers(f"mpicomm-{pid}-")
 
 
+def _ranks_running(pid: int) -> int:
+    """How many Python processes below ``pid`` (the netsim driver) run the benchmark program."""
+    parents, cmds = {}, {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    cmds[int(entry)] = f.read().split(b"\0")
+            except (OSError, ValueError, IndexError):
+                pass
+
+    def below(p: int) -> bool:
+        seen = set()
+        while p > 1 and p not in seen:
+            seen.add(p)
+            p = parents.get(p, 0)
+            if p == pid:
+                return True
+        return False
+    return sum(1 for p, argv in cmds.items() if os.path.basename(argv[0]).startswith(b"python")
+               and b"collectives" in argv and b"netsim" not in argv and below(p))
+
+
 def _root_links() -> set[str]:
     out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
     return {line.split(":")[1].strip() for line in out.splitlines()}
@@ -332,7 +357,10 @@ def test_ctrl_c_tears_down():
     try:
         first = proc.stdout.readline()
         assert first.startswith("# netsim:"), first
-        time.sleep(2)  # let mpiexec start the ranks
+        deadline = time.time() + 60  # until every host runs its rank of the benchmark
+        while _ranks_running(proc.pid) < 3:
+            assert time.time() < deadline and proc.poll() is None, "the ranks did not start"
+            time.sleep(0.01)
         assert _mine(proc.pid) != []
         proc.send_signal(signal.SIGINT)
         _, stderr = proc.communicate(timeout=60)

@@ -1,6 +1,8 @@
 """Buffers that need adapting: non-contiguous, requires-grad, read-only, aliased, async, p2p, groups."""
 from __future__ import annotations
 
+import datetime
+
 import numpy as np
 import pytest
 import torch
@@ -122,6 +124,23 @@ def test_future_completes_without_explicit_wait(comm):
     fut = comm.all_reduce(x, async_op=True).get_future()
     result = fut.wait()  # completed by the work's waiter thread
     assert_close_all(result[0], np.full(1000, float(comm.size)))
+
+
+def test_wait_with_a_timeout_raises_and_the_operation_goes_on(comm):
+    # every rank times out before the barrier, and sends only after it: nothing can have arrived
+    right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    got = torch.zeros(3)
+    work = comm.irecv(got, src=left, tag=7)
+    with pytest.raises(mpicomm.WaitTimeoutError, match=r"wait\(timeout=0.05 s\); it goes on"):
+        work.wait(0.05)
+    with pytest.raises(ValueError, match="timeout"):
+        work.wait(-1)
+    assert not work.is_completed() and work.exception() is None
+    comm.barrier()
+    comm.send(torch.full((3,), float(comm.rank)), dst=right, tag=7)
+    assert work.wait(datetime.timedelta(seconds=60)) is True and work.is_success()
+    assert work.result() == [got] and work.source_rank() == left
+    assert_close_all(got, np.full(3, float(left)))
 
 
 def test_many_outstanding_async_ops(comm):

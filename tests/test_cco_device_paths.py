@@ -65,13 +65,13 @@ def test_staging_pool_reuses_buffers_by_size_class():
     pool = StagingPool()
     a = pool.acquire((3, 5), torch.float32)
     assert a.shape == (3, 5) and a.dtype == torch.float32 and not a.is_cuda
-    raw = a._mpicomm_raw
-    assert raw.numel() == 64  # 60 bytes rounded up to a power of two
+    raw = a.untyped_storage()
+    assert raw.nbytes() == 64  # 60 bytes rounded up to a power of two
     pool.release(a)
     b = pool.acquire((16,), torch.int32)  # 64 bytes: the same size class, the same memory
-    assert b._mpicomm_raw.data_ptr() == raw.data_ptr()
+    assert b.untyped_storage().data_ptr() == raw.data_ptr()
     c = pool.acquire((16,), torch.int32)  # the class is empty now: a new buffer
-    assert c._mpicomm_raw.data_ptr() != raw.data_ptr()
+    assert c.untyped_storage().data_ptr() != raw.data_ptr()
     pool.release(b)
     pool.release(c)
     empty = pool.acquire((0,), torch.float64)

@@ -103,6 +103,15 @@ def test_ddp_comm_hook_on_another_group(gloo_and_mpicomm, world):
     rank = world.rank
     ref = _train(DDP(_model()), 20, rank)
     model = DDP(_model())
-    model.register_comm_hook(mpicomm.init(), md.allreduce_hook)
+    model.register_comm_hook(mpicomm.init(), md.allreduce_ddp_hook)
     ours = _train(model, 20, rank)
     assert_close_all(ours, ref.numpy(), atol=1e-6, what="DDP + mpicomm hook vs gloo")
+
+
+def test_old_names_are_deprecated_aliases():
+    with pytest.warns(DeprecationWarning, match="use allreduce_ddp_hook"):
+        assert md.allreduce_hook is md.allreduce_ddp_hook
+    with pytest.warns(DeprecationWarning, match="use ProcessGroupTimeoutError"):
+        assert md.CollectiveTimeoutError is md.ProcessGroupTimeoutError
+    assert issubclass(md.ProcessGroupTimeoutError, dist.DistBackendError)
+    assert not issubclass(mpicomm.WaitTimeoutError, md.ProcessGroupTimeoutError)

@@ -12,7 +12,7 @@ import torch
 from mpi4py import MPI
 
 from mpicomm import observe
-from mpicomm._util import clean_env
+from mpicomm import clean_env
 from mpitest import assert_all, check_all
 
 OPS = ["all_reduce", "reduce", "reduce_scatter_tensor", "broadcast", "all_gather_into_tensor",

@@ -5,23 +5,25 @@ import numpy as np
 import pytest
 import torch
 
-from mpicomm import _util, dtypes
+import mpicomm
+from accelerators import flags
+from mpicomm import dtypes
 
 
 @pytest.mark.parametrize("text,value", [("1", True), (" TRUE ", True), ("yes", True), ("On", True),
                                         ("0", False), ("false", False), ("NO", False),
                                         ("off", False)])
 def test_env_flag_values(text, value):
-    assert _util.env_flag("X", env={"X": text}) is value
-    assert _util.parse_flag(text) is value
+    assert flags.env_flag("X", env={"X": text}) is value
+    assert flags.parse_flag(text) is value
 
 
 def test_env_flag_unset_and_garbage():
-    assert _util.env_flag("X", env={}) is False
-    assert _util.env_flag("X", default=True, env={"X": "  "}) is True
-    assert _util.parse_flag("maybe") is None
+    assert flags.env_flag("X", env={}) is False
+    assert flags.env_flag("X", default=True, env={"X": "  "}) is True
+    assert flags.parse_flag("maybe") is None
     with pytest.raises(ValueError, match=r"X='maybe': expected 0 or 1"):
-        _util.env_flag("X", env={"X": "maybe"})
+        flags.env_flag("X", env={"X": "maybe"})
 
 
 @pytest.mark.parametrize("n,text,compact", [(0, "0 B", "0"), (8, "8 B", "8"), (1023, "1023 B", "1023"),
@@ -29,19 +31,19 @@ def test_env_flag_unset_and_garbage():
                                             (1 << 20, "1.0 MiB", "1M"), (64 << 20, "64.0 MiB", "64M"),
                                             (3 << 30, "3.0 GiB", "3G")])
 def test_format_bytes(n, text, compact):
-    assert _util.format_bytes(n) == text
-    assert _util.format_bytes(n, compact=True) == compact
+    assert mpicomm.format_bytes(n) == text
+    assert mpicomm.format_bytes(n, compact=True) == compact
 
 
 def test_clean_env_drops_launcher_variables_and_keeps_user_settings():
     env = {"PMI_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "MPI_LOCALRANKID": "0", "HYDRA_X": "1",
            "PRTE_LAUNCHED": "1", "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
            "OMPI_MCA_btl": "tcp,self", "PATH": "/bin", "MPICOMM_CHECK": "1", "SLURM_LOCALID": "3"}
-    got = _util.clean_env(env=env)
+    got = mpicomm.clean_env(env=env)
     assert got == {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
                    "OMPI_MCA_btl": "tcp,self", "PATH": "/bin", "MPICOMM_CHECK": "1",
                    "SLURM_LOCALID": "3"}
-    assert "SLURM_LOCALID" not in _util.clean_env(drop=("SLURM_",), env=env)
+    assert "SLURM_LOCALID" not in mpicomm.clean_env(drop=("SLURM_",), env=env)
 
 
 def test_dtype_names_round_trip():

@@ -9,7 +9,7 @@ import sys
 import threading
 
 import pytest
-from mpicomm._util import clean_env
+from mpicomm import clean_env
 import torch
 from mpi4py import MPI
 from mpitest import check_all, mpiexec_cmd

@@ -64,7 +64,7 @@ def test_failure_on_root_raises_everywhere_even_unpicklable(comm, world):
         if isinstance(exc, ckpt.ChecksumError):  # a ckpt class is rebuilt as itself, exit code included
             assert_all(type(caught) is ckpt.ChecksumError and caught.exit_code == errors.EXIT_DAMAGED, name)
         else:
-            assert_all(isinstance(caught, ckpt.CollectiveError) and caught.exit_code == errors.EXIT_FAILED, name)
+            assert_all(isinstance(caught, ckpt.StepFailedError) and caught.exit_code == errors.EXIT_FAILED, name)
         if isinstance(exc, BadStr):
             assert_all("unprintable" in text, text)
 
@@ -82,7 +82,7 @@ def test_unsendable_result_on_root_raises_everywhere(comm, world):
         assert caught is None  # nothing to send
         return
     _same_on_every_rank(world, caught)
-    assert_all(isinstance(caught, TypeError) and isinstance(caught, ckpt.CollectiveError), repr(caught))
+    assert_all(isinstance(caught, TypeError) and isinstance(caught, ckpt.StepFailedError), repr(caught))
 
 
 @pytest.mark.mpi(min_size=2)
@@ -125,6 +125,15 @@ def test_every_ckpt_exception_is_a_checkpoint_error_with_a_documented_exit_code(
     # the mix-ins callers rely on
     assert issubclass(ckpt.ManifestError, ValueError) and issubclass(ckpt.StateMismatchError, KeyError)
     assert issubclass(ckpt.CheckpointExistsError, FileExistsError)
+
+
+def test_old_error_names_are_deprecated_aliases():
+    with pytest.warns(DeprecationWarning, match="use ckpt.StepFailedError"):
+        assert ckpt.CollectiveError is ckpt.StepFailedError
+    with pytest.warns(DeprecationWarning, match="use ckpt.FailureReport"):
+        assert ckpt.RankFailure is ckpt.FailureReport
+    with pytest.raises(AttributeError):
+        ckpt.NoSuchName  # noqa: B018
 
 
 @pytest.mark.parametrize("cls", _ckpt_exception_classes(), ids=lambda c: c.__name__)

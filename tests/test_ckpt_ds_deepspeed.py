@@ -21,7 +21,7 @@ import subprocess
 import sys
 
 import pytest
-from mpicomm._util import clean_env
+from mpicomm import clean_env
 import torch
 from mpi4py import MPI
 

@@ -14,7 +14,7 @@ import time
 import zlib
 
 import pytest
-from mpicomm._util import clean_env
+from mpicomm import clean_env
 import torch
 from mpi4py import MPI
 
@@ -116,6 +116,9 @@ elif mode == "concurrent":
     value = float(sys.argv[3])
     go = os.path.join(root, "go")
     model = model_filled(value)
+    world.Barrier()
+    if rank == 0:
+        open(os.path.join(root, f"ready.{sys.argv[3]}"), "w").close()
     deadline = time.time() + 60
     while not os.path.exists(go) and time.time() < deadline:  # both jobs start their saves together
         time.sleep(0.005)
@@ -188,7 +191,10 @@ def test_concurrent_saves_to_one_path_never_mix(tmp_path):
     root = tmp_path / "shared"
     root.mkdir()
     jobs = [start_job(tmp_path, "concurrent", str(root), v) for v in ("1", "2")]
-    time.sleep(0.5)
+    deadline = time.time() + 120  # both jobs ready (every rank's model built), then go together
+    while not all((root / f"ready.{v}").exists() for v in ("1", "2")):
+        assert time.time() < deadline and all(j.poll() is None for j in jobs), "a job ended or hung before its save"
+        time.sleep(0.01)
     (root / "go").write_text("")
     results = []
     for j in jobs:
@@ -444,7 +450,7 @@ def same_everywhere(world, caught, failed_rank, step):
         return  # one process: the step's own exception, unchanged
     seen = world.allgather((type(caught).__qualname__, str(caught)))
     assert_all(len(set(seen)) == 1, f"ranks raised different exceptions: {seen}")
-    assert_all(isinstance(caught, ckpt.CollectiveError) and f"{step} failed on rank {failed_rank} of" in str(caught)
+    assert_all(isinstance(caught, ckpt.StepFailedError) and f"{step} failed on rank {failed_rank} of" in str(caught)
                and [(f.rank, f.type_name) for f in caught.failures][0][0] == failed_rank, str(caught))
 
 

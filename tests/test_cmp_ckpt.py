@@ -8,14 +8,11 @@ import numpy as np
 import pytest
 import torch
 
+import ckpt
 import compressed
 from mpitest import check_all
 from test_cmp_backend import group
 from test_cmp_state import rule_numpy
-
-ckpt = pytest.importorskip("ckpt")
-if not hasattr(ckpt, "PerRank"):  # pragma: no cover - ckpt without the per-rank protocol
-    pytest.skip("ckpt has no per-rank state", allow_module_level=True)
 
 FREEZE = 2
 

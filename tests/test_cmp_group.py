@@ -106,7 +106,7 @@ def test_optimizers_take_a_process_group(world, comm, groups, kind, name):
 
 @pytest.mark.parametrize("backend", ["mpicomm", "gloo"])
 def test_seed_script_shape_under_init_process_group(backend):
-    from mpicomm._util import clean_env
+    from mpicomm import clean_env
 
     env = clean_env()
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):

@@ -244,7 +244,7 @@ def test_wait_with_a_timeout_raises_and_the_call_goes_on(plain, world):
         raised = False
         try:
             work.wait(datetime.timedelta(milliseconds=200))
-        except md.CollectiveTimeoutError as exc:
+        except mpicomm.WaitTimeoutError as exc:
             raised = "wait(timeout=0.2 s)" in str(exc)
         store.set(f"waited/{world.rank}", "1")
     assert_all(raised, "wait(timeout) before the last rank joined must raise")

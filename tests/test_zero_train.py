@@ -138,15 +138,23 @@ def test_no_clip_when_norm_is_small_and_overlap_off(mode, stage):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("stage", [1, 2])
-def test_overlap_launches_buckets_during_backward(stage):
+def test_overlap_launches_buckets_during_backward(stage, monkeypatch):
     comm = mpicomm.init()
+    launched = []  # async_op of every gradient reduce-scatter, in call order
+    real = mpicomm.Communicator.reduce_scatter_tensor
+
+    def counted(self, *args, **kwargs):
+        launched.append(kwargs.get("async_op", False))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(mpicomm.Communicator, "reduce_scatter_tensor", counted)
     model = make_model()
     opt = ZeroOptimizer(torch.optim.SGD, model.parameters(), stage=stage, comm=comm, bucket_bytes=48, lr=0.1)
     loss_of(model, 0, 0, comm.rank).backward()
-    launched = opt._reducer.next
-    assert_all(launched == len(opt._reducer.buckets) > 2,
-               f"{launched} of {len(opt._reducer.buckets)} buckets launched by backward's hooks")
+    during = len(launched)
     opt.step()
+    assert_all(during == len(launched) > 2 and all(launched),
+               f"{during} of {len(launched)} gradient reduce-scatters launched (async) by backward's hooks")
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -7,22 +7,41 @@
 takes rank and world size from MPI and gives all ranks one TCPStore (hosted by rank 0). The
 process group runs every call as a non-blocking MPI operation: ``async_op=True`` returns at
 once and mpicomm's progress thread completes the work; every call fails past the group's
-timeout. DDP, DeviceMesh, DTensor and FSDP2 run on it; :func:`allreduce_hook` routes only
+timeout. DDP, DeviceMesh, DTensor and FSDP2 run on it; :func:`allreduce_ddp_hook` routes only
 DDP's gradient buckets through mpicomm when DDP runs on another process group.
 
-Modules: ``_rendezvous`` (ranks and store from MPI), ``_backend`` (registration, constructor),
-``_pg`` (the process group), ``_work`` (work handles, timeouts), ``_watchdog`` (deadlines of
-blocking calls), ``_ops`` (ReduceOp mapping),
-``_hook`` (the DDP comm hook).
+Modules: ``_rendezvous`` (ranks and store from MPI), ``_registration`` (the torch.distributed backend's
+registration and constructor),
+``_pg`` (the process group), ``_work`` (work handles, timeouts), ``_deadlines`` (the one
+thread that keeps every call's deadline), ``_ops`` (ReduceOp mapping),
+``_ddp_hook`` (the DDP comm hook).
+
+Deprecated aliases: ``allreduce_hook`` (now ``allreduce_ddp_hook``), ``CollectiveTimeoutError``
+(now ``ProcessGroupTimeoutError``).
 """
 from __future__ import annotations
 
-from ._backend import init_process_group, register
-from ._hook import allreduce_hook
-from ._pg import BACKEND_NAME, MpicommProcessGroup
-from ._work import CollectiveTimeoutError, MpicommWork
+import warnings
 
-__all__ = ["BACKEND_NAME", "CollectiveTimeoutError", "MpicommProcessGroup", "MpicommWork",
-           "allreduce_hook", "init_process_group", "register"]
+from ._ddp_hook import allreduce_ddp_hook
+from ._registration import init_process_group, register
+from ._pg import BACKEND_NAME, MpicommProcessGroup
+from ._work import MpicommWork, ProcessGroupTimeoutError
+
+__all__ = ["BACKEND_NAME", "MpicommProcessGroup", "MpicommWork", "ProcessGroupTimeoutError",
+           "allreduce_ddp_hook", "init_process_group", "register"]
+
+_DEPRECATED = {"allreduce_hook": "allreduce_ddp_hook",
+               "CollectiveTimeoutError": "ProcessGroupTimeoutError"}
+
+
+def __getattr__(name: str):
+    """The deprecated names, with a DeprecationWarning."""
+    if name in _DEPRECATED:
+        new = _DEPRECATED[name]
+        warnings.warn(f"mpicomm.distributed.{name} is deprecated; use {new}", DeprecationWarning,
+                      stacklevel=2)
+        return globals()[new]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 register()

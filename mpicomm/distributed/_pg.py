@@ -6,11 +6,13 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from .. import progress, reduce16
+import time
+
+from .. import progress_thread, reduce16
 from ..communicator import Communicator
 from ._ops import premultiplied, to_mpicomm
-from . import _watchdog
-from ._work import MpicommWork
+from . import _deadlines
+from ._work import MpicommWork, expire
 
 BACKEND_NAME = "mpicomm"
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
@@ -20,8 +22,8 @@ class MpicommProcessGroup(dist.ProcessGroup):
     """A process group whose calls run as non-blocking MPI operations through mpicomm.
 
     ``async_op=True`` returns at once (mpicomm's progress thread completes the work); blocking
-    calls run MPI's blocking primitive under the watchdog. Past ``timeout`` a work fails with
-    ``CollectiveTimeoutError`` and the job is aborted. ``store`` (the process group's store)
+    calls run MPI's blocking primitive, their deadline kept by the deadline thread. Past ``timeout`` a work fails with
+    ``ProcessGroupTimeoutError`` and the job is aborted. ``store`` (the process group's store)
     carries the ranks' progress reports for timeout messages.
     """
 
@@ -65,7 +67,8 @@ class MpicommProcessGroup(dist.ProcessGroup):
         """Run ``start(async_op)`` (-> mpicomm Works, or Nones when blocking) as one work.
 
         A blocking call (``opts.asyncOp`` false) runs MPI's blocking primitives on this thread
-        under the watchdog; otherwise the work goes to the progress thread. Below
+        (the deadline thread keeps its deadline); otherwise the work goes to the progress
+        thread. Below
         MPI_THREAD_MULTIPLE both test the non-blocking requests on this thread until done.
         """
         if self._broken is not None:
@@ -78,13 +81,19 @@ class MpicommProcessGroup(dist.ProcessGroup):
         t = getattr(opts, "timeout", None)
         if isinstance(t, datetime.timedelta) and t.total_seconds() > 0:
             timeout = t
-        if progress.enabled() and not getattr(opts, "asyncOp", True):
+        if progress_thread.enabled() and not getattr(opts, "asyncOp", True):
             # MPI's blocking call on this thread (as fast as mpicomm's), deadline watched
-            key = _watchdog.start(self, call, self._seq, described, timeout)
+            seq, began, limit = self._seq, time.monotonic(), timeout.total_seconds()
+            key = _deadlines.watch(_deadlines.Deadline(
+                began + limit, lambda: expire(self, call, seq, described, timeout,
+                                              time.monotonic() - began, abort_now=True),
+                notice=began + limit / 2, on_notice=lambda: self._publish_waiting(seq, call)))
             try:
                 start(False)
             finally:
-                _watchdog.finish(key)
+                watched = _deadlines.unwatch(key)
+                if watched is not None and watched.noticed:
+                    self._publish_waiting(None, None)
             for step in finish:
                 step()
             return MpicommWork(self, call, self._seq, [], (), result, described, timeout)
@@ -92,7 +101,7 @@ class MpicommProcessGroup(dist.ProcessGroup):
         work = MpicommWork(self, call, self._seq, inner, finish, result, described, timeout,
                            source=source)
         if getattr(opts, "asyncOp", True):
-            if progress.enabled():
+            if progress_thread.enabled():
                 work._launch_threaded()
             else:  # no progress thread below MPI_THREAD_MULTIPLE: complete before returning
                 work.wait()

@@ -1,12 +1,14 @@
 """The process group's work handle: non-blocking MPI operations with a deadline.
 
-A work wraps the mpicomm Work(s) of one process-group call. ``async_op=True`` hands it to
+A work wraps the mpicomm Work(s) of one process-group call; completion, futures and
+``wait(timeout)`` are mpicomm's :class:`~mpicomm.work.BaseWork`. ``async_op=True`` hands it to
 mpicomm's progress thread, which completes it (results in place, future set, ``.then``
 callbacks run) without the caller polling; below MPI_THREAD_MULTIPLE it is tested on the
-caller's thread. Past the process group's timeout the work fails with
-:class:`CollectiveTimeoutError` and the MPI job is aborted when the process exits, or one more
+caller's thread. The deadline thread (``_deadlines``) keeps its deadline, as it keeps those of
+blocking calls: past the process group's timeout the work fails with
+:class:`ProcessGroupTimeoutError` and the MPI job is aborted when the process exits, or one more
 timeout later at the latest (MPI cannot cancel a collective that a peer never joined, so the
-job cannot go on correctly). Blocking calls are watched by ``_watchdog`` instead.
+job cannot go on correctly).
 """
 from __future__ import annotations
 
@@ -14,7 +16,6 @@ import atexit
 import datetime
 import logging
 import sys
-import threading
 import time
 from typing import Callable, Sequence
 
@@ -22,18 +23,18 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-from .. import progress
-from .._util import format_bytes
-from ..work import Work
+from ..byte_sizes import format_bytes
+from ..work import BaseWork, Work
+from . import _deadlines
 
 _log = logging.getLogger("mpicomm")
 _timed_out: list[str] = []  # messages of the timeouts seen in this process
-_SET = threading.Event()  # the event of every work that completed at launch
-_SET.set()
 
 
-class CollectiveTimeoutError(dist.DistBackendError):
-    """A process-group call did not complete within the process group's timeout."""
+class ProcessGroupTimeoutError(dist.DistBackendError):
+    """A process-group call did not complete within the process group's timeout: the group is
+    unusable and the MPI job will be aborted. (``wait(timeout)`` running out is
+    ``mpicomm.WaitTimeoutError`` instead: the call goes on.)"""
 
 
 def _abort(reason: str) -> None:
@@ -66,7 +67,7 @@ def _size(nbytes: int) -> str:
 
 
 def expire(pg, call: str, seq: int, described, timeout: datetime.timedelta, elapsed: float,
-           abort_now: bool) -> CollectiveTimeoutError:
+           abort_now: bool) -> ProcessGroupTimeoutError:
     """A call of ``pg`` ran past ``timeout``: log, break the group, abort the job (now or later)."""
     message = (f"mpicomm: {call} ({_describe(described)}), operation #{seq} of process group "
                f"{pg.group_name!r} on rank {pg.rank()} of {pg.size()}, did not complete within "
@@ -79,145 +80,80 @@ def expire(pg, call: str, seq: int, described, timeout: datetime.timedelta, elap
         _abort(message)
     if not _timed_out:
         _timed_out.append(message)
-        timer = threading.Timer(timeout.total_seconds(), _abort, (message,))
-        timer.daemon = True
-        timer.start()
-    return CollectiveTimeoutError(message)
+        _deadlines.watch(_deadlines.Deadline(time.monotonic() + timeout.total_seconds(),
+                                             lambda: _abort(message)))
+    return ProcessGroupTimeoutError(message)
 
 
-class MpicommWork(dist.Work):
-    """A pending (or finished) process-group call: ``wait()``, ``is_completed()``, ``get_future()``."""
+class MpicommWork(BaseWork, dist.Work):
+    """A pending (or finished) process-group call: ``wait(timeout=None)``, ``is_completed()``,
+    ``get_future()``, ``result()``, ``exception()``."""
 
     def __init__(self, pg, call: str, seq: int, inner: Sequence[Work],
                  finish: Sequence[Callable[[], None]], result: list, described: Sequence,
                  timeout: datetime.timedelta, source: Work | None = None) -> None:
-        super().__init__()
+        super().__init__(result)
         self._pg = pg
         self._call = call
         self._seq = seq
         self._inner = list(inner)
         self._finish = list(finish)
-        self._result = result
         self._described = described
         self._timeout = timeout
-        self._start = time.monotonic()
-        self._deadline = self._start + timeout.total_seconds()
-        self._published = False
         self._source = source
-        self._lock = threading.RLock()
-        self._error: BaseException | None = None
-        self._future: torch.futures.Future | None = None
-        self._threaded = False
-        if self._inner:
-            self._event = threading.Event()
-        else:  # completed at launch (a blocking call): finish now, share one set event
-            self._event = _SET
+        self._deadline_key: int | None = None
+        if not self._inner:  # completed at launch (a blocking call): finish now
             for step in self._finish:
                 step()
             self._finish = []
+            self._settle(None)
+            return
+        self._start = time.monotonic()
+        limit = timeout.total_seconds()
+        self._deadline = _deadlines.Deadline(
+            self._start + limit, self._expire, notice=self._start + limit / 2,
+            on_notice=lambda: pg._publish_waiting(seq, call))
+        self._deadline_key = _deadlines.watch(self._deadline)
 
     # -- completion -------------------------------------------------------------------------
 
-    def _poll(self, now: float) -> bool:
-        """Test once; complete (or time out) when due. True when finished."""
-        if not self._lock.acquire(blocking=False):
+    def _test(self) -> bool:
+        if any(not w.is_completed() for w in self._inner):
             return False
-        try:
-            if self._event.is_set():
-                return True
-            pending = [w for w in self._inner if not w.is_completed()]
-            if not pending:
-                error = next((w.exception() for w in self._inner if w.exception() is not None), None)
-                if error is None:
-                    try:
-                        for step in self._finish:
-                            step()
-                    except BaseException as exc:  # noqa: BLE001 - delivered by wait()/the future
-                        error = exc
-                self._settle(error)
-                return True
-            if now >= self._deadline:
-                self._settle(self._timeout_error())
-                return True
-            if not self._published and now >= self._start + self._timeout.total_seconds() / 2:
-                self._published = True
-                self._pg._publish_waiting(self._seq, self._call)
-            return False
-        finally:
-            self._lock.release()
-
-    def _settle(self, error: BaseException | None) -> None:
-        self._error = error
-        self._finish = []
-        self._inner = [] if error is None else self._inner
-        if self._published and error is None:
-            self._pg._publish_waiting(None, None)
-        self._event.set()
-        fut = self._future
-        if fut is not None:
-            if error is not None:
-                fut.set_exception(error)
-            else:
-                fut.set_result(self._result)
-
-    def _timeout_error(self) -> CollectiveTimeoutError:
-        return expire(self._pg, self._call, self._seq, self._described, self._timeout,
-                      time.monotonic() - self._start, abort_now=False)
-
-    def _launch_threaded(self) -> None:
-        self._threaded = True
-        progress.add(self)
-
-    # -- torch's Work interface -------------------------------------------------------------
-
-    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        """Block until complete (results in place); raise its error, or CollectiveTimeoutError."""
-        limit = timeout.total_seconds() if timeout else 0.0
-        if self._threaded:
-            done = self._event.wait(limit if limit > 0 else None)
-        else:
-            until = time.monotonic() + limit if limit > 0 else float("inf")
-            while not self._poll(time.monotonic()) and time.monotonic() < until:
-                pass
-            done = self._event.is_set()
-        if not done:
-            raise CollectiveTimeoutError(
-                f"mpicomm: {self._call} (operation #{self._seq}) did not complete within "
-                f"wait(timeout={limit:g} s); it goes on, wait() again to complete it")
-        if self._error is not None:
-            raise self._error
+        error = next((w.exception() for w in self._inner if w.exception() is not None), None)
+        if error is None:
+            try:
+                for step in self._finish:
+                    step()
+            except BaseException as exc:  # noqa: BLE001 - delivered by wait()/the future
+                error = exc
+        self._settle(error)
         return True
 
-    def is_completed(self) -> bool:
-        """Whether the call has finished (results in place, or failed)."""
-        if not self._threaded and not self._event.is_set():
-            self._poll(time.monotonic())
-        return self._event.is_set()
+    def _settle(self, error: BaseException | None) -> None:
+        self._finish = []
+        if error is None:
+            self._inner = []
+        if self._deadline_key is not None:
+            watched = _deadlines.unwatch(self._deadline_key)
+            self._deadline_key = None
+            if watched is not None and watched.noticed:
+                self._pg._publish_waiting(None, None)
+        super()._settle(error)
 
-    def is_success(self) -> bool:
-        """Whether the call finished without error."""
-        return self.is_completed() and self._error is None
-
-    def exception(self):
-        """The error the call ended with, if any."""
-        return self._error
-
-    def result(self) -> list:
-        """The output tensors (after wait())."""
-        self.wait()
-        return self._result
-
-    def get_future(self) -> torch.futures.Future:
-        """A torch Future completed with the output tensors when the call completes."""
+    def _expire(self) -> None:
+        """The deadline thread: the call ran past the process group's timeout."""
         with self._lock:
-            if self._future is None:
-                self._future = torch.futures.Future()
-                if self._event.is_set():
-                    if self._error is not None:
-                        self._future.set_exception(self._error)
-                    else:
-                        self._future.set_result(self._result)
-            return self._future
+            if self._done:
+                return
+            self._deadline_key = None  # the deadline thread dropped it
+            self._settle(expire(self._pg, self._call, self._seq, self._described, self._timeout,
+                                time.monotonic() - self._start, abort_now=False))
+
+    def _describe(self) -> str:
+        return f"{self._call} (operation #{self._seq})"
+
+    # -- torch's Work interface beyond BaseWork ---------------------------------------------
 
     def _source_rank(self) -> int:
         """The group rank a receive matched (what ``dist.recv(src=None)`` returns)."""
@@ -229,5 +165,5 @@ class MpicommWork(dist.Work):
     source_rank = _source_rank
 
     def __repr__(self) -> str:
-        state = "completed" if self._event.is_set() else "pending"
+        state = "completed" if self._done else "pending"
         return f"<mpicomm {self._call} work #{self._seq} {state}>"

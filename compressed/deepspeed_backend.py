@@ -1,4 +1,5 @@
-"""MpiBackend: DeepSpeed-compatible 1-bit compressed allreduce over an mpicomm Communicator.
+"""MpiBackend: DeepSpeed-compatible 1-bit compressed allreduce over an mpicomm Communicator
+(a "backend" in DeepSpeed's sense of a compression backend, not a torch.distributed backend).
 
 This module checks arguments and adapts the caller's buffers (torch CPU or device tensors,
 numpy or cupy arrays, any float dtype) to flat float32 arrays; the algorithm itself is

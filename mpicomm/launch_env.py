@@ -1,12 +1,10 @@
-"""Small helpers shared across the project: boolean env flags, byte sizes, a launch environment."""
+"""The environment for launching a fresh MPI job from inside one: the launcher's variables removed."""
 from __future__ import annotations
 
 import os
 from typing import Mapping, Sequence
 
-from accelerators.flags import env_flag, parse_flag
-
-__all__ = ["env_flag", "parse_flag", "format_bytes", "clean_env", "LAUNCHER_PREFIXES"]
+__all__ = ["clean_env", "LAUNCHER_PREFIXES"]
 
 #: Per-job variables MPI launchers set (MPICH/Hydra, Open MPI/PRRTE, PMIx, Intel MPI, MVAPICH, Cray).
 LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "MPI_", "MPIR_", "HYDRA_", "HYDI_", "OMPI_", "PRTE_",
@@ -24,21 +22,3 @@ def clean_env(drop: Sequence[str] = (), env: Mapping[str, str] | None = None) ->
     prefixes = LAUNCHER_PREFIXES + tuple(drop)
     env = os.environ if env is None else env
     return {k: v for k, v in env.items() if not k.startswith(prefixes) or k.startswith(_KEEP)}
-
-
-def format_bytes(n: float, compact: bool = False) -> str:
-    """A byte count for people: "512 B", "1.5 MiB".
-
-    ``compact``: exact binary multiples as size arguments take them ("8", "4K", "64M"), else the
-    plain number.
-    """
-    units = (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10))
-    if compact:
-        for unit, scale in units:
-            if n >= scale and n % scale == 0:
-                return f"{int(n) // scale}{unit}"
-        return str(int(n))
-    for unit, scale in units:
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}iB"
-    return f"{int(n)} B"

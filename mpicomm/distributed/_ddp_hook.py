@@ -1,15 +1,16 @@
-"""DDP comm hook that averages gradient buckets through mpicomm on any process group."""
+"""``allreduce_ddp_hook``: a DDP comm hook that averages gradient buckets through mpicomm on any
+process group (named as ``compressed.onebit_ddp_hook``: the reduction, then ``_ddp_hook``)."""
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from .. import progress
+from .. import progress_thread
 from ..communicator import Communicator, init
 from ..ops import ReduceOp
 
 
-def allreduce_hook(state, bucket: "dist.GradBucket") -> torch.futures.Future:
+def allreduce_ddp_hook(state, bucket: "dist.GradBucket") -> torch.futures.Future:
     """DDP comm hook: average the gradient bucket across ranks through mpicomm.
 
     ``state`` is the Communicator to use (None: the world communicator). The all-reduce runs
@@ -17,7 +18,7 @@ def allreduce_hook(state, bucket: "dist.GradBucket") -> torch.futures.Future:
     """
     comm = state if isinstance(state, Communicator) else init()
     buf = bucket.buffer()
-    if progress.enabled():
+    if progress_thread.enabled():
         work = comm.all_reduce(buf, op=ReduceOp.AVG, async_op=True)
         return work.get_future().then(lambda fut: fut.value()[0])
     comm.all_reduce(buf, op=ReduceOp.AVG)
@@ -27,5 +28,5 @@ def allreduce_hook(state, bucket: "dist.GradBucket") -> torch.futures.Future:
 
 
 # DDP inspects the hook's annotations as objects, not the strings that postponed evaluation makes.
-allreduce_hook.__annotations__["bucket"] = dist.GradBucket
-allreduce_hook.__annotations__["return"] = torch.futures.Future[torch.Tensor]
+allreduce_ddp_hook.__annotations__["bucket"] = dist.GradBucket
+allreduce_ddp_hook.__annotations__["return"] = torch.futures.Future[torch.Tensor]

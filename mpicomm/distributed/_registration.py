@@ -1,4 +1,4 @@
-"""The "mpicomm" backend's registration and constructor, and the short init form."""
+"""The torch.distributed backend "mpicomm": its registration and constructor, and the short init form."""
 from __future__ import annotations
 
 import datetime
@@ -7,7 +7,7 @@ import logging
 import torch.distributed as dist
 from mpi4py import MPI
 
-from .. import progress
+from .. import progress_thread
 from ..communicator import Communicator, init
 from ._pg import BACKEND_NAME, MpicommProcessGroup
 from ._rendezvous import install, launcher_hint, under_torchrun
@@ -44,7 +44,7 @@ def _create(backend_opts, pg_options=None) -> MpicommProcessGroup:
         _log.info("mpicomm process group %s: ranks %s, timeout %s, %s", backend_opts.group_id,
                   ranks if len(ranks) <= 16 else f"{ranks[:16]}... ({len(ranks)})",
                   backend_opts.timeout,
-                  "non-blocking calls completed by the progress thread" if progress.enabled()
+                  "non-blocking calls completed by the progress thread" if progress_thread.enabled()
                   else "MPI below THREAD_MULTIPLE: async calls complete before returning")
     return pg
 

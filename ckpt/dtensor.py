@@ -1,0 +1,131 @@
+"""DTensors in a checkpoint, touched through metadata only: ``_local_tensor``, ``placements``,
+``device_mesh`` (a DTensor operation may issue a process-group collective, which must never run
+inside an MPI-IO round). What a rank writes and reads of a DTensor: the runs of its local shard in
+the full row-major tensor (``dtensor_layout``)."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import dtensor_layout as dl
+from .errors import IncompatibleStateError
+
+
+def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a torch DTensor (plain tensors answer without importing torch.distributed)."""
+    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter or not isinstance(t, torch.Tensor):
+        return False
+    cls = _dtensor_class()
+    return cls is not None and isinstance(t, cls)
+
+
+def _dtensor_class():
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return None
+    return DTensor
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (a plain tensor sharing its storage)."""
+    return t._local_tensor.detach()
+
+
+def sharding(t: torch.Tensor, what: str) -> dl.Sharding:
+    """The layout of DTensor ``t`` (called ``what`` in errors); refuses ``Partial`` and other
+    placements that are not Shard / Replicate, and a local tensor of another shape than the
+    placements give this rank."""
+    mesh = t.device_mesh
+    placements = tuple(t.placements)
+    for p in placements:
+        kind = dl.placement_kind(p)[0]
+        if kind not in ("shard", "strided", "replicate"):
+            raise IncompatibleStateError(
+                f"{what}: a DTensor with placement {p} ({kind}) cannot be saved or loaded: its local tensors are "
+                "not parts of the full tensor; redistribute it to Shard or Replicate placements first "
+                "(e.g. dtensor.redistribute(mesh, [Replicate()]))")
+    coord = mesh.get_coordinate()
+    s = dl.Sharding(tuple(int(x) for x in t.shape), tuple(int(x) for x in mesh.mesh.shape),
+                    tuple(int(r) for r in mesh.mesh.reshape(-1).tolist()), placements,
+                    None if coord is None else tuple(int(c) for c in coord))
+    want = dl.local_shape(s.mine()) if coord is not None else None
+    got = tuple(t._local_tensor.shape)
+    if want is not None and want != got:
+        raise IncompatibleStateError(
+            f"{what}: DTensor of global shape {list(s.shape)} on {s.describe()} at mesh coordinate {list(coord)} "
+            f"should hold a local shard of shape {list(want)}, it holds {list(got)}: the global shape does not "
+            "match the local shards (do the ranks agree on it?)")
+    return s
+
+
+def like(template: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A new DTensor laid out as DTensor ``template`` (same mesh, placements, global shape), of
+    ``dtype``, its local shard uninitialised. No collective."""
+    from torch.distributed.tensor import DTensor
+
+    loc = torch.empty(template._local_tensor.shape, dtype=dtype, device=template._local_tensor.device)
+    return DTensor.from_local(loc, template.device_mesh, template.placements, run_check=False,
+                              shape=template.shape, stride=template.stride())
+
+
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy ``src`` into ``dst`` in place: local shard to local shard when both are DTensors of one
+    layout (no collective), plain ``copy_`` otherwise."""
+    with torch.no_grad():
+        if is_dtensor(dst) and is_dtensor(src):
+            if dst._local_tensor.shape != src._local_tensor.shape or tuple(dst.placements) != tuple(src.placements):
+                raise IncompatibleStateError("load: a DTensor loads only into a DTensor of the same placements")
+            dst._local_tensor.copy_(src._local_tensor)
+        elif is_dtensor(dst) or is_dtensor(src):
+            raise IncompatibleStateError("load: a DTensor loads only into a DTensor of the same placements")
+        else:
+            dst.copy_(src)
+
+
+def pg_rank() -> int | None:
+    """This process's rank in torch.distributed's default group (None when there is none)."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else None
+
+
+def check_meshes(sharded: list[tuple[str, dl.Sharding]], pg_ranks: list[int | None], op: str) -> None:
+    """Every rank of every DTensor's mesh must be a rank of the communicator (``pg_ranks``: the
+    process-group rank of each of its ranks): else ranks outside would hold shards that nobody
+    saves or loads."""
+    held = {r for r in pg_ranks if r is not None}
+    for what, s in sharded:
+        outside = sorted(set(s.mesh_ranks) - held)
+        if outside:
+            raise IncompatibleStateError(
+                f"{op}: {what} is a DTensor on a device mesh over process-group ranks {sorted(s.mesh_ranks)}; "
+                f"rank(s) {outside[:16]} are outside the {op}'s communicator, whose {len(pg_ranks)} rank(s) are "
+                f"process-group ranks {list(pg_ranks)[:16]}: pass comm= a communicator that holds every rank of "
+                "every DTensor's mesh")
+
+
+def check_tables(tables: list[list[tuple]], op: str) -> None:
+    """Raise naming the first tensor whose name, shape, dtype or DTensor layout differs between
+    ranks (``tables``: every rank's ``SavePlan.table()``, in rank order)."""
+    first = tables[0]
+    for r, t in enumerate(tables):
+        if len(t) != len(first):
+            raise IncompatibleStateError(f"{op}: the ranks hold different state: rank 0 has {len(first)} tensors, "
+                                         f"rank {r} has {len(t)}")
+    for i, row in enumerate(first):
+        rows = [t[i] for t in tables]
+        if any(x != row for x in rows):
+            name, kind, key = row[0], row[1], row[2]
+            desc = "; ".join(f"rank {r}: {x[0]!r} shape {x[3]} {x[4]}" + (f" {_layout(x[5])}" if x[5] else "")
+                             for r, x in enumerate(rows[:8]))
+            raise IncompatibleStateError(
+                f"{op}: the ranks disagree on the global shape, dtype or placement of {kind} {name!r}"
+                + (f" {key!r}" if key else "") + f": {desc}; every rank must hold the same tensors")
+    raise IncompatibleStateError(f"{op}: the ranks disagree on the saved tensors")
+
+
+def _layout(key: tuple) -> str:
+    _shape, mesh_shape, _ranks, placements = key
+    return f"mesh {list(mesh_shape)} ({', '.join(placements)})"
