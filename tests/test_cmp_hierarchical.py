@@ -90,7 +90,7 @@ def test_hierarchical_matches_float64_simulation(world, monkeypatch, api, n, pie
 
         monkeypatch.setattr(wire_format, "PIECE_BYTES", 8)
         monkeypatch.setattr(wire_format, "MAX_PIECES", 1000)
-        monkeypatch.setattr(compressed.backend, "_one_node", lambda comm: False)
+        monkeypatch.setattr(compressed.deepspeed_backend, "_one_node", lambda comm: False)
         monkeypatch.setattr(compressed.engine, "STEP_BYTES", 8)
 
     def run():
