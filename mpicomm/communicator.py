@@ -86,6 +86,7 @@ class Communicator(PointToPoint):
         self._policy: DevicePolicy | None = None
         self._tag_ub: int = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
         self._r16: reduce16.State | None = None
+        self._p16: DevicePolicy | None = None
 
     def __repr__(self) -> str:
         return f"<mpicomm.Communicator rank {self.rank} of {self.size}>"
@@ -115,6 +116,12 @@ class Communicator(PointToPoint):
         for step in finish:
             step()
         return None
+
+    def _policy16(self) -> DevicePolicy:
+        """Which device buffers the 16-bit reductions hand to MPI directly (see reduce16)."""
+        if self._p16 is None:
+            self._p16 = reduce16.device_policy(self.device_policy())
+        return self._p16
 
     def _reduce16(self) -> reduce16.State:
         """State of the 16-bit reductions (their private communicator is made on first use)."""
@@ -165,7 +172,7 @@ class Communicator(PointToPoint):
             agree(self.mpi_comm, call, f"op={op}, tensor={_sig(t)}")
         plan = reduce16.plan_op(op, self.size, factor) if t.dtype in reduce16.DTYPES else None
         if plan is not None:
-            slot = prepare(t, INOUT, MPI.UINT16_T, t.dtype, reduce16.host_policy, call)
+            slot = prepare(t, INOUT, MPI.UINT16_T, t.dtype, self._policy16, call)
             return self._launch16(reduce16.all_reduce(self._reduce16(), slot.work, plan),
                                   [slot], async_op, [tensor])
         slot = prepare(t, INOUT, mpi_type, wire, self.device_policy,
@@ -197,7 +204,7 @@ class Communicator(PointToPoint):
         root = self.rank == dst
         plan = reduce16.plan_op(op, self.size, factor) if t.dtype in reduce16.DTYPES else None
         if plan is not None:
-            slot = prepare(t, INOUT if root else IN, MPI.UINT16_T, t.dtype, reduce16.host_policy,
+            slot = prepare(t, INOUT if root else IN, MPI.UINT16_T, t.dtype, self._policy16,
                            call)
             return self._launch16(reduce16.reduce(self._reduce16(), slot.work, dst, plan),
                                   [slot], async_op, [tensor])
@@ -243,8 +250,8 @@ class Communicator(PointToPoint):
             inp = inp.clone()
         plan = reduce16.plan_op(op, self.size, factor) if inp.dtype in reduce16.DTYPES else None
         if plan is not None:
-            send = prepare(inp, IN, MPI.UINT16_T, inp.dtype, reduce16.host_policy, call)
-            recv = prepare(out, OUT, MPI.UINT16_T, out.dtype, reduce16.host_policy, call)
+            send = prepare(inp, IN, MPI.UINT16_T, inp.dtype, self._policy16, call)
+            recv = prepare(out, OUT, MPI.UINT16_T, out.dtype, self._policy16, call)
             return self._launch16(
                 reduce16.reduce_scatter(self._reduce16(), recv.work, send.work, plan),
                 [send, recv], async_op, [output])

@@ -56,11 +56,16 @@ def reduce_rows(rows: np.ndarray, own: np.ndarray | None, me: int, out: np.ndarr
         _numba[(dtype, kind)](rows, rows[0] if own is None else own, -1 if own is None else me,
                               out, mode, scale)
         return
+    bits = (lambda a: torch.from_numpy(a.view(np.int16)))
+    reduce_rows_bits(bits(rows), None if own is None else bits(own), me, bits(out), dtype, kind, mode, scale)
+
+
+def reduce_rows_bits(rows: torch.Tensor, own: torch.Tensor | None, me: int, out: torch.Tensor, dtype: str,
+                     kind: int, mode: int = PLAIN, scale: float = 1.0) -> None:
+    """``reduce_rows`` over int16 torch tensors of bit patterns, on their device (torch kernels)."""
     tdt = torch.bfloat16 if dtype == "bfloat16" else torch.float16
-    view = (lambda a: torch.from_numpy(a.view(np.int16)).view(tdt))
-    parts = [view(own) if own is not None and r == me else view(rows[r])
-             for r in range(rows.shape[0])]
-    reduce_rows_torch(parts, view(out), kind, mode, scale)
+    parts = [(own if own is not None and r == me else rows[r]).view(tdt) for r in range(rows.shape[0])]
+    reduce_rows_torch(parts, out.view(tdt), kind, mode, scale)
 
 
 def reduce_rows_torch(parts: list, out: torch.Tensor, kind: int, mode: int = PLAIN,

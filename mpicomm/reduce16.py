@@ -20,6 +20,12 @@ call's sequence number, so that a non-blocking call (:class:`Steps`, completed b
 any order relative to other calls without mismatching them. Tests force the pipelined path
 with small thresholds through ``MPICOMM_REDUCE16_SMALL`` and ``MPICOMM_REDUCE16_SEGMENT``
 (bytes) or by setting the module's attributes.
+
+Device buffers follow the communicator's device policy (:func:`device_policy`): when MPI takes
+device memory for every call made here, they go to MPI as they are, scratch memory is on the
+same device and the combine runs there (torch kernels, the stream synchronised before MPI
+touches what a kernel wrote or read); otherwise they are staged through host memory and
+combined on the host. :data:`TORCH_BUFFERS` runs host tensors through the device code (tests).
 """
 from __future__ import annotations
 
@@ -43,16 +49,24 @@ SMALL_BYTES = int(os.environ.get("MPICOMM_REDUCE16_SMALL", 64 << 10))
 SEGMENT_BYTES = int(os.environ.get("MPICOMM_REDUCE16_SEGMENT", 4 << 20))
 #: Segments whose exchange is posted ahead of the kernel.
 DEPTH = 2
-#: Device buffers are staged through host memory: the kernel runs on the host.
-HOST_ONLY = DevicePolicy(False, "16-bit reductions combine on the host")
+#: Run host tensors through the device-buffer code (torch kernels, raw addresses): for tests.
+TORCH_BUFFERS = os.environ.get("MPICOMM_REDUCE16_TORCH_BUFFERS", "") == "1"
+#: The MPI calls the 16-bit reductions make; device buffers go direct only if MPI takes them for all.
+MPI_CALLS = ("isend", "irecv", "iallgather", "ialltoall", "igather")
 
 _U16 = MPI.UINT16_T
+_fromaddress = MPI.buffer.fromaddress
 _NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def host_policy() -> DevicePolicy:
-    """The device policy of 16-bit reductions: staged (the kernel runs on host memory)."""
-    return HOST_ONLY
+def device_policy(base: DevicePolicy) -> DevicePolicy:
+    """The device policy of 16-bit reductions, from the communicator's: direct when ``base`` lets
+    device buffers go straight to every call in :data:`MPI_CALLS`, else staged through the host."""
+    if all(base.direct(c) for c in MPI_CALLS):
+        return DevicePolicy(True, base.reason)
+    refused = [c for c in MPI_CALLS if not base.direct(c)]
+    return DevicePolicy(False, f"staged: MPI does not take device buffers for {', '.join(refused)} "
+                               f"({base.reason})")
 
 
 def plan_op(op: ReduceOp, size: int, factor=None) -> tuple[int, int, float] | None:
@@ -72,22 +86,78 @@ def plan_op(op: ReduceOp, size: int, factor=None) -> tuple[int, int, float] | No
 
 
 class _Scratch:
-    """Reusable uint16 host buffers by power-of-two size class (no page faults per call)."""
+    """Reusable 16-bit buffers (uint16 numpy on the host, int16 torch on a device) by device and
+    power-of-two size class (no page faults or allocator calls per call)."""
 
     def __init__(self) -> None:
-        self._free: dict[int, list[np.ndarray]] = {}
+        self._free: dict[tuple, list] = {}
         self._lock = threading.Lock()
 
-    def acquire(self, numel: int) -> np.ndarray:
+    def acquire(self, numel: int, device: torch.device | None = None):
         size = 1 << max(numel - 1, 0).bit_length()
         with self._lock:
-            bucket = self._free.get(size)
+            bucket = self._free.get((device, size))
             raw = bucket.pop() if bucket else None
-        return np.empty(size, np.uint16) if raw is None else raw
+        if raw is not None:
+            return raw
+        if device is None:
+            return np.empty(size, np.uint16)
+        return torch.empty(size, dtype=torch.int16, device=device)
 
-    def release(self, raw: np.ndarray) -> None:
+    def release(self, raw, device: torch.device | None = None) -> None:
+        size = raw.size if device is None else raw.numel()
         with self._lock:
-            self._free.setdefault(raw.size, []).append(raw)
+            self._free.setdefault((device, size), []).append(raw)
+
+
+class _Host:
+    """Host buffers: numpy uint16 views, MPI reads them through the buffer protocol, the fused
+    host kernel combines."""
+
+    device = None
+
+    @staticmethod
+    def bits(t: torch.Tensor) -> np.ndarray:
+        return kernels16.as_bits(t.reshape(-1))
+
+    @staticmethod
+    def buf(a: np.ndarray) -> list:
+        return [a, _U16]
+
+    @staticmethod
+    def combine(rows, own, me, out, dtype, plan) -> None:
+        kernels16.reduce_rows(rows, own, me, out, dtype, *plan)
+
+
+class _Torch:
+    """Torch buffers (device memory MPI takes directly): int16 views, MPI gets their addresses,
+    torch kernels combine on their device; the device is synchronised after each combine, so
+    that MPI neither sends a result nor overwrites an input before the kernel is done."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    @staticmethod
+    def bits(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(-1).view(torch.int16)
+
+    @staticmethod
+    def buf(a: torch.Tensor) -> list:
+        return [_fromaddress(a.data_ptr(), a.numel() * 2), _U16]
+
+    def combine(self, rows, own, me, out, dtype, plan) -> None:
+        kernels16.reduce_rows_bits(rows, own, me, out, dtype, *plan)
+        if self.device.type != "cpu":
+            from accelerators import get_accelerator
+
+            get_accelerator().stream_synchronize(self.device)
+
+
+def _memory(t: torch.Tensor):
+    """How the buffers of a call on ``t`` are handled (host, or torch on ``t``'s device)."""
+    if t.is_cpu and not TORCH_BUFFERS:
+        return _Host
+    return _Torch(t.device)
 
 
 class State:
@@ -155,10 +225,6 @@ class Steps:
         return True
 
 
-def _bits(t: torch.Tensor) -> np.ndarray:
-    return kernels16.as_bits(t.reshape(-1))
-
-
 def _small(numel: int, p: int) -> bool:
     """Whether a buffer of ``numel`` elements takes the one-collective path."""
     return (numel * 2 < SMALL_BYTES or p == 1) and numel * p <= large.MAX_COUNT
@@ -168,98 +234,107 @@ def _balanced(n: int, p: int) -> list[tuple[int, int]]:
     return [(j * n // p, (j + 1) * n // p - j * n // p) for j in range(p)]
 
 
+def _scratch(state: State, mem, numel: int):
+    """Scratch of ``numel`` elements or more in ``mem``'s memory, and the callback that returns it."""
+    raw = state.scratch.acquire(numel, mem.device)
+    return raw, (lambda: state.scratch.release(raw, mem.device))
+
+
 def all_reduce(state: State, x: torch.Tensor, plan: tuple[int, int, float]) -> Steps:
-    """Start reducing the contiguous host 16-bit tensor ``x`` in place on every rank."""
+    """Start reducing the contiguous 16-bit tensor ``x`` in place on every rank."""
     comm = state.comm()
     p, me = comm.Get_size(), comm.Get_rank()
-    xb, dtype = _bits(x), _NAMES[x.dtype]
-    if _small(xb.size, p):
-        raw = state.scratch.acquire(p * xb.size)
-        return Steps(_small_all_reduce(comm, xb, raw, dtype, plan),
-                     [lambda: state.scratch.release(raw)])
-    blocks = _balanced(xb.size, p)
+    mem = _memory(x)
+    xb, dtype = mem.bits(x), _NAMES[x.dtype]
+    n = xb.shape[0]
+    if _small(n, p):
+        raw, release = _scratch(state, mem, p * n)
+        return Steps(_small_all_reduce(mem, comm, xb, raw, dtype, plan), [release])
+    blocks = _balanced(n, p)
     lo, n_me = blocks[me]
-    return _pipelined(state, comm, xb, blocks, xb[lo:lo + n_me], dtype, plan, gather="all",
+    return _pipelined(state, mem, comm, xb, blocks, xb[lo:lo + n_me], dtype, plan, gather="all",
                       dest=xb)
 
 
 def reduce_scatter(state: State, out: torch.Tensor, inp: torch.Tensor,
                    plan: tuple[int, int, float]) -> Steps:
-    """Start reducing host ``inp`` (p equal chunks) into host ``out`` (this rank's chunk)."""
+    """Start reducing ``inp`` (p equal chunks) into ``out`` (this rank's chunk), both contiguous
+    and in the same memory."""
     comm = state.comm()
-    p, me = comm.Get_size(), comm.Get_rank()
-    ib, ob, dtype = _bits(inp), _bits(out), _NAMES[inp.dtype]
-    if _small(ib.size, p):
-        raw = state.scratch.acquire(ib.size)
-        return Steps(_small_reduce_scatter(comm, ib, ob, raw, dtype, plan),
-                     [lambda: state.scratch.release(raw)])
-    b = ob.size
-    return _pipelined(state, comm, ib, [(j * b, b) for j in range(p)], ob, dtype, plan,
+    p = comm.Get_size()
+    mem = _memory(inp)
+    ib, ob, dtype = mem.bits(inp), mem.bits(out), _NAMES[inp.dtype]
+    if _small(ib.shape[0], p):
+        raw, release = _scratch(state, mem, ib.shape[0])
+        return Steps(_small_reduce_scatter(mem, comm, ib, ob, raw, dtype, plan), [release])
+    b = ob.shape[0]
+    return _pipelined(state, mem, comm, ib, [(j * b, b) for j in range(p)], ob, dtype, plan,
                       gather=None, dest=None)
 
 
 def reduce(state: State, x: torch.Tensor, dst: int, plan: tuple[int, int, float]) -> Steps:
-    """Start reducing host ``x`` into ``x`` on rank ``dst`` (others keep theirs)."""
+    """Start reducing the contiguous ``x`` into ``x`` on rank ``dst`` (others keep theirs)."""
     comm = state.comm()
     p, me = comm.Get_size(), comm.Get_rank()
-    xb, dtype = _bits(x), _NAMES[x.dtype]
-    if _small(xb.size, p):
-        raw = state.scratch.acquire(p * xb.size if me == dst else 1)
-        return Steps(_small_reduce(comm, xb, raw, dst, dtype, plan),
-                     [lambda: state.scratch.release(raw)])
-    blocks = _balanced(xb.size, p)
+    mem = _memory(x)
+    xb, dtype = mem.bits(x), _NAMES[x.dtype]
+    n = xb.shape[0]
+    if _small(n, p):
+        raw, release = _scratch(state, mem, p * n if me == dst else 1)
+        return Steps(_small_reduce(mem, comm, xb, raw, dst, dtype, plan), [release])
+    blocks = _balanced(n, p)
     lo, n_me = blocks[me]
     if me == dst:
-        return _pipelined(state, comm, xb, blocks, xb[lo:lo + n_me], dtype, plan, gather=dst,
+        return _pipelined(state, mem, comm, xb, blocks, xb[lo:lo + n_me], dtype, plan, gather=dst,
                           dest=xb)
-    raw = state.scratch.acquire(max(n_me, 1))
-    return _pipelined(state, comm, xb, blocks, raw[:n_me], dtype, plan, gather=dst, dest=None,
-                      release=[lambda: state.scratch.release(raw)])
+    raw, release = _scratch(state, mem, max(n_me, 1))
+    return _pipelined(state, mem, comm, xb, blocks, raw[:n_me], dtype, plan, gather=dst, dest=None,
+                      release=[release])
 
 
 # -- the one-collective path ----------------------------------------------------------------
 
-def _small_all_reduce(comm, xb, raw, dtype, plan):
-    p, n = comm.Get_size(), xb.size
+def _small_all_reduce(mem, comm, xb, raw, dtype, plan):
+    p, n = comm.Get_size(), xb.shape[0]
     rows = raw[:p * n].reshape(p, n)
     if n:
-        yield [comm.Iallgather([xb, _U16], [rows, _U16])]
-        kernels16.reduce_rows(rows, None, -1, xb, dtype, *plan)
+        yield [comm.Iallgather(mem.buf(xb), mem.buf(rows))]
+        mem.combine(rows, None, -1, xb, dtype, plan)
 
 
-def _small_reduce_scatter(comm, ib, ob, raw, dtype, plan):
-    p, b = comm.Get_size(), ob.size
+def _small_reduce_scatter(mem, comm, ib, ob, raw, dtype, plan):
+    p, b = comm.Get_size(), ob.shape[0]
     rows = raw[:p * b].reshape(p, b)
     if b:
-        yield [comm.Ialltoall([ib, _U16], [rows, _U16])]
-        kernels16.reduce_rows(rows, None, -1, ob, dtype, *plan)
+        yield [comm.Ialltoall(mem.buf(ib), mem.buf(rows))]
+        mem.combine(rows, None, -1, ob, dtype, plan)
 
 
-def _small_reduce(comm, xb, raw, dst, dtype, plan):
-    p, n, root = comm.Get_size(), xb.size, comm.Get_rank() == dst
+def _small_reduce(mem, comm, xb, raw, dst, dtype, plan):
+    p, n, root = comm.Get_size(), xb.shape[0], comm.Get_rank() == dst
     if not n:
         return
     rows = raw[:p * n].reshape(p, n) if root else None
-    yield [comm.Igather([xb, _U16], [rows, _U16] if root else None, root=dst)]
+    yield [comm.Igather(mem.buf(xb), mem.buf(rows) if root else None, root=dst)]
     if root:
-        kernels16.reduce_rows(rows, None, -1, xb, dtype, *plan)
+        mem.combine(rows, None, -1, xb, dtype, plan)
 
 
 # -- the pipelined path ---------------------------------------------------------------------
 
-def _pipelined(state, comm, src, blocks, res, dtype, plan, gather, dest, release=()) -> Steps:
+def _pipelined(state, mem, comm, src, blocks, res, dtype, plan, gather, dest, release=()) -> Steps:
     p = comm.Get_size()
     seg = max(1, min(SEGMENT_BYTES // 2, large.MAX_COUNT))
     longest = max(n for _, n in blocks)
     k_all = -(-longest // seg)
     width = max(1, min(DEPTH, k_all))
-    raw = state.scratch.acquire(max(1, width * p * min(seg, longest)))
-    steps = _segments(comm, state.next_tag(), src, blocks, res, dtype, plan, gather, dest,
+    raw, free = _scratch(state, mem, max(1, width * p * min(seg, longest)))
+    steps = _segments(mem, comm, state.next_tag(), src, blocks, res, dtype, plan, gather, dest,
                       seg, k_all, width, raw)
-    return Steps(steps, [lambda: state.scratch.release(raw), *release])
+    return Steps(steps, [free, *release])
 
 
-def _segments(comm, tag, src, blocks, res, dtype, plan, gather, dest, seg, k_all, width, raw):
+def _segments(mem, comm, tag, src, blocks, res, dtype, plan, gather, dest, seg, k_all, width, raw):
     """The pipelined schedule (a generator of request lists to wait for)."""
     p, me = comm.Get_size(), comm.Get_rank()
     cols = min(seg, max(n for _, n in blocks))
@@ -269,6 +344,7 @@ def _segments(comm, tag, src, blocks, res, dtype, plan, gather, dest, seg, k_all
     send1: list[list] = [[] for _ in range(k_all)]
     phase2: list = []
     tag2 = tag + 1
+    buf = mem.buf
 
     def part(j: int, k: int) -> tuple[int, int]:
         lo, n = blocks[j]
@@ -279,11 +355,11 @@ def _segments(comm, tag, src, blocks, res, dtype, plan, gather, dest, seg, k_all
         slot = slots[k % width]
         _, m = part(me, k)
         if m:
-            recv1[k] = [comm.Irecv([slot[r, :m], _U16], r, tag) for r in peers]
+            recv1[k] = [comm.Irecv(buf(slot[r, :m]), r, tag) for r in peers]
         for j in peers:
             a, mj = part(j, k)
             if mj:
-                send1[k].append(comm.Isend([src[a:a + mj], _U16], j, tag))
+                send1[k].append(comm.Isend(buf(src[a:a + mj]), j, tag))
 
     for k in range(width):
         post(k)
@@ -293,7 +369,7 @@ def _segments(comm, tag, src, blocks, res, dtype, plan, gather, dest, seg, k_all
         a, m = part(me, k)
         out = res[k * seg:k * seg + m]
         if m:
-            kernels16.reduce_rows(slots[k % width, :, :m], src[a:a + m], me, out, dtype, *plan)
+            mem.combine(slots[k % width, :, :m], src[a:a + m], me, out, dtype, plan)
         if k + width < k_all:
             post(k + width)
         if gather is None:
@@ -305,10 +381,10 @@ def _segments(comm, tag, src, blocks, res, dtype, plan, gather, dest, seg, k_all
             for j in peers:
                 aj, mj = part(j, k)
                 if mj:
-                    phase2.append(comm.Irecv([dest[aj:aj + mj], _U16], j, tag2))
+                    phase2.append(comm.Irecv(buf(dest[aj:aj + mj]), j, tag2))
         if m:
             for j in (peers if gather == "all" else [gather] if gather != me else []):
-                phase2.append(comm.Isend([out, _U16], j, tag2))
+                phase2.append(comm.Isend(buf(out), j, tag2))
     rest = phase2 + [r for reqs in send1 for r in reqs]
     if rest:
         yield rest

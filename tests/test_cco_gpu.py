@@ -84,3 +84,34 @@ def test_bf16_noncontiguous_and_async_on_cuda(gpu_comm):
     work = c.all_reduce(y, async_op=True)
     work.wait()
     assert_close_all(_host(y), np.arange(1000) * c.size * (c.size + 1) / 2)
+
+
+@pytest.mark.parametrize("path", ["small", "pipelined"])
+@pytest.mark.parametrize("name", ["bfloat16", "float16"])
+def test_reduce16_on_cuda_against_numpy(gpu_comm, world, monkeypatch, path, name):
+    """16-bit reductions of CUDA tensors (staged: the host kernel; direct: torch kernels on the
+    device) give the numpy reference's bits, every op, on both paths."""
+    from mpicomm import reduce16
+    from test_cco_reduce16 import FACTOR, _bits, inputs, reference
+
+    if path == "pipelined":
+        monkeypatch.setattr(reduce16, "SMALL_BYTES", 0)
+        monkeypatch.setattr(reduce16, "SEGMENT_BYTES", 2000)
+    c, bad = gpu_comm, []
+    n = 3001 * c.size + 1
+    for op in ("sum", "avg", "max", "min", "premul"):
+        host = inputs(c.rank, n * c.size, name, 11)
+        rows = np.stack(world.allgather(_bits(host)))
+        want = reference(rows, name, op)
+        ours, factor = ("sum", FACTOR) if op == "premul" else (op, None)
+        x = host.cuda()
+        c._all_reduce(x, ours, False, factor=factor)
+        out = torch.empty(n, dtype=host.dtype, device="cuda")
+        c._reduce_scatter_tensor(out, host.cuda(), ours, False, factor=factor)
+        r = host.cuda()
+        c._reduce(r, c.size - 1, ours, True, factor=factor).wait()
+        checks = [("all_reduce", _bits(x.cpu()), want),
+                  ("reduce_scatter", _bits(out.cpu()), want[c.rank * n:(c.rank + 1) * n]),
+                  ("reduce", _bits(r.cpu()), want if c.rank == c.size - 1 else _bits(host))]
+        bad += [f"{call} {op}" for call, got, exp in checks if not np.array_equal(got, exp)]
+    assert not bad, f"differ from numpy: {bad}"

@@ -81,13 +81,17 @@ def subcomms(comm):
             c.free()
 
 
-@pytest.fixture(params=["small", "pipelined"])
+@pytest.fixture(params=["small", "pipelined", "small-torch", "pipelined-torch"])
 def path(request, monkeypatch):
-    if request.param == "pipelined":
+    """The one-collective or the pipelined path, on host buffers (numpy views, the host kernel)
+    or through the device-buffer code (torch views, raw addresses, torch kernels) that device
+    tensors take when MPI is CUDA-aware."""
+    if request.param.startswith("pipelined"):
         monkeypatch.setattr(reduce16, "SMALL_BYTES", 0)
         monkeypatch.setattr(reduce16, "SEGMENT_BYTES", 6)  # 3 elements per segment
     else:
         monkeypatch.setattr(reduce16, "SMALL_BYTES", 1 << 30)
+    monkeypatch.setattr(reduce16, "TORCH_BUFFERS", request.param.endswith("-torch"))
     return request.param
 
 
@@ -222,3 +226,15 @@ def test_prod_keeps_the_float32_path(comm, world):
     ok = bool((x.float() == torch.tensor(1.5) ** comm.size).all()) or comm.size > 5
     assert_all(ok, f"prod gave {x.tolist()}", world)
 
+
+
+def test_device_policy_needs_every_call():
+    """Device buffers go straight to MPI only when it takes them for every call made here."""
+    from mpicomm.device_paths import DevicePolicy
+
+    assert reduce16.device_policy(DevicePolicy(True, "probe")).direct("all_reduce")
+    # Open MPI's table refuses non-blocking reductions, which the 16-bit path does not use
+    assert reduce16.device_policy(DevicePolicy(True, "probe", {"iallreduce": False})).direct("all_reduce")
+    staged = reduce16.device_policy(DevicePolicy(True, "probe", {"ialltoall": False}))
+    assert not staged.direct("all_reduce") and "ialltoall" in staged.reason
+    assert not reduce16.device_policy(DevicePolicy(None, "unknown")).direct("reduce")
