@@ -202,13 +202,24 @@ class OnebitAllreduce:
             st.materialize()
             out[k] = {"numel": st.numel, "worker_error": st.we.detach().cpu().clone(),
                       "server_error": st.se.detach().cpu().clone()}
-        return {"world_size": self.size, "errors": out}
+        state: dict[str, Any] = {"world_size": self.size, "errors": out}
+        layout = self.backend.hierarchy.layout_record()
+        if layout is not None:  # the errors are per part and chunk: where this rank served
+            state["hierarchy"] = [layout[0], layout[1], *layout[2][self.comm.rank]]
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Restore error buffers saved by ``state_dict`` at the same world size (exactly)."""
         if int(state.get("world_size", -1)) != self.size:
             raise ValueError(f"OnebitAllreduce.load_state_dict: saved at world size "
                              f"{state.get('world_size')}, loading at {self.size}; use "
+                             f"load_per_rank_state_dict with every saved rank's state to reshard")
+        layout = self.backend.hierarchy.layout_record()
+        here = None if layout is None else [layout[0], layout[1], *layout[2][self.comm.rank]]
+        saved = state.get("hierarchy")
+        if (None if saved is None else [int(x) for x in saved]) != here:
+            raise ValueError(f"OnebitAllreduce.load_state_dict: saved under layout {saved or 'flat'}, this rank "
+                             f"runs under {here or 'flat'} ([nodes, ranks per node, chunk, part]); use "
                              f"load_per_rank_state_dict with every saved rank's state to reshard")
         errors = {}
         for k, d in state["errors"].items():
@@ -232,4 +243,5 @@ class OnebitAllreduce:
         if size != self.size or not 0 <= rank < size:
             raise ValueError(f"OnebitAllreduce.load_per_rank_state_dict: rank {rank} of {size} does "
                              f"not match this communicator (rank {self.comm.rank} of {self.size})")
-        self.load_state_dict(reshard.allreduce_state(saved, rank, size))
+        self.load_state_dict(reshard.allreduce_state(saved, rank, size,
+                                                     self.backend.hierarchy.layout_record()))

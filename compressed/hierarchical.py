@@ -98,6 +98,7 @@ class Hierarchy:
         self.node: mpicomm.Communicator | None = None
         self.cross: mpicomm.Communicator | None = None
         self.nodes, self.per_node, self.local_index, self.node_index = 1, comm.size, comm.rank, 0
+        self.positions: list[tuple[int, int]] = []  # hierarchical, per rank: see layout_record
         if hierarchical is False:
             return
         forced = bool(os.environ.get(NODE_SIZE_ENV, "").strip())
@@ -117,10 +118,18 @@ class Hierarchy:
             return
         self.enabled = True
         self.nodes, self.per_node = len(order), counts[0]
-        self.node_index = order.index(first)
-        self.local_index = sum(1 for r, f in enumerate(firsts) if f == first and r < rank)
+        local = [firsts[:r].count(f) for r, f in enumerate(firsts)]
+        # (rank in its cross-node group, local index): which chunk of which part it serves
+        self.positions = [(local[:r].count(j), j) for r, j in enumerate(local)]
+        self.node_index, self.local_index = order.index(first), local[rank]
         self.node = comm.split(self.node_index, rank)
         self.cross = comm.split(self.local_index, rank)
+
+    def layout_record(self):
+        """The layout for ``compressed.reshard``: None (flat) or (nodes, per_node, positions),
+        ``positions[r]`` = (rank r's rank in its cross-node group, which orders the server
+        chunks, and its local index, which names its part)."""
+        return (self.nodes, self.per_node, self.positions) if self.enabled else None
 
     def describe(self) -> str:
         """'flat' or 'hierarchical: N nodes x L ranks'."""

@@ -8,6 +8,8 @@ gathered inside the node.
 """
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -228,5 +230,34 @@ def test_ddp_state_passes_hierarchical(world, monkeypatch):
             return
         assert compressed.OnebitDDPState(comm4).allreduce.backend.hierarchical
         assert not compressed.OnebitDDPState(comm4, hierarchical=False).allreduce.backend.hierarchical
+
+    check_all(run, world)
+
+
+@pytest.mark.mpi(min_size=4)
+def test_layout_record_names_the_part_and_chunk_each_rank_serves(world, monkeypatch):
+    """The record a checkpoint keeps (compressed.reshard) is the communicators' own numbering:
+    part = rank in the node's communicator, chunk = rank in the cross-node communicator; a state
+    saved under it loads back exactly, and a flat state is refused by load_state_dict."""
+    sub4, comm4 = _group4(world)
+    monkeypatch.setenv(NODE_SIZE_ENV, "2")
+
+    def run():
+        if sub4 is None:
+            return
+        ar = compressed.OnebitAllreduce(comm4)
+        h = ar.backend.hierarchy
+        nodes, per_node, positions = h.layout_record()
+        assert (nodes, per_node) == (2, 2) and positions[comm4.rank] == (h.cross.rank, h.node.rank)
+        ar(torch.from_numpy(np.random.default_rng(comm4.rank).standard_normal(300).astype(np.float32)))
+        state = ar.state_dict()
+        assert state["hierarchy"] == [2, 2, h.cross.rank, h.node.rank]
+        ar.load_state_dict(copy.deepcopy(state))
+        again = ar.state_dict()
+        assert torch.equal(again["errors"]["default"]["worker_error"], state["errors"]["default"]["worker_error"])
+        flat = copy.deepcopy(state)
+        del flat["hierarchy"]
+        with pytest.raises(ValueError, match="load_per_rank_state_dict"):
+            ar.load_state_dict(flat)
 
     check_all(run, world)

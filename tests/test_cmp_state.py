@@ -90,6 +90,100 @@ def test_reshard_rejects_inconsistent_states():
         reshard.allreduce_state(bad, 0, 3)
 
 
+# ---- hierarchical layouts, with fake ranks -------------------------------------------------------
+def layout_of(nodes: int, per_node: int, placement: list[int]) -> tuple:
+    """The layout of ranks placed on nodes by ``placement[r]`` (node of rank r), as
+    compressed.hierarchical numbers them: part = index among the node's ranks, chunk = index
+    among the ranks of that part (both in rank order)."""
+    part = [placement[:r].count(nd) for r, nd in enumerate(placement)]
+    chunk = [part[:r].count(j) for r, j in enumerate(part)]
+    return nodes, per_node, list(zip(chunk, part))
+
+
+def owed_numpy(states: list[dict], layout, key: str) -> tuple[np.ndarray, np.ndarray]:
+    """(worker error owed, server error) per position, in float64 numpy, written out per element."""
+    n = states[0]["errors"][key]["numel"]
+    p = len(states)
+    P = compressed.padded_size(n, p)
+    we = [st["errors"][key]["worker_error"].numpy().astype(np.float64) for st in states]
+    se = [st["errors"][key]["server_error"].numpy().astype(np.float64) for st in states]
+    if layout is None:
+        return np.mean(we, axis=0)[:n], np.concatenate(se)[:n]
+    nodes, per_node, positions = layout
+    sub, chunk = P // per_node, P // per_node // nodes
+    owed, server = np.zeros(P), np.zeros(P)
+    for r, (c, j) in enumerate(positions):
+        for k in range(sub):
+            owed[j * sub + k] += we[r][k] / nodes
+        for k in range(chunk):
+            server[j * sub + c * chunk + k] = se[r][k]
+    return owed[:n], server[:n]
+
+
+def hier_saved(layout, keys: dict[str, int], seed: int) -> list[dict]:
+    """Per-rank states of a hierarchical run (worker errors used in their first part only)."""
+    nodes, per_node, positions = layout
+    saved = fake_saved(nodes * per_node, keys, seed)
+    for st, pos in zip(saved, positions):
+        st["hierarchy"] = [nodes, per_node, *pos]
+        for d in st["errors"].values():
+            d["worker_error"][compressed.padded_size(d["numel"], nodes * per_node) // per_node:] = 0
+    return saved
+
+
+LAYOUTS = {"flat4": (4, None), "flat2": (2, None), "flat3": (3, None),
+           "2x2 block": (4, layout_of(2, 2, [0, 0, 1, 1])),
+           "2x2 round-robin": (4, layout_of(2, 2, [0, 1, 0, 1])),
+           "2x2 odd": (4, layout_of(2, 2, [1, 0, 0, 1])),
+           "3x2": (6, layout_of(3, 2, [0, 1, 2, 0, 1, 2])),
+           "2x3": (6, layout_of(2, 3, [0, 0, 1, 0, 1, 1]))}
+
+
+@pytest.mark.parametrize("before,after", [("2x2 block", "flat2"), ("2x2 block", "flat4"), ("flat4", "2x2 odd"),
+                                          ("2x2 round-robin", "2x2 block"), ("3x2", "2x2 block"),
+                                          ("flat3", "2x3"), ("2x3", "3x2")])
+def test_reshard_across_layouts_keeps_the_error_mass_per_position(before, after):
+    keys = {"a": 1000, "b": 7}
+    (p, lay_p), (q, lay_q) = LAYOUTS[before], LAYOUTS[after]
+    saved = hier_saved(lay_p, keys, seed=len(before) + 7 * len(after)) if lay_p else fake_saved(p, keys, seed=3)
+    new = [reshard.allreduce_state(saved, r, q, lay_q) for r in range(q)]
+    for key in keys:
+        old_owed, old_server = owed_numpy(saved, lay_p, key)
+        new_owed, new_server = owed_numpy(new, lay_q, key)
+        np.testing.assert_allclose(new_owed, old_owed, rtol=1e-6, atol=1e-7)
+        np.testing.assert_array_equal(new_server, old_server)
+        for r, d in enumerate(new):
+            n, N = keys[key], compressed.padded_size(keys[key], q)
+            assert d["errors"][key]["worker_error"].numel() == N
+            assert d["errors"][key]["server_error"].numel() == N // q
+            assert d.get("hierarchy") == (None if lay_q is None else [lay_q[0], lay_q[1], *lay_q[2][r]])
+
+
+def test_reshard_same_layout_is_the_saved_state_and_another_placement_is_not():
+    lay = LAYOUTS["2x2 block"][1]
+    saved = hier_saved(lay, {"a": 50}, seed=5)
+    for r in range(4):
+        assert reshard.allreduce_state(saved, r, 4, lay) is saved[r]
+    moved = LAYOUTS["2x2 round-robin"][1]
+    new = [reshard.allreduce_state(saved, r, 4, moved) for r in range(4)]
+    assert all(d is not s for d, s in zip(new, saved))
+    flat = [reshard.allreduce_state(saved, r, 4, None) for r in range(4)]
+    assert all("hierarchy" not in d for d in flat)
+
+
+def test_reshard_rejects_inconsistent_hierarchy_records():
+    lay = LAYOUTS["2x2 block"][1]
+    saved = hier_saved(lay, {"a": 50}, seed=6)
+    bad = copy.deepcopy(saved)
+    del bad[2]["hierarchy"]
+    with pytest.raises(ValueError, match="hierarchical algorithm and others the flat"):
+        reshard.allreduce_state(bad, 0, 2)
+    bad = copy.deepcopy(saved)
+    bad[3]["hierarchy"] = [2, 2, 0, 0]  # two ranks claim chunk 0 of part 0
+    with pytest.raises(ValueError, match="do not describe 4 ranks"):
+        reshard.allreduce_state(bad, 0, 2)
+
+
 # ---- resharded state running against the simulation ---------------------------------------------
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("saved_at", [1, 2, 3, 4])
