@@ -203,10 +203,15 @@ class OnebitAllreduce:
             out[k] = {"numel": st.numel, "worker_error": st.we.detach().cpu().clone(),
                       "server_error": st.se.detach().cpu().clone()}
         state: dict[str, Any] = {"world_size": self.size, "errors": out}
-        layout = self.backend.hierarchy.layout_record()
-        if layout is not None:  # the errors are per part and chunk: where this rank served
-            state["hierarchy"] = [layout[0], layout[1], *layout[2][self.comm.rank]]
+        here = self._record()
+        if here is not None:  # the errors are per part and chunk: where this rank served
+            state["hierarchy"] = here
         return state
+
+    def _record(self) -> list[int] | None:
+        """This rank's place in the node layout, as checkpoints record it (None: flat)."""
+        layout = self.backend.hierarchy.layout_record()
+        return None if layout is None else reshard.record(layout, self.comm.rank)
 
     def load_state_dict(self, state: dict) -> None:
         """Restore error buffers saved by ``state_dict`` at the same world size (exactly)."""
@@ -214,8 +219,7 @@ class OnebitAllreduce:
             raise ValueError(f"OnebitAllreduce.load_state_dict: saved at world size "
                              f"{state.get('world_size')}, loading at {self.size}; use "
                              f"load_per_rank_state_dict with every saved rank's state to reshard")
-        layout = self.backend.hierarchy.layout_record()
-        here = None if layout is None else [layout[0], layout[1], *layout[2][self.comm.rank]]
+        here = self._record()
         saved = state.get("hierarchy")
         if (None if saved is None else [int(x) for x in saved]) != here:
             raise ValueError(f"OnebitAllreduce.load_state_dict: saved under layout {saved or 'flat'}, this rank "

@@ -30,7 +30,7 @@ import torch
 
 from .wire_format import padded_size
 
-__all__ = ["worker_error", "server_error", "allreduce_state", "saved_layout"]
+__all__ = ["worker_error", "server_error", "allreduce_state", "saved_layout", "record"]
 
 def _check_numel(saved: list[torch.Tensor], numel: int, per: str) -> int:
     p = len(saved)
@@ -118,6 +118,13 @@ def saved_layout(saved: list[dict[str, Any]]):
     return nodes, per_node, positions
 
 
+def record(layout, rank: int) -> list[int] | None:
+    """Rank ``rank``'s ``"hierarchy"`` entry under ``layout``: [nodes, per_node, c, j], or None (flat)."""
+    if layout is None:
+        return None
+    return [int(layout[0]), int(layout[1]), *(int(x) for x in layout[2][rank])]
+
+
 def allreduce_state(saved: list[dict[str, Any]], rank: int, size: int, layout=None) -> dict[str, Any]:
     """``OnebitAllreduce.per_rank_state_dict()`` for rank ``rank`` of ``size`` ranks running under
     ``layout`` (None: flat) from every saved rank's (in rank order): the saved rank's own at the
@@ -149,5 +156,5 @@ def allreduce_state(saved: list[dict[str, Any]], rank: int, size: int, layout=No
         errors[key] = {"numel": n, "worker_error": we, "server_error": se}
     out: dict[str, Any] = {"world_size": size, "errors": errors}
     if layout is not None:
-        out["hierarchy"] = [layout[0], layout[1], *layout[2][rank]]
+        out["hierarchy"] = record(layout, rank)
     return out

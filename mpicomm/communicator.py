@@ -88,7 +88,6 @@ class Communicator(PointToPoint):
         self._policy: DevicePolicy | None = None
         self._tag_ub: int = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
         self._r16: reduce16.State | None = None
-        self._p16: DevicePolicy | None = None
 
     def __repr__(self) -> str:
         return f"<mpicomm.Communicator rank {self.rank} of {self.size}>"
@@ -120,10 +119,9 @@ class Communicator(PointToPoint):
         return None
 
     def _policy16(self) -> DevicePolicy:
-        """Which device buffers the 16-bit reductions hand to MPI directly (see reduce16)."""
-        if self._p16 is None:
-            self._p16 = reduce16.device_policy(self.device_policy())
-        return self._p16
+        """Which device buffers the 16-bit reductions hand to MPI directly (see reduce16); asked
+        for device buffers only, so it follows the communicator's policy without a cache."""
+        return reduce16.device_policy(self.device_policy())
 
     def _reduce16(self) -> reduce16.State:
         """State of the 16-bit reductions (their private communicator is made on first use)."""
