@@ -404,8 +404,8 @@ def main(argv: list[str]) -> int:
         elif args.reference_s is not None:
             reference, ref_note = args.reference_s, "given with --reference-s, not measured here"
         if reference is None:
-            why = ("DeepSpeed is not installed" if not _deepspeed_available()
-                   else "--deepspeed no" if args.deepspeed == "no" else "the DeepSpeed run failed")
+            why = ("--deepspeed no" if args.deepspeed == "no" else "DeepSpeed is not installed"
+                   if not _deepspeed_available() else "the DeepSpeed run failed")
             emit("DeepSpeed save+convert+load", args.save_ranks, None, None, f"not run: {why}",
                  wrong=ds_wrong)
         else:

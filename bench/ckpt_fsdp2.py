@@ -3,7 +3,8 @@ on the "mpicomm" torch.distributed backend), saved and loaded by ckpt and by tor
 in one run, on the same directory, with the same durability (ckpt fsyncs its files; DCP does not,
 so each rank fsyncs the files its DCP save wrote inside the timed region: ``os.sync()`` would also
 flush other processes' writes on a shared machine); then ckpt's asynchronous save:
-the first one (which allocates its reused host memory) and one in steady state."""
+the first one (which allocates its reused host memory) and one in steady state, then one with
+``snapshot='background'`` around a training step's forward and backward."""
 from __future__ import annotations
 
 import os
@@ -115,14 +116,18 @@ def run(world, ranks: int, layers: int, hidden: int, base: str, reps: int,
         # asynchronous saves: the first allocates the reused host memory; then steady state
         first = _async_blocks(comm, model, opt, ours + "-a0")
         steady = [_async_blocks(comm, model, opt, ours + f"-a{i}") for i in (1, 2)]
-        results = (nbytes, {k: min(v) for k, v in t.items()}, first, min(steady, key=lambda x: x[0]), wrong)
-        for d in (ours, theirs, ours + "-a0", ours + "-a1", ours + "-a2"):
+        # snapshot='background', in a training loop: forward + backward run while it copies
+        batch = torch.randn(8, hidden, generator=torch.Generator().manual_seed(comm.rank))
+        background = [_background_blocks(comm, model, opt, ours + f"-b{i}", batch) for i in (1, 2)]
+        results = (nbytes, {k: min(v) for k, v in t.items()}, first, min(steady, key=lambda x: x[0]), wrong,
+                   min(background, key=lambda x: x[0]))
+        for d in (ours, theirs, ours + "-a0", ours + "-a1", ours + "-a2", ours + "-b1", ours + "-b2"):
             if comm.rank == 0:
                 shutil.rmtree(d, ignore_errors=True)
         del model, opt
         comm.free()
     dist.destroy_process_group()
-    nbytes, best, first, steady, wrong = world.bcast(results, root=0)
+    nbytes, best, first, steady, wrong, background = world.bcast(results, root=0)
     ck = best["ckpt save"] + best["ckpt load"]
     dc = best["dcp save"] + best["dcp load"]
     how = f"best of {reps}"
@@ -139,6 +144,11 @@ def run(world, ranks: int, layers: int, hidden: int, base: str, reps: int,
          f"allocates its host memory; committed after {first[1]:.2f} s")
     emit("FSDP2 async save: blocks", ranks, nbytes, steady[0],
          f"{steady[0] / best['ckpt save']:.3f} x the sync save; committed after {steady[1]:.2f} s")
+    blocked, call, waited, fwd_bwd, alone, total = background
+    emit("FSDP2 async save, background: blocks", ranks, nbytes, blocked,
+         f"{blocked / best['ckpt save']:.3f} x the sync save: save() {call * 1e3:.0f} ms + step() waiting "
+         f"{waited * 1e3:.0f} ms; forward+backward meanwhile {fwd_bwd * 1e3:.0f} ms (alone {alone * 1e3:.0f} ms); "
+         f"committed after {total:.2f} s")
 
 
 def _fsync_written(path: str, rank: int) -> None:
@@ -179,3 +189,37 @@ def _async_blocks(comm, model, opt, path: str) -> tuple[float, float]:
     handle.wait()
     total = time.perf_counter() - t0
     return comm.mpi_comm.allreduce(blocks, op=MPI.MAX), comm.mpi_comm.allreduce(total, op=MPI.MAX)
+
+
+def _background_blocks(comm, model, opt, path: str, batch) -> tuple[float, ...]:
+    """A training step around ``save(async_save=True, snapshot='background')``: (seconds the
+    loop is held: save() + the wait before step(); save() alone; the wait; forward + backward
+    while the snapshot copies; forward + backward alone, just before; seconds until committed),
+    each on the slowest rank."""
+    from mpi4py import MPI
+
+    import ckpt
+
+    def fwd_bwd():
+        model(batch).square().mean().backward()
+
+    mc = comm.mpi_comm
+    opt.zero_grad()
+    mc.Barrier()
+    t0 = time.perf_counter()
+    fwd_bwd()
+    alone = time.perf_counter() - t0
+    opt.zero_grad()
+    mc.Barrier()
+    t0 = time.perf_counter()
+    handle = ckpt.save(path, model=model, optimizer=opt, comm=comm, async_save=True, snapshot="background")
+    t1 = time.perf_counter()
+    fwd_bwd()
+    t2 = time.perf_counter()
+    handle.wait_snapshot()  # what opt.step() would wait for (its pre-hook)
+    t3 = time.perf_counter()
+    handle.wait()
+    total = time.perf_counter() - t0
+    opt.zero_grad()
+    out = ((t1 - t0) + (t3 - t2), t1 - t0, t3 - t2, t2 - t1, alone, total)
+    return tuple(mc.allreduce(x, op=MPI.MAX) for x in out)

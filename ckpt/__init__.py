@@ -43,7 +43,8 @@ What lives where:
     dcp_reader     DCPReader: torch DCP's StorageReader over our format (byte runs, checked blocks)
     dcp_convert    from_dcp: a DCP checkpoint (allowlisted .metadata, torch.save items) into ours
     cli            ``python -m ckpt``;  export: model-only safetensors;  deepspeed/: DeepSpeed import/export
-    async_save     ``save(async_save=True)``: snapshot, then write and commit in the background
+    async_save     ``save(async_save=True)``: snapshot (now, or of parameters and optimizer state in the
+                   background before the next step), then write and commit in the background
 """
 from __future__ import annotations
 

@@ -65,7 +65,7 @@ def save(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.op
          step: int | None = None, comm: Any = None, extra: Any = None, state: dict[str, Any] | None = None,
          sync: bool = True, overwrite: bool = False, update_latest: bool = True,
          block_size: int = DEFAULT_BLOCK_SIZE, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-         async_save: bool = False) -> Manifest | SaveHandle:
+         async_save: bool = False, snapshot: str = "now") -> Manifest | SaveHandle:
     """Save model weights, optimizer state, step, JSON-able ``extra`` and the ``state`` items
     (name -> object with state_dict(), tensor, or data nested in dicts/lists; ``ckpt.RNG()``,
     ``ckpt.PerRank(obj)`` and objects with ``per_rank_state_dict()`` per rank) to ``path``.
@@ -85,7 +85,19 @@ def save(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.op
     moves at the commit. ``handle.wait()`` returns the manifest; a failure is raised on every
     rank at the next ``wait()``, ``save``, ``load`` or ``ckpt.wait_pending()``. A save waits for
     the one in flight on the same communicator first.
+
+    ``snapshot='background'`` (with ``async_save`` and a torch optimizer): the parameters and
+    optimizer state are copied by the background thread too, so ``save`` returns after planning;
+    ``optimizer.step()`` waits for that copy (``handle.wait_snapshot()`` does too). Until then,
+    change them only through that step: a change the save sees (a tensor's version counter
+    moved) fails the save on every rank, but one made through ``.data`` is not seen.
     """
+    if snapshot not in ("now", "background"):
+        raise ValueError(f"save: expected snapshot='now' or 'background', got {snapshot!r}")
+    if snapshot == "background" and not (async_save and isinstance(optimizer, torch.optim.Optimizer)):
+        raise ValueError("save: snapshot='background' needs async_save=True and the torch optimizer that updates "
+                         f"the model (its step() waits for the snapshot); got async_save={async_save}, optimizer of "
+                         f"type {type(optimizer).__name__}")
     comm = _communicator(comm, optimizer)
     async_save_mod.wait_pending(comm)  # one save in flight per communicator; raises a failed one's error
     run = Collective(comm, "save")
@@ -116,7 +128,12 @@ def save(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.op
             update_latest=update_latest))
 
     if async_save:
-        return async_save_mod.start(comm, run, sp.buffers, manifest, finish)
+        later = None
+        if snapshot == "background":
+            live = async_save_mod.updated_by_step(model, optimizer)
+            later = {i: live[b.untyped_storage().data_ptr()] for i, b in enumerate(sp.buffers)
+                     if b.untyped_storage().data_ptr() in live}
+        return async_save_mod.start(comm, run, sp.buffers, manifest, finish, later, optimizer)
     return finish(comm, sp.buffers, manifest)
 
 

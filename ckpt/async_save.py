@@ -9,6 +9,9 @@ from typing import Any, Callable
 import torch
 from mpi4py import MPI
 
+from zero import ZeroOptimizer
+
+from .collective import Collective
 from .errors import CheckpointError
 from .io import byte_view
 from .manifest import Manifest
@@ -27,8 +30,9 @@ class SnapshotPool:
     def __init__(self) -> None:
         self.arena = torch.empty(0, dtype=torch.uint8)
 
-    def snapshot(self, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Copies of ``buffers`` (contiguous; any device) as flat uint8 host tensors in the pool."""
+    def reserve(self, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Flat uint8 host tensors in the pool, one per buffer (contiguous; any device), to copy
+        them into."""
         sizes = [b.numel() * b.element_size() for b in buffers]
         offsets, total = [], 0
         for n in sizes:
@@ -37,26 +41,110 @@ class SnapshotPool:
         if total > self.arena.numel():
             self.arena = torch.empty(0, dtype=torch.uint8)  # free the old one first
             self.arena = torch.zeros(total + total // 8, dtype=torch.uint8)  # zeros: touch every page now
-        out = []
-        for b, off, n in zip(buffers, offsets, sizes):
-            dst = self.arena[off:off + n]
-            dst.copy_(byte_view(b))
-            out.append(dst)
-        if any(b.device.type == "cuda" for b in buffers):
-            torch.cuda.synchronize()
+        return [self.arena[off:off + n] for off, n in zip(offsets, sizes)]
+
+    def snapshot(self, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Copies of ``buffers`` (contiguous; any device) as flat uint8 host tensors in the pool."""
+        out = self.reserve(buffers)
+        copy_into(out, buffers)
         return out
+
+
+def copy_into(dsts: list[torch.Tensor], buffers: list[torch.Tensor]) -> None:
+    """Copy each buffer's bytes into its host tensor (waiting for device copies to finish)."""
+    for dst, b in zip(dsts, buffers):
+        dst.copy_(byte_view(b))
+    if any(b.device.type == "cuda" for b in buffers):
+        torch.cuda.synchronize()
+
+
+def _storage(t: torch.Tensor) -> int:
+    from . import dtensor
+
+    if dtensor.is_dtensor(t):
+        t = dtensor.local(t)
+    return t.untyped_storage().data_ptr()
+
+
+def updated_by_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, str]:
+    """Storage address -> name of the tensors that ``optimizer.step`` changes: the model's
+    parameters, the optimizer's state (a ZeroOptimizer's: its master shards and their state)."""
+    out: dict[int, str] = {}
+    names = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)
+        out.setdefault(_storage(p), f"parameter {name!r}")
+    for p, st in optimizer.state.items():
+        for key, t in st.items() if isinstance(st, dict) else ():
+            if isinstance(t, torch.Tensor) and t.numel():
+                out.setdefault(_storage(t), f"optimizer state {key!r} of {names.get(id(p), 'a parameter')!r}")
+    if isinstance(optimizer, ZeroOptimizer):
+        for gi, g in enumerate(optimizer.groups):
+            out.setdefault(_storage(g.master), f"master shard of group {gi}")
+            for key, t in optimizer.shard_state(gi).items():
+                if isinstance(t, torch.Tensor) and t.numel():
+                    out.setdefault(_storage(t), f"optimizer state {key!r} of group {gi}")
+    return out
+
+
+class BackgroundSnapshot:
+    """The part of a snapshot taken after ``save`` returns: the buffers that only the optimizer's
+    ``step`` changes (parameters, optimizer state), copied first thing in the background thread.
+    The optimizer's step waits for it (a step pre-hook); a buffer changed before it was copied
+    (its version counter moved) fails the save on every rank."""
+
+    def __init__(self, dsts: list[torch.Tensor], buffers: list[torch.Tensor], names: list[str],
+                 optimizer: torch.optim.Optimizer) -> None:
+        self.dsts, self.buffers, self.names = dsts, buffers, names
+        self.versions = [b._version for b in buffers]
+        self.copied = threading.Event()
+        self._hook = optimizer.register_step_pre_hook(self._before_step)
+
+    def _before_step(self, *_: Any) -> None:
+        self.copied.wait()
+
+    def take(self) -> None:
+        """Copy the buffers (background thread); raise if one changed before it was copied."""
+        try:
+            copy_into(self.dsts, self.buffers)
+            changed = [n for n, b, v in zip(self.names, self.buffers, self.versions) if b._version != v]
+        finally:
+            self.copied.set()
+        if changed:
+            more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+            raise CheckpointError(
+                f"save(snapshot='background'): {', '.join(changed[:3])}{more} changed after save() returned and "
+                "before the background snapshot copied it; nothing was written. Change parameters and optimizer "
+                "state only through the optimizer's step() (it waits for the snapshot), or call "
+                "handle.wait_snapshot() first.")
+
+    def release(self) -> None:
+        """Remove the step pre-hook (on the caller's thread, never from inside a step)."""
+        self._hook.remove()
 
 
 class SaveHandle:
     """A save in flight: ``wait()`` returns its Manifest (or raises its failure, the same on
     every rank), ``done()`` tells without waiting."""
 
-    def __init__(self, fn: Callable[[], Manifest], name: str) -> None:
+    def __init__(self, fn: Callable[[], Manifest], name: str,
+                 background: BackgroundSnapshot | None = None) -> None:
         self._result: Manifest | None = None
         self._error: BaseException | None = None
         self._reported = False
+        self._background = background
         self._thread = threading.Thread(target=self._run, args=(fn,), name=name, daemon=True)
         self._thread.start()
+
+    def snapshot_done(self) -> bool:
+        """True once the save no longer reads the caller's tensors (at return unless
+        ``snapshot='background'``)."""
+        return self._background is None or self._background.copied.is_set() or not self._thread.is_alive()
+
+    def wait_snapshot(self, timeout: float | None = None) -> None:
+        """Block until the save no longer reads the caller's tensors (they may then change)."""
+        if self._background is not None and not self._background.copied.wait(timeout):
+            raise TimeoutError(f"the background snapshot is still copying after {timeout} s")
 
     def _run(self, fn: Callable[[], Manifest]) -> None:
         try:
@@ -74,6 +162,7 @@ class SaveHandle:
         self._thread.join(timeout)
         if self._thread.is_alive():
             raise TimeoutError(f"the asynchronous save is still writing after {timeout} s")
+        self._release()
         if self._error is not None:
             self._reported = True
             raise self._error
@@ -83,9 +172,16 @@ class SaveHandle:
     def _settle(self) -> None:
         """Wait; raise the failure unless it was raised already."""
         self._thread.join()
+        self._release()
         if self._error is not None and not self._reported:
             self._reported = True
             raise self._error
+
+
+    def _release(self) -> None:
+        if self._background is not None:
+            self._background.release()
+            self._background = None
 
 
 class _Slot:
@@ -140,12 +236,43 @@ def slot_for(comm: Any) -> _Slot:
 
 
 def start(comm: Any, run: Any, buffers: list[torch.Tensor], manifest: Manifest,
-          finish: Callable[[Any, list[torch.Tensor], Manifest], Manifest]) -> SaveHandle:
+          finish: Callable[[Any, list[torch.Tensor], Manifest], Manifest],
+          later: dict[int, str] | None = None, optimizer: torch.optim.Optimizer | None = None) -> SaveHandle:
     """Snapshot ``buffers`` and the manifest on every rank (raising on every rank if any rank
-    fails), then run ``finish(dup_comm, snapshot, manifest)`` in the background."""
+    fails), then run ``finish(dup_comm, snapshot, manifest)`` in the background.
+
+    ``later`` (buffer index -> name): buffers copied in the background instead, before
+    ``finish``; ``optimizer.step`` waits for that copy."""
     slot = slot_for(comm)
-    snap, frozen = run.everywhere("taking the snapshot", lambda: (slot.pool.snapshot(buffers),
-                                                                  copy.deepcopy(manifest)))
-    handle = SaveHandle(lambda: finish(slot.dup, snap, frozen), name=f"ckpt-async-save-{_key(comm)}")
+    later = later or {}
+
+    def take_now():
+        snap = slot.pool.reserve(buffers)
+        now = [i for i in range(len(buffers)) if i not in later]
+        copy_into([snap[i] for i in now], [buffers[i] for i in now])
+        return snap, copy.deepcopy(manifest)
+
+    snap, frozen = run.everywhere("taking the snapshot", take_now)
+    name = f"ckpt-async-save-{_key(comm)}"
+    if not later:
+        handle = SaveHandle(lambda: finish(slot.dup, snap, frozen), name=name)
+    else:
+        assert optimizer is not None
+        idx = sorted(later)
+        background = BackgroundSnapshot([snap[i] for i in idx], [buffers[i] for i in idx],
+                                        [later[i] for i in idx], optimizer)
+
+        def in_background() -> Manifest:
+            try:
+                Collective(slot.dup, "save").everywhere("taking the background snapshot", background.take)
+            finally:
+                background.copied.set()  # a step waiting for the copy goes on whatever happened
+            return finish(slot.dup, snap, frozen)
+        try:
+            handle = SaveHandle(in_background, name=name, background=background)
+        except BaseException:
+            background.copied.set()
+            background.release()
+            raise
     slot.pending = handle
     return handle

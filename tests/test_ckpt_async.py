@@ -52,14 +52,17 @@ def opt_state(opt):
 
 
 @pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("snapshot", ["now", "background"])
 @pytest.mark.parametrize("kind,stage,dtype", [("plain", 1, torch.float32), ("zero", 1, torch.float32),
                                               ("zero", 2, torch.bfloat16)])
-def test_changes_after_save_returns_are_not_saved(comm, world, shared_tmp_path, kind, stage, dtype):
+def test_changes_after_save_returns_are_not_saved(comm, world, shared_tmp_path, kind, stage, dtype, snapshot):
     net, opt = stepped(comm, kind, stage, dtype)
     model_ref = {k: v.clone() for k, v in net.state_dict().items()}
     opt_ref = opt_state(opt)
-    handle = ckpt.save(shared_tmp_path / "s1", model=net, optimizer=opt, step=2, comm=comm, async_save=True)
+    handle = ckpt.save(shared_tmp_path / "s1", model=net, optimizer=opt, step=2, comm=comm, async_save=True,
+                       snapshot=snapshot)
     assert isinstance(handle, ckpt.SaveHandle)
+    # with snapshot='background' the step below waits for the copy (a step pre-hook)
     # the training loop goes on at once: another step, then everything overwritten in place
     g = torch.Generator().manual_seed(9)
     opt.zero_grad()
@@ -123,6 +126,98 @@ def test_latest_moves_at_commit_and_a_second_save_waits(comm, world, shared_tmp_
     ckpt.wait_pending()
     check_all(lambda: (_ for _ in ()).throw(AssertionError(latest.read_text()))
               if latest.read_text().strip() != "s3" else None)
+
+
+def _held_background_snapshot(monkeypatch):
+    """A gate the background snapshot waits at before copying."""
+    gate = threading.Event()
+    real = async_save.BackgroundSnapshot.take
+
+    def held(self):
+        assert gate.wait(60), "the test never opened the gate"
+        return real(self)
+
+    monkeypatch.setattr(async_save.BackgroundSnapshot, "take", held)
+    return gate
+
+
+@pytest.mark.mpi(min_size=1)
+def test_background_snapshot_waits_for_nothing_but_the_step(comm, world, shared_tmp_path, monkeypatch):
+    """snapshot='background': save returns before the parameters are copied; forward and
+    backward run meanwhile (module buffers were copied at return: BatchNorm's running stats
+    change in forward); step() waits for the copy; what is saved is the state at save()."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(0))  # replicated: the same on every rank
+    for _ in range(2):
+        opt.zero_grad()
+        net(x).square().mean().backward()
+        opt.step()
+    ref = {k: v.clone() for k, v in net.state_dict().items()}
+    momentum = [opt.state[p]["momentum_buffer"].clone() for p in net.parameters()]
+    gate = _held_background_snapshot(monkeypatch)
+    h = ckpt.save(shared_tmp_path / "b", model=net, optimizer=opt, comm=comm, async_save=True,
+                  snapshot="background")
+    opt.zero_grad()
+    net(x).square().mean().backward()  # changes the running stats, not the parameters
+    assert not h.snapshot_done()
+    threading.Timer(0.3, gate.set).start()
+    opt.step()  # waits for the copy
+    assert h.snapshot_done()
+    h.wait()
+    net2 = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+    opt2 = torch.optim.SGD(net2.parameters(), lr=0.1, momentum=0.9)
+    ckpt.load(shared_tmp_path / "b", model=net2, optimizer=opt2, comm=comm)
+
+    def check():
+        for k, v in ref.items():
+            assert torch.equal(net2.state_dict()[k], v), k
+        for p, m in zip(net2.parameters(), momentum):
+            assert torch.equal(opt2.state[p]["momentum_buffer"], m)
+    check_all(check)
+    assert not opt._optimizer_step_pre_hooks, "the step pre-hook outlived the save"
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("kind", ["plain", "zero"])
+def test_change_before_the_background_snapshot_fails_the_save(comm, world, shared_tmp_path, monkeypatch, kind):
+    net, opt = stepped(comm, kind)
+    ckpt.save(shared_tmp_path / "s1", model=net, optimizer=opt, step=1, comm=comm)
+    gate = _held_background_snapshot(monkeypatch)
+    h = ckpt.save(shared_tmp_path / "s2", model=net, optimizer=opt, step=2, comm=comm, async_save=True,
+                  snapshot="background")
+    if comm.rank == comm.size - 1:  # one rank changes what is saved outside the optimizer's step
+        with torch.no_grad():
+            (opt.groups[0].master if kind == "zero" else net[2].bias).add_(1.0)
+    gate.set()
+    changed = "master shard of group 0" if kind == "zero" else "parameter '2.bias'"
+
+    def raised():
+        with pytest.raises(ckpt.CheckpointError, match=rf"{changed}.*changed after save\(\) returned"
+                           if comm.rank == comm.size - 1 else "changed after save"):
+            h.wait()
+    check_all(raised)
+    assert not (shared_tmp_path / "s2").exists()
+    assert (shared_tmp_path / "latest").read_text().strip() == "s1"
+    assert not opt._optimizer_step_pre_hooks
+    monkeypatch.undo()
+    h = ckpt.save(shared_tmp_path / "s3", model=net, optimizer=opt, step=3, comm=comm, async_save=True,
+                  snapshot="background")
+    assert h.wait().step == 3
+
+
+def test_background_snapshot_needs_async_and_an_optimizer(comm, world, tmp_path):
+    if world.Get_size() > 1:
+        pytest.skip("single-process test")
+    net, opt = stepped(comm, "plain")
+    with pytest.raises(ValueError, match="snapshot='background' needs async_save=True.*async_save=False"):
+        ckpt.save(tmp_path / "a", model=net, optimizer=opt, comm=comm, snapshot="background")
+    with pytest.raises(ValueError, match="optimizer of type NoneType"):
+        ckpt.save(tmp_path / "a", model=net, comm=comm, async_save=True, snapshot="background")
+    with pytest.raises(ValueError, match="expected snapshot='now' or 'background', got 'later'"):
+        ckpt.save(tmp_path / "a", model=net, optimizer=opt, comm=comm, async_save=True, snapshot="later")
+    assert not (tmp_path / "a").exists()
 
 
 def _fail_on_last_rank(monkeypatch, comm):

@@ -34,7 +34,7 @@ def test_bench_ckpt_small_run(n, save, load, tmp_path):
     for op in ("disk write+fdatasync", "ckpt.save (fsync)", "ckpt.load", "ckpt save + load",
                "DeepSpeed save+convert+load", "ckpt.save (no fsync)", "FSDP2 ckpt save + load",
                "FSDP2 DCP save + load", "FSDP2 time DCP / ckpt", "FSDP2 async save, first: blocks",
-               "FSDP2 async save: blocks"):
+               "FSDP2 async save: blocks", "FSDP2 async save, background: blocks"):
         assert op in ops, ops
     loaded = next(r for r in records if r["op"] == "ckpt.load")
     assert loaded["note"] == "state checked" and loaded["size_bytes"] == 2 * (96 * 96 + 96) * 12

@@ -280,9 +280,11 @@ def test_two_d_meshes(pg, comm, world, shared_tmp_path):
     three.close(comm)
 
 
-def test_async_save_state_items_and_scheduler(pg, comm, world, shared_tmp_path):
+@pytest.mark.parametrize("snapshot", ["now", "background"])
+def test_async_save_state_items_and_scheduler(pg, comm, world, shared_tmp_path, snapshot):
     """async_save of an FSDP2 model snapshots the shards (training on does not change what is
-    saved); RNG, PerRank and an LR scheduler round-trip beside it."""
+    saved; with snapshot='background' the step waits for the copy); RNG, PerRank and an LR
+    scheduler round-trip beside it."""
     mesh = init_device_mesh("cpu", (comm.size,))
     model = make_model(mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
@@ -302,7 +304,8 @@ def test_async_save_state_items_and_scheduler(pg, comm, world, shared_tmp_path):
     rng_state = torch.get_rng_state()
     ref = reference(model, opt)
     handle = ckpt.save(str(shared_tmp_path / "a"), model=model, optimizer=opt, comm=comm, async_save=True,
-                       state={"sched": sched, "rng": ckpt.RNG(), "data": ckpt.PerRank(Counter())})
+                       state={"sched": sched, "rng": ckpt.RNG(), "data": ckpt.PerRank(Counter())},
+                       snapshot=snapshot)
     train(model, opt, 1, comm.rank)  # the save writes the snapshot, not this
     handle.wait()
     counter["seen"] = -1
