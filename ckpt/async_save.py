@@ -87,6 +87,14 @@ def updated_by_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
     return out
 
 
+def _version(t: torch.Tensor, name: str) -> int:
+    """``t``'s version counter (moved by every in-place change made through it)."""
+    if t.is_inference():
+        raise CheckpointError(f"save(snapshot='background'): {name} is an inference tensor, which has no version "
+                              "counter to tell whether it changed before the background copy; use snapshot='now'")
+    return t._version
+
+
 class BackgroundSnapshot:
     """The part of a snapshot taken after ``save`` returns: the buffers that only the optimizer's
     ``step`` changes (parameters, optimizer state), copied first thing in the background thread.
@@ -94,9 +102,8 @@ class BackgroundSnapshot:
     (its version counter moved) fails the save on every rank."""
 
     def __init__(self, dsts: list[torch.Tensor], buffers: list[torch.Tensor], names: list[str],
-                 optimizer: torch.optim.Optimizer) -> None:
-        self.dsts, self.buffers, self.names = dsts, buffers, names
-        self.versions = [b._version for b in buffers]
+                 versions: list[int], optimizer: torch.optim.Optimizer) -> None:
+        self.dsts, self.buffers, self.names, self.versions = dsts, buffers, names, versions
         self.copied = threading.Event()
         self._hook = optimizer.register_step_pre_hook(self._before_step)
 
@@ -246,21 +253,23 @@ def start(comm: Any, run: Any, buffers: list[torch.Tensor], manifest: Manifest,
     slot = slot_for(comm)
     later = later or {}
 
+    idx = sorted(later)
+
     def take_now():
+        versions = [_version(buffers[i], later[i]) for i in idx]
         snap = slot.pool.reserve(buffers)
         now = [i for i in range(len(buffers)) if i not in later]
         copy_into([snap[i] for i in now], [buffers[i] for i in now])
-        return snap, copy.deepcopy(manifest)
+        return snap, copy.deepcopy(manifest), versions
 
-    snap, frozen = run.everywhere("taking the snapshot", take_now)
+    snap, frozen, versions = run.everywhere("taking the snapshot", take_now)
     name = f"ckpt-async-save-{_key(comm)}"
     if not later:
         handle = SaveHandle(lambda: finish(slot.dup, snap, frozen), name=name)
     else:
         assert optimizer is not None
-        idx = sorted(later)
         background = BackgroundSnapshot([snap[i] for i in idx], [buffers[i] for i in idx],
-                                        [later[i] for i in idx], optimizer)
+                                        [later[i] for i in idx], versions, optimizer)
 
         def in_background() -> Manifest:
             try:

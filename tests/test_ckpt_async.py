@@ -141,21 +141,28 @@ def _held_background_snapshot(monkeypatch):
     return gate
 
 
+def _bn_net(comm, kind):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+    if kind == "zero":
+        return net, ZeroOptimizer(torch.optim.SGD, net.parameters(), stage=1, comm=comm, lr=0.1, momentum=0.9)
+    return net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+
+
 @pytest.mark.mpi(min_size=1)
-def test_background_snapshot_waits_for_nothing_but_the_step(comm, world, shared_tmp_path, monkeypatch):
+@pytest.mark.parametrize("kind", ["plain", "zero"])
+def test_background_snapshot_waits_for_nothing_but_the_step(comm, world, shared_tmp_path, monkeypatch, kind):
     """snapshot='background': save returns before the parameters are copied; forward and
     backward run meanwhile (module buffers were copied at return: BatchNorm's running stats
     change in forward); step() waits for the copy; what is saved is the state at save()."""
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
-    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    net, opt = _bn_net(comm, kind)
     x = torch.randn(5, 6, generator=torch.Generator().manual_seed(0))  # replicated: the same on every rank
     for _ in range(2):
         opt.zero_grad()
         net(x).square().mean().backward()
         opt.step()
     ref = {k: v.clone() for k, v in net.state_dict().items()}
-    momentum = [opt.state[p]["momentum_buffer"].clone() for p in net.parameters()]
+    opt_ref = opt_state(opt)
     gate = _held_background_snapshot(monkeypatch)
     h = ckpt.save(shared_tmp_path / "b", model=net, optimizer=opt, comm=comm, async_save=True,
                   snapshot="background")
@@ -166,15 +173,14 @@ def test_background_snapshot_waits_for_nothing_but_the_step(comm, world, shared_
     opt.step()  # waits for the copy
     assert h.snapshot_done()
     h.wait()
-    net2 = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
-    opt2 = torch.optim.SGD(net2.parameters(), lr=0.1, momentum=0.9)
+    net2, opt2 = _bn_net(comm, kind)
     ckpt.load(shared_tmp_path / "b", model=net2, optimizer=opt2, comm=comm)
 
     def check():
         for k, v in ref.items():
             assert torch.equal(net2.state_dict()[k], v), k
-        for p, m in zip(net2.parameters(), momentum):
-            assert torch.equal(opt2.state[p]["momentum_buffer"], m)
+        got = opt_state(opt2)
+        assert len(got) == len(opt_ref) > 0 and all(torch.equal(a, b) for a, b in zip(got, opt_ref))
     check_all(check)
     assert not opt._optimizer_step_pre_hooks, "the step pre-hook outlived the save"
 
@@ -217,6 +223,11 @@ def test_background_snapshot_needs_async_and_an_optimizer(comm, world, tmp_path)
         ckpt.save(tmp_path / "a", model=net, comm=comm, async_save=True, snapshot="background")
     with pytest.raises(ValueError, match="expected snapshot='now' or 'background', got 'later'"):
         ckpt.save(tmp_path / "a", model=net, optimizer=opt, comm=comm, async_save=True, snapshot="later")
+    with torch.inference_mode():
+        frozen = torch.nn.Linear(3, 2)  # inference tensors: no version counter
+    with pytest.raises(ckpt.CheckpointError, match="parameter 'weight' is an inference tensor.*snapshot='now'"):
+        ckpt.save(tmp_path / "a", model=frozen, optimizer=torch.optim.SGD(frozen.parameters(), lr=0.1),
+                  comm=comm, async_save=True, snapshot="background")
     assert not (tmp_path / "a").exists()
 
 
