@@ -32,6 +32,10 @@ _IN_PLACE = MPI.IN_PLACE
 _fromaddress = MPI.buffer.fromaddress
 _FAST_REDUCE = fastpath.REDUCE
 _SUM = ReduceOp.SUM
+#: all_reduce remembers its last fast call on a tensor of at most this many bytes (holding a
+#: reference to it until the next fast call): measured at 2 ranks, 8 bytes, ~0.5 us per call
+#: less when the same tensor comes again, ~0.15 us more of CPU time when it does not.
+REMEMBER_BYTES = 1 << 16
 _FAST_SUM = {dtype: found for (dtype, op), found in _FAST_REDUCE.items() if op is _SUM}
 
 
@@ -88,6 +92,8 @@ class Communicator(PointToPoint):
         self._policy: DevicePolicy | None = None
         self._tag_ub: int = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
         self._r16: reduce16.State | None = None
+        # all_reduce's last fast call: (tensor, op, address, nbytes, dtype, MPI buffer, MPI op)
+        self._last_fast: tuple = (None,) * 7
 
     def __repr__(self) -> str:
         return f"<mpicomm.Communicator rank {self.rank} of {self.size}>"
@@ -146,22 +152,35 @@ class Communicator(PointToPoint):
         """Reduce ``tensor`` across ranks, in place."""
         # The fast-path rule (mpicomm.fastpath) inlined: one Python frame between the caller
         # and MPI's Allreduce for a contiguous host tensor MPI reduces natively.
-        if (type(tensor) is _Tensor and not async_op and not self.check and fastpath.ENABLED
+        if (not async_op and not self.check and fastpath.ENABLED
                 and not _profiler._is_profiler_enabled
-                and (_debug_cache.get(_DEBUG) is False or not _log.isEnabledFor(_DEBUG))
-                and tensor.is_cpu and tensor.is_contiguous()):
-            if op is _SUM:  # the default: a dtype-only table (hashing an enum costs ~0.3 us)
-                found = _FAST_SUM.get(tensor.dtype)
-            else:
-                try:
-                    found = _FAST_REDUCE.get((tensor.dtype, op))
-                except TypeError:  # an unhashable op: the general path reports it
-                    found = None
-            # bytes <= MAX_COUNT implies elements <= MAX_COUNT (bigger ones: the general path)
-            if found is not None and (nbytes := tensor.nbytes) <= large.MAX_COUNT:
-                self.mpi_comm.Allreduce(_IN_PLACE, [_fromaddress(tensor.data_ptr(), nbytes),
-                                                    found[0]], found[1])
+                and (_debug_cache.get(_DEBUG) is False or not _log.isEnabledFor(_DEBUG))):
+            last = self._last_fast
+            # The small tensor and op of the last fast call again (a flag, a metric, a bucket
+            # reduced step after step): its MPI buffer is reused while the tensor keeps the
+            # same memory, size, dtype and layout, which is checked on every call.
+            if (tensor is last[0] and op is last[1] and tensor.data_ptr() == last[2]
+                    and tensor.nbytes == last[3] and tensor.dtype is last[4]
+                    and tensor.is_contiguous() and tensor.is_cpu):
+                self.mpi_comm.Allreduce(_IN_PLACE, last[5], last[6])
                 return None
+            if type(tensor) is _Tensor and tensor.is_cpu and tensor.is_contiguous():
+                dtype = tensor.dtype
+                if op is _SUM:  # the default: a dtype-only table (hashing an enum costs ~0.3 us)
+                    found = _FAST_SUM.get(dtype)
+                else:
+                    try:
+                        found = _FAST_REDUCE.get((dtype, op))
+                    except TypeError:  # an unhashable op: the general path reports it
+                        found = None
+                # bytes <= MAX_COUNT implies elements <= MAX_COUNT (bigger: the general path)
+                if found is not None and (nbytes := tensor.nbytes) <= large.MAX_COUNT:
+                    ptr = tensor.data_ptr()
+                    spec = [_fromaddress(ptr, nbytes), found[0]]
+                    self.mpi_comm.Allreduce(_IN_PLACE, spec, found[1])
+                    if nbytes <= REMEMBER_BYTES:
+                        self._last_fast = (tensor, op, ptr, nbytes, dtype, spec, found[1])
+                    return None
         return self._all_reduce(tensor, op, async_op)
 
     @observed_as("all_reduce")

@@ -122,3 +122,49 @@ def test_fast_path_declines_what_it_cannot_do(comm, monkeypatch):
     assert_all(taken == [False] * 4, f"fast path taken {taken}")
     assert_all(x.tolist() == [comm.size] * 3, f"numpy all_reduce gave {x}")
     assert_all(buf.tolist() == [float(r) for r in range(comm.size) for _ in range(2)], str(buf))
+
+
+def test_all_reduce_remembers_a_tensor_only_while_it_is_the_same(comm, monkeypatch):
+    """all_reduce reuses the last fast call's MPI buffer for the same tensor; every change of its
+    memory, size, dtype, layout or the op is seen (reference: the n ranks' values, chosen so that
+    a stale buffer, type or op gives other numbers)."""
+    taken = _spy_general_paths(comm, monkeypatch)
+    n, r = comm.size, comm.rank
+    sums = sum(range(1, n + 1))
+    t = torch.full((4,), float(r + 1))
+    for _ in range(2):                                   # the same tensor again: remembered
+        t.fill_(float(r + 1))
+        comm.all_reduce(t)
+        assert_all(t.tolist() == [sums] * 4, f"sum {t}")
+    t.resize_(2)                                         # same memory, fewer bytes
+    t.fill_(float(r + 1))
+    comm.all_reduce(t)
+    whole = torch.empty(0).set_(t.untyped_storage())     # the 4 floats the memory holds
+    assert_all(whole.tolist() == [sums] * 4, f"after resize_(2) the memory holds {whole}")
+    t.set_(torch.full((4,), float(r + 1)))               # other memory, same size
+    comm.all_reduce(t)
+    assert_all(t.tolist() == [sums] * 4, f"after set_ {t}")
+    t.resize_(100)                                       # grown in place (new memory)
+    t.fill_(1.0)
+    comm.all_reduce(t)
+    assert_all(t.tolist() == [float(n)] * 100, f"after resize_ {t}")
+    t.data = t.view(torch.int32)                         # same bytes, another dtype
+    t.fill_((r + 1) << 23)                               # as float32 bits these add otherwise
+    comm.all_reduce(t)
+    assert_all(t.dtype == torch.int32 and t.tolist() == [sums << 23] * 100, f"as int32 {t}")
+    t.fill_(r + 1)
+    comm.all_reduce(t, op="max")                         # another op on the same tensor
+    assert_all(t.tolist() == [n] * 100, f"max {t}")
+    t.resize_(200)
+    t.as_strided_((100,), (1,))
+    t.fill_(r + 1)
+    comm.all_reduce(t)                                   # remembered: 100 elements from the start
+    t.as_strided_((100,), (2,))                          # same address and bytes, every other one
+    t.fill_(r + 1)
+    comm.all_reduce(t)                                   # not contiguous: the general path
+    assert_all(t.tolist() == [sums] * 100, f"strided {t}")
+    big = torch.full((20000,), float(r + 1))             # over REMEMBER_BYTES: not remembered
+    comm.all_reduce(big)
+    comm.all_reduce(big)
+    assert_all(big.eq(sums * n).all().item(), f"big {big[:3]}")
+    assert_all(taken == [True] * 8 + [False, True, True], f"fast path taken {taken}")
