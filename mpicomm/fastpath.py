@@ -7,12 +7,15 @@ with that op natively. That is exactly when the general path would hand the user
 unchanged. Anything else, including every error, takes the general path.
 
 ``all_reduce`` applies the same rule inline in ``Communicator.all_reduce`` (one Python frame
-between the caller and MPI's Allreduce, SUM found by identity: +0.55 us of CPU time per call over
-mpi4py's ``Allreduce`` on numpy arrays, +1.0 us over it on the tensor's own address, measured
-here); the other calls go through :func:`run`. MPI-4 persistent
-collectives (``Allreduce_init`` + ``Start``/``Wait``) were measured and not adopted: on MPICH
-5.0.2 at one rank ``Start(); Wait()`` took 0.83 us of CPU time against 0.25 us for
-``Allreduce`` on a prepared buffer, and at two ranks the difference was lost in the noise.
+between the caller and MPI's Allreduce, SUM found by identity) and remembers its last fast call
+on a tensor of at most ``communicator.REMEMBER_BYTES``: the same tensor again reuses that MPI
+buffer once its address, size, dtype, layout and the op are checked. Measured here at one rank in
+CPU time per 8-byte call: 1.19 us for the same tensor again, 1.53 us for two tensors in turn
+(1.39 us for both before it remembered), against 0.83 us for mpi4py's ``Allreduce`` on numpy
+arrays. The other calls go through :func:`run`. MPI-4 persistent collectives
+(``Allreduce_init`` + ``Start``/``Wait``) were measured and not adopted: on MPICH 5.0.2 at one
+rank ``Start(); Wait()`` took 0.83 us of CPU time against 0.25 us for ``Allreduce`` on a
+prepared buffer, and at two ranks the difference was lost in the noise.
 """
 from __future__ import annotations
 
