@@ -101,12 +101,7 @@ def test_clip_matches_ddp_style(mode, stage, opt_name, norm_type):
 @pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("no_sync", [True, False], ids=["no_sync", "plain"])
 def test_clip_with_accumulation(mode, stage, no_sync):
-    if stage == 2 and not no_sync:     # stage 2 released the first micro-batch's gradients: refused
-        def refused():
-            with pytest.raises(RuntimeError, match="stage=2.*no_sync"):
-                run_pair(stage, "adamw", micro=3, no_sync=False, max_norm=0.05, norm_type=2.0)
-        check_all(refused)
-        return
+    # stage 2 without no_sync: each backward sends its gradients, later ones add to the shards
     model, ref, norms, rnorms, opt = run_pair(stage, "adamw", micro=3, no_sync=no_sync, max_norm=0.05,
                                               norm_type=2.0)
     assert_close_all(np.array(norms), np.array(rnorms), rtol=1e-5, what="returned norms")
@@ -292,14 +287,56 @@ def test_stage2_same_result_and_frees_grads(mode):
         ropt.step()
     for p, q in zip(model.parameters(), ref.parameters()):
         assert_close_all(p, q, atol=1e-5, what="stage 2 parameters")
-    # a second backward after the gradients were sent and released cannot be averaged: refused
-    loss_of(model, 5, 0, comm.rank).backward()
-    loss_of(model, 5, 1, comm.rank).backward()
 
-    def refused():
-        with pytest.raises(RuntimeError, match="no_sync"):
-            opt.step()
-    check_all(refused)
+
+class Gated(torch.nn.Module):
+    """Two branches; ``use_b`` picks whether the second one takes part (its parameters then get
+    no gradient in that backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.a = torch.nn.Linear(5, 3)
+        self.b = torch.nn.Linear(5, 3)
+
+    def forward(self, x, use_b: bool):
+        return self.a(x) + (self.b(x) if use_b else 0.0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("bucket_bytes", [48, 1 << 20], ids=["small-buckets", "one-bucket"])
+def test_accumulation_without_no_sync_and_zero_grad_between(mode, stage, bucket_bytes):
+    """Backward three times per step, a branch unused in some of them, with and without a
+    zero_grad() that drops the first micro-batch: the same parameters as the DDP-style
+    reference that accumulates the same gradients."""
+    comm = mpicomm.init()
+    model, ref = Gated(), Gated()
+    opt = ZeroOptimizer(torch.optim.AdamW, model.parameters(), stage=stage, comm=comm, bucket_bytes=bucket_bytes,
+                        lr=0.02)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=0.02)
+    for s in range(3):
+        opt.zero_grad()
+        ropt.zero_grad()
+        for m in range(3):
+            g = torch.Generator().manual_seed(1000 * s + 10 * m + comm.rank)
+            x, y = torch.randn(4, 5, generator=g), torch.randn(4, 3, generator=g)
+            use_b = m != 1                               # the same choice on every rank
+            for net in (model, ref):
+                torch.nn.functional.mse_loss(net(x, use_b), y).backward()
+            if s == 1 and m == 0:                        # this micro-batch is dropped
+                opt.zero_grad()
+                ropt.zero_grad()
+        for p in ref.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        averaged_grads(ref)
+        opt.step()
+        ropt.step()
+        if stage == 2:
+            assert_all(all(p.grad is None for p in model.parameters()), "stage 2 released the gradients")
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert_close_all(p, q, atol=1e-5, what=f"stage {stage} after accumulation without no_sync")
 
 
 def test_stage3_is_refused_pointing_to_fsdp2_and_other_stages_named():

@@ -13,7 +13,8 @@ through the same buckets. A bucket's fp32 send buffer exists only while it is in
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,8 +31,6 @@ class Bucket:
     lo: int
     hi: int
     pieces: list[tuple[int, int, int, int, int]]
-    works: list[Any] = field(default_factory=list)
-    buf: torch.Tensor | None = None
     launched: bool = False
 
 
@@ -71,7 +70,10 @@ class GradReducer:
 
     ``release``: drop each ``p.grad`` once all of it is in a send buffer, and keep at most
     ``MAX_IN_FLIGHT`` buckets in flight (waiting for the oldest before launching another), so no
-    full-size gradient is kept (stage 2)."""
+    full-size gradient is kept (stage 2). Launched from backward (``mark_ready(launch=True)``),
+    each backward is then a round: at its end the buckets it left are sent too (a parameter
+    without a gradient counts as zero), and a later backward in the same cycle adds its round
+    to the shards (gradient accumulation without ``no_sync``)."""
 
     MAX_IN_FLIGHT = 2
 
@@ -90,14 +92,19 @@ class GradReducer:
             for pi in b.params:
                 self.where.setdefault((b.group, pi), []).append(bi)
         self.ready: set[tuple[int, int]] = set()
-        self.next = 0                                      # first bucket not launched yet
-        self.done = 0                                      # buckets before this one are finished
+        self.next = 0                                      # first bucket of this round not launched
+        self.inflight: deque[_InFlight] = deque()          # launched, oldest first
         self.stale = False                                 # a launched bucket's gradient changed
+        self.rounds = 0                                    # backwards whose buckets all left (release)
+        self.round_open = False                            # a backward of this round is running
 
     # -- readiness (called from gradient hooks) ----------------------------------------------------
 
     def mark_ready(self, gi: int, pi: int, launch: bool) -> None:
         """Parameter ``pi`` of group ``gi`` has its gradient; launch the buckets now complete, in order."""
+        if self.release and launch and not self.round_open:
+            self.round_open = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.end_round)
         if any(self.buckets[bi].launched for bi in self.where.get((gi, pi), ())):
             self.stale = True              # accumulated again after its bucket left: redo in step()
             return
@@ -109,33 +116,44 @@ class GradReducer:
                 self.next += 1
         self.poll()
 
+    def end_round(self) -> None:
+        """End of a backward (``release``): send the buckets it left, in order, and start a new
+        round, which adds to the shards."""
+        self.round_open = False
+        while self.next < len(self.buckets):
+            self._launch(self.buckets[self.next])
+            self.next += 1
+        for b in self.buckets:
+            b.launched = False
+        self.ready.clear()
+        self.next = 0
+        self.rounds += 1
+        self.poll()
+
     def poll(self) -> None:
-        """Let MPI progress the collectives in flight; finish (and free) the buckets done, in order."""
-        while self.done < self.next:
-            b = self.buckets[self.done]
-            if not all(w.is_completed() for w in b.works):
-                return
-            self._wait(b)
-            self.done += 1
+        """Let MPI progress the collectives in flight; finish (and free) the oldest ones done."""
+        while self.inflight and all(w.is_completed() for w in self.inflight[0].works):
+            self._finish_oldest()
 
     # -- launching and finishing ---------------------------------------------------------------
 
     def _launch(self, b: Bucket) -> None:
         if self.release:
-            while self.next - self.done >= self.MAX_IN_FLIGHT:
-                self._wait(self.buckets[self.done])
-                self.done += 1
+            while len(self.inflight) >= self.MAX_IN_FLIGHT:
+                self._finish_oldest()
         params = self.groups[b.group].params
         cols = b.hi - b.lo
         dev = self.groups[b.group].master.device
-        b.buf = torch.zeros(self.world, cols, dtype=torch.float32, device=dev)
+        buf = torch.zeros(self.world, cols, dtype=torch.float32, device=dev)
         flat = {pi: (None if params[pi].grad is None else params[pi].grad.detach().reshape(-1)) for pi in b.params}
         for r, pi, st, col, n in b.pieces:
             g = flat[pi]
             if g is not None:
-                b.buf[r, col:col + n].copy_(g[st:st + n])
+                buf[r, col:col + n].copy_(g[st:st + n])
         out = self._master_grad(b.group)[b.lo:b.hi]
-        b.works = [self.comm.reduce_scatter_tensor(out, b.buf.view(-1), op="avg", async_op=True)]
+        into = torch.empty_like(out) if self.rounds else out   # a later round adds to the shard
+        works = [self.comm.reduce_scatter_tensor(into, buf.view(-1), op="avg", async_op=True)]
+        self.inflight.append(_InFlight(works, buf, out if self.rounds else None, into))
         b.launched = True
         if self.release:
             for pi in b.params:
@@ -149,25 +167,27 @@ class GradReducer:
             m.grad = torch.zeros_like(m)
         return m.grad
 
-    def finish(self) -> None:
-        """Launch the buckets not launched yet (in order), wait for all, fill ``master.grad``."""
-        while self.next < len(self.buckets):
-            self._launch(self.buckets[self.next])
-            self.next += 1
-        for b in self.buckets[self.done:]:
-            self._wait(b)
-        self.done = self.next
-
-    def _wait(self, b: Bucket) -> None:
-        for wk in b.works:
+    def _finish_oldest(self, use: bool = True) -> None:
+        f = self.inflight.popleft()
+        for wk in f.works:
             wk.wait()
-        b.works = []
-        b.buf = None
+        if use and f.add_to is not None:
+            f.add_to.add_(f.result)
+
+    def finish(self) -> None:
+        """Launch the buckets not launched yet (in order; none when the last backward's round
+        sent them all), wait for all, fill ``master.grad``."""
+        if not (self.rounds and self.next == 0 and not self.ready):
+            while self.next < len(self.buckets):
+                self._launch(self.buckets[self.next])
+                self.next += 1
+        while self.inflight:
+            self._finish_oldest()
 
     def drain(self) -> None:
         """Wait for anything in flight and forget it (its result is not used)."""
-        for b in self.buckets:
-            self._wait(b)
+        while self.inflight:
+            self._finish_oldest(use=False)
 
     def reset(self) -> None:
         """Start a new accumulation cycle: nothing ready, nothing launched."""
@@ -176,5 +196,18 @@ class GradReducer:
             b.launched = False
         self.ready.clear()
         self.released.clear()
-        self.next = self.done = 0
+        self.next = 0
         self.stale = False
+        self.rounds = 0
+        self.round_open = False
+
+
+@dataclass
+class _InFlight:
+    """A launched bucket: its reduce-scatter, send buffer, and (a later round) the shard slice
+    its result is added to."""
+
+    works: list[Any]
+    buf: torch.Tensor
+    add_to: torch.Tensor | None
+    result: torch.Tensor

@@ -66,8 +66,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
     flat padded buffer split evenly); every rank keeps the model's full gradients until
     ``zero_grad()``. ``stage=2``: gradients are sharded too: every parameter is split on its own,
     each ``p.grad`` is set to None as soon as its bucket is sent and at most two buckets are in
-    flight, so after backward a rank holds only its averaged gradient shard (run all
-    micro-batches but the last under ``no_sync()``). Stage 3 is refused: use FSDP2.
+    flight, so after backward a rank holds only its averaged gradient shard; each further
+    backward before ``step()`` adds its averaged gradient to that shard (``no_sync()`` saves
+    that communication for all micro-batches but the last, at the price of full gradients).
+    Stage 3 is refused: use FSDP2.
 
     ``gather_bits=8`` all-gathers the weights as symmetric int8 per block of
     ``zero.quantize.BLOCK`` elements with one fp32 scale each (ZeRO++ qwZ); the owners keep
@@ -76,6 +78,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     A parameter whose ``grad`` is None counts as a zero gradient. Under ``with opt.no_sync():``
     backward only accumulates locally (use it for all micro-batches but the last).
+    ``zero_grad()`` also drops what backward already sent since the last step.
     ``clip_grad_norm_`` clips the averaged gradient; ``skip_nonfinite=True`` skips a step on
     every rank when any averaged gradient is inf/NaN (counted in ``skipped_steps``).
     ``compressed.OnebitAdam`` as ``optimizer_class`` gives 1-bit Adam on the shards. Save and
@@ -169,6 +172,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise NotImplementedError("ZeroOptimizer: parameter groups are fixed at construction")
         super().add_param_group(param_group)
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the model's gradients and what backward already sent of them since the last step."""
+        self._end_cycle()
+        super().zero_grad(set_to_none)
+
     def close(self) -> None:
         """Remove the gradient hooks and release the gradient communicator (collective)."""
         for h in self._hooks:
@@ -257,9 +265,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     [r for r in range(min(self.world_size, 53)) if int(vec[4]) >> r & 1]
                 raise RuntimeError(_MODIFIED.format(n=int(vec[2]), ranks=ranks))
             if vec[3] > 0 and self._reducer.release:
+                # a backward sent gradients before the one before it ended its round (it raised
+                # midway): what was released cannot be sent again
                 self._end_cycle()
-                raise RuntimeError("ZeroOptimizer(stage=2): backward ran again after gradients were sent and "
-                                   "released; run all micro-batches but the last under opt.no_sync()")
+                raise RuntimeError("ZeroOptimizer(stage=2): a backward sent gradients before the previous "
+                                   "backward had finished (did it raise?); the gradients of this step are "
+                                   "lost: call opt.zero_grad() and run the step's backward passes again")
             if vec[3] > 0 and attempt == 0:
                 # a bucket's gradient grew after it was sent (backward again without no_sync):
                 # every rank sends all buckets again, now that all gradients are final
