@@ -184,7 +184,6 @@ class SaveHandle:
             self._reported = True
             raise self._error
 
-
     def _release(self) -> None:
         if self._background is not None:
             self._background.release()
@@ -252,7 +251,6 @@ def start(comm: Any, run: Any, buffers: list[torch.Tensor], manifest: Manifest,
     ``finish``; ``optimizer.step`` waits for that copy."""
     slot = slot_for(comm)
     later = later or {}
-
     idx = sorted(later)
 
     def take_now():
