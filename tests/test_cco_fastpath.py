@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from cco_data import FLOAT_TORCH, TORCH_DTYPES, reduce_ref, to_f64, tolerance, values
+import mpicomm
 from mpicomm import fastpath
 from mpitest import assert_all, assert_close_all
 
@@ -168,3 +169,11 @@ def test_all_reduce_remembers_a_tensor_only_while_it_is_the_same(comm, monkeypat
     comm.all_reduce(big)
     assert_all(big.eq(sums * n).all().item(), f"big {big[:3]}")
     assert_all(taken == [True] * 8 + [False, True, True], f"fast path taken {taken}")
+
+
+def test_a_fresh_communicator_remembers_nothing(comm):
+    """Before any fast call, nothing a caller passes looks remembered: None as tensor and op
+    gets the general path's error, not an AttributeError."""
+    fresh = mpicomm.Communicator(comm.mpi_comm)
+    with pytest.raises(TypeError, match="argument \"op\""):
+        fresh.all_reduce(None, op=None)
