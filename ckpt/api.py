@@ -128,11 +128,7 @@ def save(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.op
             update_latest=update_latest))
 
     if async_save:
-        later = None
-        if snapshot == "background":
-            live = async_save_mod.updated_by_step(model, optimizer)
-            later = {i: live[b.untyped_storage().data_ptr()] for i, b in enumerate(sp.buffers)
-                     if b.untyped_storage().data_ptr() in live}
+        later = async_save_mod.updated_by_step(sp.buffers, model, optimizer) if snapshot == "background" else None
         return async_save_mod.start(comm, run, sp.buffers, manifest, finish, later, optimizer)
     return finish(comm, sp.buffers, manifest)
 

@@ -66,9 +66,11 @@ def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
-def updated_by_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, str]:
-    """Storage address -> name of the tensors that ``optimizer.step`` changes: the model's
-    parameters, the optimizer's state (a ZeroOptimizer's: its master shards and their state)."""
+def updated_by_step(buffers: list[torch.Tensor], model: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer) -> dict[int, str]:
+    """Index -> name of the ``buffers`` that share memory with a tensor ``optimizer.step``
+    changes: the model's parameters, the optimizer's state (a ZeroOptimizer's: its master shards
+    and their state)."""
     out: dict[int, str] = {}
     names = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -84,7 +86,7 @@ def updated_by_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
             for key, t in optimizer.shard_state(gi).items():
                 if isinstance(t, torch.Tensor) and t.numel():
                     out.setdefault(_storage(t), f"optimizer state {key!r} of group {gi}")
-    return out
+    return {i: out[at] for i, b in enumerate(buffers) if (at := _storage(b)) in out}
 
 
 def _version(t: torch.Tensor, name: str) -> int:
