@@ -208,6 +208,11 @@ def _expand_lut():
     return lut
 
 
+#: Elements per block of ``server_accumulate``: 256 vectorised well (64 MiB, 2 rows: 3.7 ms
+#: against 6.5 ms for 64-element blocks and 3.4-3.9 ms for a 32 MiB memcpy; 128: 4.1, 512: 3.9).
+_SBLK = 256
+
+
 @_jitv
 def server_accumulate(rows, coef, se, out, pend):
     """Set se = sum_i coef[i] * sign_i + (se - pend * sign(se)), pack sign(se) into ``out``;
@@ -215,40 +220,38 @@ def server_accumulate(rows, coef, se, out, pend):
     p, cb = rows.shape
     sp = np.float32(pend)
     expand = _expand_lut()
-    flags = np.empty(64, np.uint8)
+    flags = np.empty(_SBLK, np.uint8)
     words = flags.view(np.uint64)
-    acc = np.empty(64, np.float32)
+    acc = np.empty(_SBLK, np.float32)
     two = np.empty(p, np.float32)
     base = np.float32(0.0)
     for i in range(p):
         two[i] = np.float32(2.0) * coef[i]
         base -= coef[i]
     ss = 0.0
-    nblk = cb // 8
-    part = np.float32(0.0)
+    qb = _SBLK // 8  # packed bytes per block
+    nblk = cb // qb
     for blk in range(nblk):
-        for k in range(64):
+        for k in range(_SBLK):
             acc[k] = base
         for i in range(p):  # sign * c = 2c * bit - c
-            for q in range(8):
-                words[q] = expand[rows[i, blk * 8 + q]]
+            for q in range(qb):
+                words[q] = expand[rows[i, blk * qb + q]]
             c2 = two[i]
-            for k in range(64):
+            for k in range(_SBLK):
                 acc[k] += c2 * flags[k]
-        o = blk * 64
-        for k in range(64):
+        o = blk * _SBLK
+        part = np.float32(0.0)
+        for k in range(_SBLK):
             v = se[o + k]
             s = acc[k] + (v - (sp if v >= np.float32(0.0) else -sp))
             se[o + k] = s
             part += s * s
             flags[k] = s >= np.float32(0.0)
-        for q in range(8):
-            out[blk * 8 + q] = np.uint8((words[q] * _MAGIC) >> np.uint64(56))
-        if blk & 63 == 63:
-            ss += part
-            part = np.float32(0.0)
-    ss += part
-    for c in range(nblk * 8, cb):
+        ss += part
+        for q in range(qb):
+            out[blk * qb + q] = np.uint8((words[q] * _MAGIC) >> np.uint64(56))
+    for c in range(nblk * qb, cb):
         byte = 0
         for k in range(8):
             s = np.float32(0.0)

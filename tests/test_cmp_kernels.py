@@ -99,7 +99,8 @@ def test_encode_and_residual(impl, m, p):
     np.testing.assert_allclose(e, x - scale * ref_sign(x), rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("p,cb", [(1, 1), (2, 5), (3, 17), (4, 64)])
+# numba works in blocks of 32 packed bytes: whole blocks, tails, both
+@pytest.mark.parametrize("p,cb", [(1, 1), (2, 5), (3, 17), (4, 64), (2, 75), (3, 33)])
 def test_server_steps(impl, p, cb):
     rng = np.random.default_rng(p * 100 + cb)
     msg = rng.integers(0, 256, (p, HEADER_BYTES + cb), dtype=np.uint8)
@@ -202,7 +203,8 @@ def test_encode_into_fuses_the_pending_update(impl, m, p, pending):
     assert ssq2 == pytest.approx(float(np.dot(want.astype(np.float64), want)), rel=1e-5)
 
 
-@pytest.mark.parametrize("p,cb", [(1, 1), (2, 5), (3, 17), (4, 64)])
+# numba works in blocks of 32 packed bytes: whole blocks, tails, both
+@pytest.mark.parametrize("p,cb", [(1, 1), (2, 5), (3, 17), (4, 64), (2, 75), (3, 33)])
 def test_server_accumulate_applies_pending_update(impl, p, cb):
     rng = np.random.default_rng(p * 31 + cb)
     rows = rng.integers(0, 256, (p, cb), dtype=np.uint8)
