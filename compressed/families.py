@@ -52,6 +52,20 @@ class HostFamily:
     def decode(self, rows, scales: np.ndarray, out) -> None:
         self.mod.decode(rows, scales, out)
 
+    def node_mean(self, src, recv, j: int, parts: int, out) -> None:
+        """out = (row_0 + ... + row_{parts-1}) / parts, added in row order, where row r is
+        ``src[r*k:(r+1)*k]`` for r == j and ``recv[r*k:(r+1)*k]`` otherwise (k = out.size).
+        (numpy's add and divide ran as fast as a one-pass numba kernel: 2 rows of 32 MiB, 7-8 ms.)"""
+        k = out.shape[0]
+        rows = [(src if r == j else recv)[r * k:(r + 1) * k] for r in range(parts)]
+        if parts == 1:
+            out[:] = rows[0]
+        else:
+            np.add(rows[0], rows[1], out=out)
+            for row in rows[2:]:
+                np.add(out, row, out=out)
+        np.divide(out, np.float32(parts), out=out)
+
 
 class TorchFamily:
     """torch ops (``compressed.torch_kernels``) on tensors of one device (CUDA, or CPU when forced)."""
@@ -92,6 +106,14 @@ class TorchFamily:
 
     def decode(self, rows, scales: np.ndarray, out) -> None:
         TK.decode(rows, torch.from_numpy(scales).to(out.device), out)
+
+    def node_mean(self, src, recv, j: int, parts: int, out) -> None:
+        k = out.shape[0]
+        rows = [(src if r == j else recv)[r * k:(r + 1) * k] for r in range(parts)]
+        out.copy_(rows[0])
+        for row in rows[1:]:
+            out.add_(row)
+        out.div_(parts)
 
 
 def family_for(kernels: str | None, device: torch.device) -> Any:

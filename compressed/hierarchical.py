@@ -36,7 +36,7 @@ import os
 from typing import Any
 
 import numpy as np
-import torch
+from mpi4py import MPI
 
 import mpicomm
 
@@ -48,6 +48,8 @@ __all__ = ["NODE_SIZE_ENV", "Hierarchy", "decide", "part_size"]
 
 #: Test/simulation override: nodes of this many consecutive communicator ranks.
 NODE_SIZE_ENV = "MPICOMM_NODE_SIZE"
+
+_MAX_COUNT = 1 << 31  # MPI counts are C ints: larger parts go through mpicomm's all-to-all
 
 
 def decide(counts: list[int], hierarchical: bool | None) -> bool:
@@ -149,19 +151,21 @@ class Hierarchy:
         return lay.wire_bytes(), 2 * (L - 1) * 4 * lay.numel
 
     # ------------------------------------------------------------------------------------------
-    def _node_mean_part(self, src, part, recv) -> None:
+    def _node_mean_part(self, fam, src, part, recv) -> None:
         """``part`` = this rank's part of the mean over the node of ``src`` (padded elements):
-        an all-to-all of the parts, then their sum over the node's ranks divided by L. (MPICH's
-        reduce-scatter took 197 ms on 64 MiB and 2 ranks here; all-to-all + add 66 ms.)"""
-        L, sub = self.per_node, part.shape[0]
-        self.node.all_to_all_single(recv, src)
-        rows = recv.reshape(L, sub)
-        if isinstance(part, np.ndarray):
-            np.sum(rows, axis=0, out=part)
-            np.divide(part, np.float32(L), out=part)
+        the node's ranks exchange parts (host buffers: an all-to-all that skips this rank's own
+        part, read from ``src`` instead), then ``fam.node_mean`` adds them in rank order and
+        divides by L in one pass. (MPICH's reduce-scatter took 197 ms on 64 MiB and 2 ranks
+        here; all-to-all + add 66 ms.)"""
+        L, sub, j = self.per_node, part.shape[0], self.local_index
+        if isinstance(src, np.ndarray) and sub < _MAX_COUNT:
+            counts = [0 if r == j else sub for r in range(L)]
+            displs = [r * sub for r in range(L)]
+            self.node.mpi_comm.Alltoallv([src, (counts, displs), MPI.FLOAT],
+                                         [recv, (counts, displs), MPI.FLOAT])
         else:
-            torch.sum(rows, dim=0, out=part)
-            part.div_(L)
+            self.node.all_to_all_single(recv, src)
+        fam.node_mean(src, recv, j, L, part)
 
     def _agree(self, local: Exception | None) -> Exception | None:
         """Collective over the node: the error to raise when any rank of the node has one."""
@@ -211,16 +215,18 @@ class Hierarchy:
                 src = scratch("hier_in", padded)
                 src[:numel] = g
                 src[numel:] = 0
-            self._node_mean_part(src, part, scratch("hier_recv", padded))
+            self._node_mean_part(fam, src, part, scratch("hier_recv", padded))
         else:
             part[:] = 0
         d = None
         if deferred is not None:
             d = engine.Deferred(deferred.xout[:sub], deferred.worker_pending, deferred.server_pending)
-        scales = engine.allreduce(self.cross, fam, lay, part, part, e[:sub], s, ws, d, size_tag=tag,
+        direct = numel == padded and _flat_f32(out)
+        dst = out[self.local_index * sub:(self.local_index + 1) * sub] if direct else part
+        scales = engine.allreduce(self.cross, fam, lay, part, dst, e[:sub], s, ws, d, size_tag=tag,
                                   agree=lambda err: self._agree(err if err is not None else pre))
-        if numel == padded and _flat_f32(out):
-            self.node.all_gather_into_tensor(out, part)
+        if direct:
+            self.node.all_gather_into_tensor(out, dst)
         else:
             full = scratch("hier_out", padded)
             self.node.all_gather_into_tensor(full, part)

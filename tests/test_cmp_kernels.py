@@ -293,3 +293,27 @@ def test_families_write_the_same_bytes(pend):
         fam.decode(fam.view(torch.from_numpy(rows_in[1:])), coef[1:], dec)
         want = ((np.unpackbits(rows_in[1]) * 2.0 - 1) * coef[1])[:8 * cb - 5]
         np.testing.assert_array_equal(np.asarray(dec), want.astype(np.float32))
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 4])
+@pytest.mark.parametrize("sub", [1, 4095, 4096 + 7])
+def test_node_mean_adds_rows_in_rank_order_and_reads_its_own_row_from_src(parts, sub):
+    from compressed.families import HostFamily, TorchFamily
+
+    rng = np.random.default_rng(parts * 10 + sub)
+    src = rng.standard_normal(parts * sub).astype(np.float32) * 100
+    for j in range(parts):
+        recv = rng.standard_normal(parts * sub).astype(np.float32)
+        recv[j * sub:(j + 1) * sub] = np.nan  # own row: never read from recv
+        rows = [(src if r == j else recv)[r * sub:(r + 1) * sub] for r in range(parts)]
+        want = rows[0].copy()
+        for row in rows[1:]:  # float32, rank order, then one division: the documented rounding
+            want = want + row
+        want = want / np.float32(parts)
+        out = np.full(sub, -1.0, np.float32)
+        HostFamily().node_mean(src, recv, j, parts, out)
+        np.testing.assert_array_equal(out, want)
+        torch_out = torch.full((sub,), -1.0)
+        TorchFamily(torch.device("cpu")).node_mean(torch.from_numpy(src), torch.from_numpy(recv),
+                                                   j, parts, torch_out)
+        np.testing.assert_array_equal(torch_out.numpy(), want)
