@@ -36,7 +36,6 @@ import os
 from typing import Any
 
 import numpy as np
-from mpi4py import MPI
 
 import mpicomm
 
@@ -48,8 +47,6 @@ __all__ = ["NODE_SIZE_ENV", "Hierarchy", "decide", "part_size"]
 
 #: Test/simulation override: nodes of this many consecutive communicator ranks.
 NODE_SIZE_ENV = "MPICOMM_NODE_SIZE"
-
-_MAX_COUNT = 1 << 31  # MPI counts are C ints: larger parts go through mpicomm's all-to-all
 
 
 def decide(counts: list[int], hierarchical: bool | None) -> bool:
@@ -153,18 +150,16 @@ class Hierarchy:
     # ------------------------------------------------------------------------------------------
     def _node_mean_part(self, fam, src, part, recv) -> None:
         """``part`` = this rank's part of the mean over the node of ``src`` (padded elements):
-        the node's ranks exchange parts (host buffers: an all-to-all that skips this rank's own
-        part, read from ``src`` instead), then ``fam.node_mean`` adds them in rank order and
-        divides by L in one pass. (MPICH's reduce-scatter took 197 ms on 64 MiB and 2 ranks
-        here; all-to-all + add 66 ms.)"""
-        L, sub, j = self.per_node, part.shape[0], self.local_index
-        if isinstance(src, np.ndarray) and sub < _MAX_COUNT:
-            counts = [0 if r == j else sub for r in range(L)]
-            displs = [r * sub for r in range(L)]
-            self.node.mpi_comm.Alltoallv([src, (counts, displs), MPI.FLOAT],
-                                         [recv, (counts, displs), MPI.FLOAT])
-        else:
-            self.node.all_to_all_single(recv, src)
+        each rank sends every other rank of its node that rank's part and keeps its own (read
+        from ``src``, never copied), then ``fam.node_mean`` adds the parts in rank order and
+        divides by L. (MPICH's reduce-scatter took 197 ms on 64 MiB and 2 ranks here;
+        all-to-all + add 66 ms.)"""
+        L, k, j = self.per_node, part.shape[0], self.local_index
+        peers = [(j + d) % L for d in range(1, L)]  # staggered: not every rank to rank 0 first
+        works = [self.node.irecv(recv[r * k:(r + 1) * k], r) for r in peers]
+        works += [self.node.isend(src[r * k:(r + 1) * k], r) for r in peers]
+        for w in works:
+            w.wait()
         fam.node_mean(src, recv, j, L, part)
 
     def _agree(self, local: Exception | None) -> Exception | None:
