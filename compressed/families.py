@@ -55,7 +55,8 @@ class HostFamily:
     def node_mean(self, src, recv, j: int, parts: int, out) -> None:
         """out = (row_0 + ... + row_{parts-1}) / parts, added in row order, where row r is
         ``src[r*k:(r+1)*k]`` for r == j and ``recv[r*k:(r+1)*k]`` otherwise (k = out.size).
-        (numpy's add and divide ran as fast as a one-pass numba kernel: 2 rows of 32 MiB, 7-8 ms.)"""
+        (numpy's add and divide ran as fast as a one-pass numba kernel: 2 rows of 32 MiB,
+        7-8 ms.)"""
         k = out.shape[0]
         rows = [(src if r == j else recv)[r * k:(r + 1) * k] for r in range(parts)]
         if parts == 1:
