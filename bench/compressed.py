@@ -25,6 +25,10 @@ Opt-in rows (``--ops``; ``OnebitAllreduce``, which owns its error buffers and de
 - ``compress:fused``       its worker compression kernel, one pass: the previous call's error
                            update (x_prev - scale_prev * sign(x_prev)) + g into the spare buffer,
                            sum of squares, signs packed (``kernels.encode_into``), buffers swapped.
+- ``server`` (local)       the server step of one rank (both APIs): p rows of signs of its
+                           chunk times their scales, plus the server error, summed into the
+                           server buffer, its signs packed (``kernels.server_accumulate``);
+                           compare with memcpy at size / p.
 
 ``x_fp32`` is each row's time over the fp32 allreduce's; ``wire(B)`` the bytes one rank sends
 (ring allreduce: 2(p-1)/p * size; compressed: both phases' messages, plus the full-precision
@@ -218,6 +222,11 @@ def _cases(ops, g, lay, world, backend, onebit, fam, kernels, rng) -> dict:
         scales = np.ones(p, np.float32)
         out = f32(n)
         cases["decompress"] = (lambda: fam.decode(rows, scales, out), "local", 0, None)
+    if "server" in ops:
+        srows = fam.view(torch.from_numpy(rng.integers(0, 256, (p, lay.chunk_bytes), dtype=np.uint8)))
+        coef = np.full(p, 1.0 / p, np.float32)
+        sbuf, sbits = f32(lay.chunk), fam.view(torch.empty(lay.chunk_bytes, dtype=torch.uint8))
+        cases["server"] = (lambda: fam.server_accumulate(srows, coef, sbuf, sbits), "local", 0, None)
     if "memcpy" in ops:
         dst2 = np.empty_like(g)
         cases["memcpy"] = (lambda: np.copyto(dst2, g), "local", 0, None)
@@ -226,7 +235,7 @@ def _cases(ops, g, lay, world, backend, onebit, fam, kernels, rng) -> dict:
 
 DEFAULT_OPS = ("all_reduce", "all_reduce:1bit", "compress", "encode", "decompress", "memcpy")
 OPS = DEFAULT_OPS + ("all_reduce:1bit-ar", "all_reduce:1bit-new", "all_reduce:1bit-flat",
-                     "all_reduce:1bit-hier", "compress:fused")
+                     "all_reduce:1bit-hier", "compress:fused", "server")
 
 
 def _parser() -> argparse.ArgumentParser:

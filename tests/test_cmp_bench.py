@@ -39,6 +39,29 @@ def test_bench_compressed_small_sizes(world, shared_tmp_path, capsys):
     check_all(check, world)
 
 
+@pytest.mark.mpi(min_size=1)
+def test_bench_compressed_opt_in_kernel_rows(world, shared_tmp_path):
+    from bench import common
+    from bench import compressed as bench
+
+    path = shared_tmp_path / "kernels.json"
+    rc = bench.main(["--sizes", "4K,40K", "--iters", "2", "--warmup", "1", "--rounds", "1",
+                     "--ops", "server,compress:fused,memcpy", "--json", str(path)])
+
+    def check():
+        assert rc == 0
+        if world.rank != 0:
+            return
+        records = json.loads(path.read_text())["records"]
+        assert [(r["op"], r["size_bytes"]) for r in records] == [
+            (op, size) for size in (4096, 40960) for op in ("compress:fused", "server", "memcpy")]
+        for rec in records:
+            assert common.validate_record(rec) == [], rec
+            assert rec["peer"] == "local" and rec["wrong"] == 0
+
+    check_all(check, world)
+
+
 def test_bench_compressed_rejects_unknown_ops(capsys):
     from bench import compressed as bench
 
