@@ -7,12 +7,13 @@ them in ``L`` parts of ``sub = padded / L`` elements. The rank of local index ``
 among its node's ranks, in communicator order):
 
 1. reduce-scatter inside the node, in float32 (shared memory): part ``j`` of the node's mean
-   (an all-to-all of the parts, summed over the node's ranks in rank order, divided by L);
+   (each rank sends the others their parts and reads its own in place; summed over the node's
+   ranks in rank order, divided by L);
 2. runs the flat 1-bit allreduce (``engine``) on that part with the ranks of local index ``j``
    on the other nodes (one per node): worker error feedback on ``x = node mean part + worker
    error``, server error feedback on its ``sub / N`` chunk, as DeepSpeed's algorithm among N
-   ranks;
-3. all-gathers the ``L`` parts inside the node.
+   ranks; its result goes straight into slot ``j`` of the output when it can;
+3. all-gathers the ``L`` parts inside the node (in place in that case).
 
 The result is the mean over all ranks, compressed once across nodes. Error feedback belongs to
 step 2: the worker error buffer (``padded`` elements, as for the flat algorithm) holds the error
