@@ -128,7 +128,8 @@ def save(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.op
             update_latest=update_latest))
 
     if async_save:
-        later = async_save_mod.updated_by_step(sp.buffers, model, optimizer) if snapshot == "background" else None
+        later = (async_save_mod.updated_by_step(sp.buffers, model, optimizer)
+                 if snapshot == "background" else None)
         return async_save_mod.start(comm, run, sp.buffers, manifest, finish, later, optimizer)
     return finish(comm, sp.buffers, manifest)
 

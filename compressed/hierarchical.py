@@ -153,8 +153,8 @@ class Hierarchy:
         """``part`` = this rank's part of the mean over the node of ``src`` (padded elements):
         each rank sends every other rank of its node that rank's part and keeps its own (read
         from ``src``, never copied), then ``fam.node_mean`` adds the parts in rank order and
-        divides by L. (MPICH's reduce-scatter took 197 ms on 64 MiB and 2 ranks here;
-        all-to-all + add 66 ms.)"""
+        divides by L. (MPICH's reduce-scatter took 197 ms on 64 MiB and 2 ranks here, an
+        all-to-all + add 66 ms; the all-to-all also copied each rank's own part.)"""
         L, k, j = self.per_node, part.shape[0], self.local_index
         peers = [(j + d) % L for d in range(1, L)]  # staggered: not every rank to rank 0 first
         works = [self.node.irecv(recv[r * k:(r + 1) * k], r) for r in peers]
