@@ -126,3 +126,9 @@ def decode(rows, scales, out):
             np.take(table, rows[r], axis=0, out=out[lo:hi].reshape(cb, 8))
         else:
             out[lo:hi] = table[rows[r]].reshape(-1)[:hi - lo]
+
+
+def add_mean(a: np.ndarray, b: np.ndarray, parts: int, out: np.ndarray) -> None:
+    """out = (a + b) / parts in float32; ``out`` may be ``a``."""
+    np.add(a, b, out=out)
+    np.divide(out, np.float32(parts), out=out)

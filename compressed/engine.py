@@ -27,7 +27,7 @@ import torch
 from .errors import NonFiniteError, SizeMismatchError
 from .wire_format import P1_TRAILER, P2_TRAILER, Layout
 
-__all__ = ["Deferred", "Workspace", "allreduce", "reduce_scatter"]
+__all__ = ["Deferred", "Workspace", "allreduce", "decode", "reduce_scatter"]
 
 
 @dataclass
@@ -161,7 +161,8 @@ def allreduce(comm, fam, lay: Layout, g, out, e, s, ws: Workspace,
     """Write the compressed mean of every rank's ``g`` into ``out``; return (worker, server) scale.
 
     ``g`` (numel elements), ``out`` (numel), ``e`` (padded), ``s`` (chunk) are flat float32
-    arrays of ``fam``'s kind; ``out`` may alias ``g``. Without ``deferred``, ``e`` and ``s`` are
+    arrays of ``fam``'s kind; ``out`` may alias ``g``, or be None: the result then stays
+    encoded in ``ws.grecv`` for ``decode``. Without ``deferred``, ``e`` and ``s`` are
     updated to the new errors; with it, see ``Deferred``. Collective over ``comm``.
     ``size_tag`` and ``agree``: see ``_phase1`` (used by ``hierarchical``).
     """
@@ -204,17 +205,27 @@ def _allreduce(comm, fam, lay, g, out, e, s, ws, deferred, pend, size_tag=None, 
         fam.server_residual(s, float(sscale))
     pend.wait()
 
-    grecv = fam.view(ws.grecv)
+    if out is not None:
+        decode(fam, lay, ws.grecv, out)
+    return float(scale), float(sscale)
+
+
+def decode(fam, lay: Layout, grecv: torch.Tensor, out) -> None:
+    """Decode a phase-2 result (``grecv``: the gathered uint8 messages of ``lay``, as
+    ``Workspace.grecv`` holds them after ``allreduce``) into ``out``, cut at out's length
+    (at most ``lay.padded`` elements; the rest is padding)."""
+    p, chunk, m = lay.world_size, lay.chunk, out.shape[0]
+    pieces = lay.pieces()
+    rec = fam.view(grecv)
     lo, hi = pieces[-1]
-    sscales = _block(ws.grecv, p, lo, hi, P2_TRAILER)[:, hi - lo:].cpu().contiguous().numpy()
+    sscales = _block(grecv, p, lo, hi, P2_TRAILER)[:, hi - lo:].cpu().contiguous().numpy()
     sscales = sscales.copy().view(np.float32).reshape(p)
     for lo, hi in pieces:
-        rows = _block(grecv, p, lo, hi, P2_TRAILER if hi == pieces[-1][1] else 0)
+        rows = _block(rec, p, lo, hi, P2_TRAILER if hi == pieces[-1][1] else 0)
         for r in range(p):
             a, b = r * chunk + 8 * lo, min(r * chunk + 8 * hi, m)
             if a < b:
                 fam.decode(rows[r:r + 1, :hi - lo], sscales[r:r + 1], out[a:b])
-    return float(scale), float(sscale)
 
 
 def reduce_scatter(comm, fam, lay: Layout, g, out, e, ws: Workspace) -> float:

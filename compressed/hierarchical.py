@@ -12,8 +12,9 @@ among its node's ranks, in communicator order):
 2. runs the flat 1-bit allreduce (``engine``) on that part with the ranks of local index ``j``
    on the other nodes (one per node): worker error feedback on ``x = node mean part + worker
    error``, server error feedback on its ``sub / N`` chunk, as DeepSpeed's algorithm among N
-   ranks; its result goes straight into slot ``j`` of the output when it can;
-3. all-gathers the ``L`` parts inside the node (in place in that case).
+   ranks, up to the decode: its result stays encoded (server signs and scales);
+3. all-gathers the ``L`` encoded results inside the node (1/32 of the float32 parts) and
+   decodes all of them, so every rank of the node writes the whole output itself.
 
 The result is the mean over all ranks, compressed once across nodes. Error feedback belongs to
 step 2: the worker error buffer (``padded`` elements, as for the flat algorithm) holds the error
@@ -34,7 +35,6 @@ for several nodes. Never set it on a real cluster.
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import numpy as np
 
@@ -42,7 +42,7 @@ import mpicomm
 
 from . import engine
 from .errors import NonFiniteError, SizeMismatchError
-from .wire_format import Layout
+from .wire_format import P2_TRAILER, Layout
 
 __all__ = ["NODE_SIZE_ENV", "Hierarchy", "decide", "part_size"]
 
@@ -146,7 +146,8 @@ class Hierarchy:
         """(bytes this rank sends to other nodes, bytes to ranks of its node) per call."""
         L = self.per_node
         lay = self.layout(numel)
-        return lay.wire_bytes(), 2 * (L - 1) * 4 * lay.numel
+        gathered = lay.world_size * (lay.chunk_bytes + P2_TRAILER)
+        return lay.wire_bytes(), (L - 1) * (4 * lay.numel + gathered)
 
     # ------------------------------------------------------------------------------------------
     def _node_mean_part(self, fam, src, part, recv) -> None:
@@ -217,18 +218,23 @@ class Hierarchy:
         d = None
         if deferred is not None:
             d = engine.Deferred(deferred.xout[:sub], deferred.worker_pending, deferred.server_pending)
-        direct = numel == padded and _flat_f32(out)
-        dst = out[self.local_index * sub:(self.local_index + 1) * sub] if direct else part
-        scales = engine.allreduce(self.cross, fam, lay, part, dst, e[:sub], s, ws, d, size_tag=tag,
+        scales = engine.allreduce(self.cross, fam, lay, part, None, e[:sub], s, ws, d, size_tag=tag,
                                   agree=lambda err: self._agree(err if err is not None else pre))
-        if direct:
-            self.node.all_gather_into_tensor(out, dst)
-        else:
-            full = scratch("hier_out", padded)
-            self.node.all_gather_into_tensor(full, part)
-            out[:] = full[:numel]
+        self._node_decode(fam, lay, ws, out, numel)
         return scales
 
-
-def _flat_f32(x: Any) -> bool:
-    return str(x.dtype) in ("float32", "torch.float32")
+    def _node_decode(self, fam, lay: Layout, ws: engine.Workspace, out, numel: int) -> None:
+        """All-gather inside the node the encoded results (``ws.grecv``: server signs and
+        scales, 1/32 of the float32 parts) and decode every part into ``out``: each rank decodes
+        the same bytes with the same kernels, so all hold the same result. (Gathering the float32
+        parts instead moved 32x the bytes: netsim 2 hosts x 2 ranks, 1 Gbit/s, 64 MiB.)"""
+        L, sub = self.per_node, lay.numel
+        n = ws.grecv.shape[0]
+        every = ws.scratch.get("hier_grecv")
+        if every is None or every.shape[0] != L * n:
+            every = ws.scratch["hier_grecv"] = ws.grecv.new_empty(L * n)
+        self.node.all_gather_into_tensor(every, ws.grecv)
+        for j in range(L):
+            lo, hi = j * sub, min((j + 1) * sub, numel)
+            if lo < hi:
+                engine.decode(fam, lay, every[j * n:(j + 1) * n], out[lo:hi])

@@ -112,3 +112,8 @@ def server_residual(se: np.ndarray, scale: float) -> None:
 def decode(rows: np.ndarray, scales: np.ndarray, out: np.ndarray) -> None:
     """Write scales[r] * sign(rows[r]) for every chunk r into ``out``, cut at out's length."""
     _get().decode(rows, np.ascontiguousarray(scales, np.float32), out)
+
+
+def add_mean(a: np.ndarray, b: np.ndarray, parts: int, out: np.ndarray) -> None:
+    """Set out = (a + b) / parts in float32, rounded as an add then a divide; ``out`` may be ``a``."""
+    _get().add_mean(a, b, int(parts), out)

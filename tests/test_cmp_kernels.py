@@ -260,6 +260,25 @@ def test_decode_same_result_for_any_alignment(impl, offset, m):
     assert np.all(base[:offset] == 5.0) and np.all(base[offset + m:] == 5.0)
 
 
+@pytest.mark.parametrize("offset", [0, 1, 4])
+@pytest.mark.parametrize("alias", [False, True])
+def test_add_mean_same_result_for_any_alignment(impl, offset, alias):
+    """The numba add_mean streams into 64-byte aligned outputs only; aligned or not, and with
+    ``out`` aliasing its first input, it rounds as numpy's float32 add then divide."""
+    n = 4096 * 2 + 13
+    rng = np.random.default_rng(offset)
+    a = rng.standard_normal(n).astype(np.float32) * 7
+    b = rng.standard_normal(n).astype(np.float32)
+    want = (a + b) / np.float32(3)
+    base = torch.full((n + 16,), 5.0).numpy()  # torch memory is 64-byte aligned
+    out = base[offset:offset + n]
+    if alias:
+        out[:] = a
+    K.add_mean(out if alias else a, b, 3, out)
+    np.testing.assert_array_equal(out, want)
+    assert np.all(base[:offset] == 5.0) and np.all(base[offset + n:] == 5.0)
+
+
 # ---- kernel families: the same bytes on the wire -----------------------------------------------
 @pytest.mark.parametrize("pend", [0.0, 0.3])
 def test_families_write_the_same_bytes(pend):
@@ -310,9 +329,10 @@ def test_node_mean_adds_rows_in_rank_order_and_reads_its_own_row_from_src(parts,
         for row in rows[1:]:  # float32, rank order, then one division: the documented rounding
             want = want + row
         want = want / np.float32(parts)
-        out = np.full(sub, -1.0, np.float32)
-        HostFamily().node_mean(src, recv, j, parts, out)
-        np.testing.assert_array_equal(out, want)
+        for impl in IMPLS:
+            out = np.full(sub, -1.0, np.float32)
+            HostFamily(impl).node_mean(src, recv, j, parts, out)
+            np.testing.assert_array_equal(out, want, err_msg=impl)
         torch_out = torch.full((sub,), -1.0)
         TorchFamily(torch.device("cpu")).node_mean(torch.from_numpy(src), torch.from_numpy(recv),
                                                    j, parts, torch_out)
