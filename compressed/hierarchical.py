@@ -226,8 +226,9 @@ class Hierarchy:
     def _node_decode(self, fam, lay: Layout, ws: engine.Workspace, out, numel: int) -> None:
         """All-gather inside the node the encoded results (``ws.grecv``: server signs and
         scales, 1/32 of the float32 parts) and decode every part into ``out``: each rank decodes
-        the same bytes with the same kernels, so all hold the same result. (Gathering the float32
-        parts instead moved 32x the bytes: netsim 2 hosts x 2 ranks, 1 Gbit/s, 64 MiB.)"""
+        the same bytes, and decoding is exact (+-scale), so all hold the same result. (netsim,
+        2 hosts x 2 ranks, 1 Gbit/s, 64 MiB: hier/flat 1.00-1.09x, against 1.21-1.24x when the
+        decoded float32 parts were all-gathered.)"""
         L, sub = self.per_node, lay.numel
         n = ws.grecv.shape[0]
         every = ws.scratch.get("hier_grecv")

@@ -118,6 +118,9 @@ def test_hierarchical_matches_float64_simulation(world, monkeypatch, api, n, pie
                 out = ar(torch.from_numpy(g), key="k")
                 we, se = ar.errors("k")
             _check(out.numpy(), we.numpy(), se.numpy(), ref)
+            # every rank decodes the same gathered bytes: bit-identical results everywhere
+            outs = sub4.allgather(out.numpy().tobytes())
+            assert all(o == outs[0] for o in outs), "ranks hold different results"
 
     check_all(run, world)
 
