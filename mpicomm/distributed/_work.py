@@ -37,9 +37,17 @@ class ProcessGroupTimeoutError(dist.DistBackendError):
     ``mpicomm.WaitTimeoutError`` instead: the call goes on.)"""
 
 
+#: Seconds between writing the reason and aborting: the launcher forwards a rank's output
+#: through its own process and may tear the job down before it passed on what was written just
+#: before the abort (seen with MPICH's hydra: a job that ended with no output at all).
+ABORT_GRACE_S = 1.0
+
+
 def _abort(reason: str) -> None:
+    sys.stdout.flush()
     sys.stderr.write(f"mpicomm: aborting the MPI job after a timeout: {reason}\n")
     sys.stderr.flush()
+    time.sleep(ABORT_GRACE_S)
     MPI.COMM_WORLD.Abort(1)
 
 
