@@ -141,6 +141,53 @@ def _encode_into_flat(g, e, pend, xout, packed, stream):
     return ss
 
 
+@_jitv
+def _encode_mean_into_flat(a, b, parts, e, pend, xout, packed, stream):
+    """``_encode_into_flat`` with g = (a + b) / parts computed on the fly (rounded as
+    ``add_mean``): the node mean of a hierarchical call never goes through memory."""
+    m = a.shape[0]
+    n = e.shape[0]
+    s = np.float32(pend)
+    d = np.float32(parts)
+    flags = np.empty(_TILE, np.uint8)
+    words = flags.view(np.uint64)
+    full = m - m % _TILE
+    ss = 0.0
+    for o in range(0, full, _TILE):
+        at = a[o:o + _TILE]
+        bt = b[o:o + _TILE]
+        et = e[o:o + _TILE]
+        xt = xout[o:o + _TILE]
+        part = np.float32(0.0)
+        for k in range(_TILE):  # vectorised: mean, correction, x, x^2, one 0/1 byte per element
+            v = et[k]
+            x = (at[k] + bt[k]) / d + (v - (s if v >= np.float32(0.0) else -s))
+            if stream:
+                _nt_store(xt, k, x)
+            else:
+                xt[k] = x
+            part += x * x
+            flags[k] = x >= np.float32(0.0)
+        ss += part
+        b0 = o // 8
+        for q in range(_TILE // 8):
+            packed[b0 + q] = np.uint8((words[q] * _MAGIC) >> np.uint64(56))
+    for c in range(full // 8, n // 8):
+        byte = 0
+        for k in range(8):
+            i = c * 8 + k
+            v = e[i]
+            corr = v - (s if v >= np.float32(0.0) else -s)
+            x = (a[i] + b[i]) / d + corr if i < m else corr
+            xout[i] = x
+            ss += x * x
+            byte = (byte << 1) | (1 if x >= 0 else 0)
+        packed[c] = byte
+    if stream:
+        _sfence()
+    return ss
+
+
 @_jit
 def _add_mean_flat(a, b, parts, out, stream):
     """out = (a + b) / parts in float32, one pass; ``stream``: whole tiles of ``out`` with
@@ -192,6 +239,15 @@ def encode_into(g, e, pend, xout, rows):
     packed = _packed_scratch(e.shape[0] // 8)
     stream = _NT_STORES and xout.ctypes.data % 64 == 0 and xout.strides[0] == 4
     ss = _encode_into_flat(g, e, pend, xout, packed, stream)
+    rows[...] = packed.reshape(rows.shape)
+    return ss
+
+
+def encode_mean_into(a, b, parts, e, pend, xout, rows):
+    """``encode_into`` with g = (a + b) / parts (float32, rounded as ``add_mean``)."""
+    packed = _packed_scratch(e.shape[0] // 8)
+    stream = _NT_STORES and xout.ctypes.data % 64 == 0 and xout.strides[0] == 4
+    ss = _encode_mean_into_flat(a, b, parts, e, pend, xout, packed, stream)
     rows[...] = packed.reshape(rows.shape)
     return ss
 

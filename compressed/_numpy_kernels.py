@@ -84,6 +84,13 @@ def encode_into(g, e, pend, xout, rows):
     return _sumsq(xout)
 
 
+def encode_mean_into(a, b, parts, e, pend, xout, rows):
+    """``encode_into`` with g = (a + b) / parts (float32, rounded as ``add_mean``)."""
+    g = _buf("mean", a.shape[0], np.float32)
+    add_mean(a, b, parts, g)
+    return encode_into(g, e, pend, xout, rows)
+
+
 def worker_residual(g, e, scale):
     """Set e = x - scale * sign(x) with x = (g zero-padded) + e."""
     _residual(_x(g, e), scale, e)

@@ -22,6 +22,25 @@ from . import kernels as K
 from . import torch_kernels as TK
 
 
+class NodeMean:
+    """A part of a node's mean not yet written anywhere: (acc + last) / parts elementwise in
+    float32, rounded as ``node_mean`` rounds it. Slicing slices both rows, so the engine's
+    pieces and steps cut it as they cut an array; ``HostFamily.encode`` computes it as it packs
+    (a hierarchical call's node mean then never goes through memory)."""
+
+    __slots__ = ("acc", "last", "parts")
+
+    def __init__(self, acc, last, parts: int) -> None:
+        self.acc, self.last, self.parts = acc, last, int(parts)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.acc.shape
+
+    def __getitem__(self, sl: slice) -> "NodeMean":
+        return NodeMean(self.acc[sl], self.last[sl], self.parts)
+
+
 class HostFamily:
     """numba- or numpy-fused CPU kernels (``compressed.kernels``) on numpy arrays."""
 
@@ -35,7 +54,14 @@ class HostFamily:
         """The family's array sharing ``t``'s memory (t is a CPU tensor)."""
         return t.numpy()
 
+    #: ``lazy_node_mean`` exists: a hierarchical call may hand ``encode`` a ``NodeMean``.
+    fuses_node_mean = True
+
     def encode(self, g, e, rows, x=None, pend: float = 0.0) -> float:
+        if isinstance(g, NodeMean):
+            if x is None:
+                raise TypeError("HostFamily.encode: a NodeMean input needs x (the deferred form)")
+            return float(self.mod.encode_mean_into(g.acc, g.last, g.parts, e, float(pend), x, rows))
         if x is None:
             return float(self.mod.encode(g, e, rows))
         return float(self.mod.encode_into(g, e, float(pend), x, rows))
@@ -56,22 +82,30 @@ class HostFamily:
         """out = (row_0 + ... + row_{parts-1}) / parts, added in row order, where row r is
         ``src[r*k:(r+1)*k]`` for r == j and ``recv[r*k:(r+1)*k]`` otherwise (k = out.size).
         The last add and the divide run as one pass (``add_mean``)."""
-        k = out.shape[0]
-        rows = [(src if r == j else recv)[r * k:(r + 1) * k] for r in range(parts)]
         if parts == 1:
-            out[:] = rows[0]
+            out[:] = src[:out.shape[0]]
             return
+        mean = self.lazy_node_mean(src, recv, j, parts, out)
+        self.mod.add_mean(mean.acc, mean.last, parts, out)
+
+    def lazy_node_mean(self, src, recv, j: int, parts: int, scratch) -> "NodeMean":
+        """``node_mean`` (parts > 1) up to its last add and divide, which are left to the pass
+        that reads it (``encode`` with a ``NodeMean``): rows 0 to parts - 2 are added in row
+        order into ``scratch`` (k elements; untouched for parts == 2)."""
+        k = scratch.shape[0]
+        rows = [(src if r == j else recv)[r * k:(r + 1) * k] for r in range(parts)]
         acc = rows[0]
         for row in rows[1:-1]:
-            np.add(acc, row, out=out)
-            acc = out
-        self.mod.add_mean(acc, rows[-1], parts, out)
+            np.add(acc, row, out=scratch)
+            acc = scratch
+        return NodeMean(acc, rows[-1], parts)
 
 
 class TorchFamily:
     """torch ops (``compressed.torch_kernels``) on tensors of one device (CUDA, or CPU when forced)."""
 
     name = "torch"
+    fuses_node_mean = False
 
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)

@@ -14,7 +14,7 @@ from types import ModuleType
 
 import numpy as np
 
-__all__ = ["encode", "encode_into", "worker_residual", "correct", "server_accumulate", "server_residual", "decode",
+__all__ = ["encode", "encode_into", "encode_mean_into", "worker_residual", "correct", "server_accumulate", "server_residual", "decode",
            "implementation", "use", "module"]
 
 _impl: ModuleType | None = None
@@ -84,6 +84,13 @@ def encode_into(g: np.ndarray, e: np.ndarray, pending: float, xout: np.ndarray,
     With ``pending`` = 0 the correction is exact identity, so x = g + e as in ``encode``.
     """
     return float(_get().encode_into(g, e, float(pending), xout, rows))
+
+
+def encode_mean_into(a: np.ndarray, b: np.ndarray, parts: int, e: np.ndarray, pending: float,
+                     xout: np.ndarray, rows: np.ndarray) -> float:
+    """``encode_into`` with g = (a + b) / parts, computed in the same pass and rounded as
+    ``add_mean`` rounds it (a hierarchical call's node mean, never written to memory)."""
+    return float(_get().encode_mean_into(a, b, int(parts), e, float(pending), xout, rows))
 
 
 def correct(e: np.ndarray, pending: float) -> None:

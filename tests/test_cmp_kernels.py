@@ -337,3 +337,63 @@ def test_node_mean_adds_rows_in_rank_order_and_reads_its_own_row_from_src(parts,
         TorchFamily(torch.device("cpu")).node_mean(torch.from_numpy(src), torch.from_numpy(recv),
                                                    j, parts, torch_out)
         np.testing.assert_array_equal(torch_out.numpy(), want)
+
+
+@pytest.mark.parametrize("m,p", [(8, 1), (4096 + 8 * 3, 2), (4096 * 3 + 5, 2)])
+@pytest.mark.parametrize("pending", [0.0, 0.37])
+@pytest.mark.parametrize("offset", [0, 1])
+def test_encode_mean_into_is_add_mean_then_encode_into(impl, m, p, pending, offset):
+    """The fused hierarchical pack rounds the node mean exactly as add_mean does, then packs
+    as encode_into does (tiles and tail, streamed or not): the same x, signs and sum."""
+    rng = np.random.default_rng(m + offset)
+    N = compressed.padded_size(m, p)
+    a = rng.standard_normal(m).astype(np.float32) * 5
+    b = rng.standard_normal(m).astype(np.float32)
+    e = (rng.standard_normal(N) * 0.3).astype(np.float32)
+    e_before, a_before = e.copy(), a.copy()
+    mean = (a + b) / np.float32(3)  # numpy's float32 add then divide: the documented rounding
+    want_x = np.full(N, 7.0, np.float32)
+    want_rows = np.zeros((p, N // (8 * p)), np.uint8)
+    want_ss = K.encode_into(mean, e, pending, want_x, want_rows)
+    base = torch.full((N + 16,), 7.0).numpy()  # torch memory is 64-byte aligned
+    xout = base[offset:offset + N]
+    rows = np.zeros_like(want_rows)
+    ss = K.encode_mean_into(a, b, 3, e, pending, xout, rows)
+    np.testing.assert_array_equal(xout, want_x)
+    assert np.array_equal(rows, want_rows)
+    assert ss == pytest.approx(want_ss, rel=1e-6)
+    assert np.array_equal(e, e_before) and np.array_equal(a, a_before), "inputs were modified"
+    assert np.all(base[:offset] == 7.0) and np.all(base[offset + N:] == 7.0)
+
+
+@pytest.mark.parametrize("parts", [2, 3, 4])
+def test_lazy_node_mean_packs_what_node_mean_then_encode_packs(parts):
+    """A NodeMean handed to HostFamily.encode (sliced as the engine's steps slice it) gives the
+    bytes, x and sum of writing the node mean out first."""
+    from compressed.families import HostFamily, NodeMean
+
+    sub = 4096 * 2 + 64
+    rng = np.random.default_rng(parts)
+    src = rng.standard_normal(parts * sub).astype(np.float32) * 10
+    recv = rng.standard_normal(parts * sub).astype(np.float32)
+    e = (rng.standard_normal(sub) * 0.2).astype(np.float32)
+    for impl in IMPLS:
+        fam = HostFamily(impl)
+        for j in range(parts):
+            part = np.empty(sub, np.float32)
+            fam.node_mean(src, recv, j, parts, part)
+            want_x, want_rows = np.empty(sub, np.float32), np.zeros((1, sub // 8), np.uint8)
+            want_ss = fam.encode(part, e, want_rows, want_x, 0.05)
+            scratch = np.full(sub, np.nan, np.float32)
+            recv_j = recv.copy()
+            recv_j[j * sub:(j + 1) * sub] = np.nan  # its own row is read from src only
+            lazy = fam.lazy_node_mean(src, recv_j, j, parts, scratch)
+            assert isinstance(lazy, NodeMean) and lazy.shape == (sub,)
+            x, rows, ss = np.empty(sub, np.float32), np.zeros((1, sub // 8), np.uint8), 0.0
+            for lo in range(0, sub, 4096):  # in steps, as engine._phase1 cuts its input
+                hi = min(lo + 4096, sub)
+                ss += fam.encode(lazy[lo:hi], e[lo:hi], rows[:, lo // 8:hi // 8], x[lo:hi], 0.05)
+            np.testing.assert_array_equal(x, want_x, err_msg=f"{impl} j={j}")
+            assert np.array_equal(rows, want_rows) and ss == pytest.approx(want_ss, rel=1e-6)
+        with pytest.raises(TypeError, match="needs x"):
+            fam.encode(lazy, e, rows)
