@@ -156,3 +156,37 @@ def test_below_thread_multiple_async_calls_complete_before_returning(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert [(tmp_path / f"ok.{r}").read_text() for r in range(2)] == ["pending 0"] * 2, out
+
+
+class _BrokenStream:
+    def write(self, text):
+        raise OSError("broken pipe")
+
+    def flush(self):
+        raise OSError("broken pipe")
+
+
+def test_abort_writes_the_reason_waits_then_aborts_even_with_broken_streams(monkeypatch, capsys):
+    """The reason goes out before the grace wait, the wait before MPI_Abort; a closed or
+    broken stream never keeps the job from being aborted (that would be a hang)."""
+    from mpicomm.distributed import _work
+
+    events = []
+
+    class FakeWorld:
+        def Abort(self, code):
+            events.append(("abort", code))
+
+    monkeypatch.setattr(_work, "MPI", type("FakeMPI", (), {"COMM_WORLD": FakeWorld()}))
+    fake_time = type("FakeTime", (), {"sleep": staticmethod(lambda s: events.append(("sleep", s))),
+                                      "monotonic": staticmethod(time.monotonic)})
+    monkeypatch.setattr(_work, "time", fake_time)  # _work's own reference only
+    _work._abort("a peer never arrived")
+    assert "mpicomm: aborting the MPI job after a timeout: a peer never arrived" in capsys.readouterr().err
+    assert events == [("sleep", _work.ABORT_GRACE_S), ("abort", 1)]
+    assert _work.ABORT_GRACE_S > 0
+    events.clear()
+    monkeypatch.setattr(sys, "stdout", _BrokenStream())
+    monkeypatch.setattr(sys, "stderr", _BrokenStream())
+    _work._abort("again")
+    assert events == [("sleep", _work.ABORT_GRACE_S), ("abort", 1)]

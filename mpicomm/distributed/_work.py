@@ -44,9 +44,12 @@ ABORT_GRACE_S = 1.0
 
 
 def _abort(reason: str) -> None:
-    sys.stdout.flush()
-    sys.stderr.write(f"mpicomm: aborting the MPI job after a timeout: {reason}\n")
-    sys.stderr.flush()
+    try:  # a closed or broken stream must not keep the job from ending
+        sys.stdout.flush()
+        sys.stderr.write(f"mpicomm: aborting the MPI job after a timeout: {reason}\n")
+        sys.stderr.flush()
+    except Exception:  # noqa: BLE001
+        pass
     time.sleep(ABORT_GRACE_S)
     MPI.COMM_WORLD.Abort(1)
 
