@@ -14,8 +14,9 @@ from types import ModuleType
 
 import numpy as np
 
-__all__ = ["encode", "encode_into", "encode_mean_into", "worker_residual", "correct", "server_accumulate", "server_residual", "decode",
-           "implementation", "use", "module"]
+__all__ = ["encode", "encode_into", "encode_mean_into", "worker_residual", "correct",
+           "server_accumulate", "server_residual", "decode", "add_mean", "implementation", "use",
+           "module"]
 
 _impl: ModuleType | None = None
 
