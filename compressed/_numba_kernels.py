@@ -208,11 +208,17 @@ def _add_mean_flat(a, b, parts, out, stream):
         _sfence()
 
 
+def _can_stream(out) -> bool:
+    """Whether the tile kernels may store into ``out`` with ``_nt_store`` (x86-64, a 64-byte
+    aligned start, contiguous float32)."""
+    return _NT_STORES and out.ctypes.data % 64 == 0 and out.strides[0] == 4
+
+
 def add_mean(a, b, parts, out):
     """out = (a + b) / parts (float32, rounded as numpy's add then divide); ``out`` may be ``a``.
     One pass with streaming stores: rows of 32 MiB, four ranks on two cores (netsim, 2 hosts x 2
     ranks), 7.4-8.1 ms per call against 12.3-15.0 ms for numpy's add and divide."""
-    stream = _NT_STORES and out.ctypes.data % 64 == 0 and out.strides[0] == 4
+    stream = _can_stream(out)
     _add_mean_flat(a, b, parts, out, stream)
 
 
@@ -238,7 +244,7 @@ def encode_into(g, e, pend, xout, rows):
     """x = (g zero-padded) + (e - pend * sign(e)) into ``xout``; pack x's signs into ``rows``;
     return sum x^2."""
     packed = _packed_scratch(e.shape[0] // 8)
-    stream = _NT_STORES and xout.ctypes.data % 64 == 0 and xout.strides[0] == 4
+    stream = _can_stream(xout)
     ss = _encode_into_flat(g, e, pend, xout, packed, stream)
     rows[...] = packed.reshape(rows.shape)
     return ss
@@ -247,7 +253,7 @@ def encode_into(g, e, pend, xout, rows):
 def encode_mean_into(a, b, parts, e, pend, xout, rows):
     """``encode_into`` with g = (a + b) / parts (float32, rounded as ``add_mean``)."""
     packed = _packed_scratch(e.shape[0] // 8)
-    stream = _NT_STORES and xout.ctypes.data % 64 == 0 and xout.strides[0] == 4
+    stream = _can_stream(xout)
     ss = _encode_mean_into_flat(a, b, parts, e, pend, xout, packed, stream)
     rows[...] = packed.reshape(rows.shape)
     return ss
