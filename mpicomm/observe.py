@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 import time
 from typing import Any, Callable
 
@@ -76,6 +77,53 @@ def observing() -> bool:
                                               and log.isEnabledFor(_DEBUG))
 
 
+_quiet = threading.local()  # depth > 0: a caller records one event for the calls it makes
+
+
+class quiet:
+    """While entered, this thread's Communicator calls record no profiler events of their own
+    (the process group records one per call instead); DEBUG logs go on."""
+
+    def __enter__(self) -> None:
+        _quiet.depth = getattr(_quiet, "depth", 0) + 1
+
+    def __exit__(self, *exc) -> None:
+        _quiet.depth -= 1
+
+
+def _tensors(values) -> list:
+    out = []
+    for v in values:
+        if isinstance(v, (list, tuple)):
+            out.extend(_tensors(v))
+        elif isinstance(v, torch.Tensor):
+            out.append(v)
+    return out
+
+
+class Event:
+    """A profiler event begun on this thread, ended by :meth:`end` on any thread (a torch
+    future's end callbacks carry the profiler's thread state there: an async event)."""
+
+    __slots__ = ("_done",)
+
+    def __init__(self, label: str, tensors: list) -> None:
+        handle = torch._C._autograd._record_function_with_args_enter(label, *tensors)
+        self._done = torch.futures.Future()
+        torch.ops.profiler._call_end_callbacks_on_jit_fut(handle, self._done)
+
+    def end(self) -> None:
+        self._done.set_result(None)
+
+
+def begin_event(label: str, values) -> Event | None:
+    """A started profiler event ``label`` recording the shapes of the tensors in ``values``
+    (lists of lists too), or None when no profiler runs."""
+    if not _profiler._is_profiler_enabled:
+        return None
+    return Event(label, _tensors(values))
+
+
 def observed_as(op: str) -> Callable[[Callable], Callable]:
     """:func:`observed`, naming the call ``op`` (for a general path behind a fast path)."""
     return lambda method: observed(method, op)
@@ -101,7 +149,7 @@ def _traced(method: Callable, op: str, label: str, comm, args: tuple, kwargs: di
     nbytes = sum(_nbytes(v) for v in values)
     dtype = _first_dtype(values)
     start = time.perf_counter()
-    if _profiler._is_profiler_enabled:
+    if _profiler._is_profiler_enabled and not getattr(_quiet, "depth", 0):
         if _Record is not None:
             record = _Record(label, [], {"bytes": nbytes, "dtype": dtype})
         else:  # pragma: no cover

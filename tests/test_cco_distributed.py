@@ -108,10 +108,8 @@ def test_ddp_comm_hook_on_another_group(gloo_and_mpicomm, world):
     assert_close_all(ours, ref.numpy(), atol=1e-6, what="DDP + mpicomm hook vs gloo")
 
 
-def test_old_names_are_deprecated_aliases():
-    with pytest.warns(DeprecationWarning, match="use allreduce_ddp_hook"):
-        assert md.allreduce_hook is md.allreduce_ddp_hook
-    with pytest.warns(DeprecationWarning, match="use ProcessGroupTimeoutError"):
-        assert md.CollectiveTimeoutError is md.ProcessGroupTimeoutError
+def test_timeout_error_is_a_dist_backend_error_and_old_names_are_gone():
+    for old in ("allreduce_hook", "CollectiveTimeoutError"):
+        assert not hasattr(md, old)
     assert issubclass(md.ProcessGroupTimeoutError, dist.DistBackendError)
     assert not issubclass(mpicomm.WaitTimeoutError, md.ProcessGroupTimeoutError)

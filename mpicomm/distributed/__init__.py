@@ -13,35 +13,19 @@ DDP's gradient buckets through mpicomm when DDP runs on another process group.
 Modules: ``_rendezvous`` (ranks and store from MPI), ``_registration`` (the torch.distributed backend's
 registration and constructor),
 ``_pg`` (the process group), ``_work`` (work handles, timeouts), ``_deadlines`` (the one
-thread that keeps every call's deadline), ``_ops`` (ReduceOp mapping),
+thread that keeps every call's deadline), ``_ops`` (ReduceOp mapping), ``_monitored``
+(``monitored_barrier``),
 ``_ddp_hook`` (the DDP comm hook).
-
-Deprecated aliases: ``allreduce_hook`` (now ``allreduce_ddp_hook``), ``CollectiveTimeoutError``
-(now ``ProcessGroupTimeoutError``).
 """
 from __future__ import annotations
 
-import warnings
-
 from ._ddp_hook import allreduce_ddp_hook
+from ._monitored import monitored_barrier
 from ._registration import init_process_group, register
 from ._pg import BACKEND_NAME, MpicommProcessGroup
 from ._work import MpicommWork, ProcessGroupTimeoutError
 
 __all__ = ["BACKEND_NAME", "MpicommProcessGroup", "MpicommWork", "ProcessGroupTimeoutError",
-           "allreduce_ddp_hook", "init_process_group", "register"]
-
-_DEPRECATED = {"allreduce_hook": "allreduce_ddp_hook",
-               "CollectiveTimeoutError": "ProcessGroupTimeoutError"}
-
-
-def __getattr__(name: str):
-    """The deprecated names, with a DeprecationWarning."""
-    if name in _DEPRECATED:
-        new = _DEPRECATED[name]
-        warnings.warn(f"mpicomm.distributed.{name} is deprecated; use {new}", DeprecationWarning,
-                      stacklevel=2)
-        return globals()[new]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+           "allreduce_ddp_hook", "init_process_group", "monitored_barrier", "register"]
 
 register()

@@ -2,17 +2,17 @@
 from __future__ import annotations
 
 import datetime
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-import time
-
-from .. import progress_thread, reduce16
+from .. import observe, progress_thread, reduce16
 from ..communicator import Communicator
-from ._ops import premultiplied, to_mpicomm
-from . import _deadlines
-from ._work import MpicommWork, expire
+from ..ops import ReduceOp
+from ._ops import op_name, premultiplied, to_mpicomm
+from . import _monitored
+from ._work import MpicommWork
 
 BACKEND_NAME = "mpicomm"
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
@@ -21,10 +21,11 @@ DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 class MpicommProcessGroup(dist.ProcessGroup):
     """A process group whose calls run as non-blocking MPI operations through mpicomm.
 
-    ``async_op=True`` returns at once (mpicomm's progress thread completes the work); blocking
-    calls run MPI's blocking primitive, their deadline kept by the deadline thread. Past ``timeout`` a work fails with
-    ``ProcessGroupTimeoutError`` and the job is aborted. ``store`` (the process group's store)
-    carries the ranks' progress reports for timeout messages.
+    ``async_op=True`` returns at once (mpicomm's progress thread completes the work); a
+    blocking call waits on the caller's thread. Past ``timeout`` a call fails in the caller with
+    ``ProcessGroupTimeoutError`` and the group refuses further calls, as gloo's does.
+    ``store`` (the process group's store) carries the ranks' progress reports for timeout
+    messages.
     """
 
     def __init__(self, comm: Communicator, timeout: datetime.timedelta = DEFAULT_TIMEOUT,
@@ -63,13 +64,15 @@ class MpicommProcessGroup(dist.ProcessGroup):
 
     # -- plumbing ---------------------------------------------------------------------------
 
-    def _run(self, call: str, opts, start, result: list, described, finish=(), source=None):
-        """Run ``start(async_op)`` (-> mpicomm Works, or Nones when blocking) as one work.
+    def _run(self, call: str, opts, start: Callable[[], list], result: list, described,
+             finish=(), source=None, blocking: bool | None = None) -> MpicommWork:
+        """Run ``start()`` (-> mpicomm Works of non-blocking calls) as one process-group work.
 
-        A blocking call (``opts.asyncOp`` false) runs MPI's blocking primitives on this thread
-        (the deadline thread keeps its deadline); otherwise the work goes to the progress
-        thread. Below
-        MPI_THREAD_MULTIPLE both test the non-blocking requests on this thread until done.
+        ``async_op=True`` (``opts.asyncOp``) hands the work to the progress thread and returns;
+        a blocking call tests it on this thread until done. Either way the deadline thread
+        fails it past the timeout (the caller's ``wait()`` raises). Below MPI_THREAD_MULTIPLE
+        every call completes before it returns. Under a profiler the call records one
+        ``mpicomm:<call>`` event, and completes on the progress thread (an async event).
         """
         if self._broken is not None:
             raise RuntimeError(f"mpicomm process group: {call} refused, the group is unusable "
@@ -81,30 +84,21 @@ class MpicommProcessGroup(dist.ProcessGroup):
         t = getattr(opts, "timeout", None)
         if isinstance(t, datetime.timedelta) and t.total_seconds() > 0:
             timeout = t
-        if progress_thread.enabled() and not getattr(opts, "asyncOp", True):
-            # MPI's blocking call on this thread (as fast as mpicomm's), deadline watched
-            seq, began, limit = self._seq, time.monotonic(), timeout.total_seconds()
-            key = _deadlines.watch(_deadlines.Deadline(
-                began + limit, lambda: expire(self, call, seq, described, timeout,
-                                              time.monotonic() - began, abort_now=True),
-                notice=began + limit / 2, on_notice=lambda: self._publish_waiting(seq, call)))
-            try:
-                start(False)
-            finally:
-                watched = _deadlines.unwatch(key)
-                if watched is not None and watched.noticed:
-                    self._publish_waiting(None, None)
-            for step in finish:
-                step()
-            return MpicommWork(self, call, self._seq, [], (), result, described, timeout)
-        inner = [w for w in start(True) if w is not None]
+        if blocking is None:
+            blocking = not getattr(opts, "asyncOp", True)
+        record = observe.begin_event(f"{BACKEND_NAME}:{call}", described)
+        if record is None:
+            inner = [w for w in start() if w is not None]
+        else:
+            with observe.quiet():  # the communicator's own events stay out: one per call
+                inner = [w for w in start() if w is not None]
         work = MpicommWork(self, call, self._seq, inner, finish, result, described, timeout,
-                           source=source)
-        if getattr(opts, "asyncOp", True):
-            if progress_thread.enabled():
-                work._launch_threaded()
-            else:  # no progress thread below MPI_THREAD_MULTIPLE: complete before returning
-                work.wait()
+                           source=source, record=record)
+        threaded = progress_thread.enabled() and (not blocking or record is not None)
+        if threaded:
+            work._launch_threaded()
+        if blocking or not progress_thread.enabled():
+            work.wait()
         return work
 
     def _publish_waiting(self, seq, call) -> None:
@@ -153,64 +147,130 @@ class MpicommProcessGroup(dist.ProcessGroup):
 
     def allreduce(self, tensors, opts=None):
         op, factor = self._reduce_op(opts, "allreduce")
+        if any(t.is_sparse for t in tensors):
+            return self._sparse_allreduce(tensors, opts, op)
 
-        def start(a):
+        def start():
             works = []
             for t in tensors:
                 if factor is not None and t.dtype in reduce16.DTYPES:  # folded into the kernel
-                    works.append(self.comm._all_reduce(t, op, a, factor=_scalar(factor)))
+                    works.append(self.comm._all_reduce(t, op, True, factor=_scalar(factor)))
                     continue
                 if factor is not None:
                     t.copy_(premultiplied(t, factor))
-                works.append(self.comm.all_reduce(t, op=op, async_op=a))
+                works.append(self.comm.all_reduce(t, op=op, async_op=True))
             return works
         return self._run("all_reduce", opts, start, tensors, tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
         return self.allreduce(tensors, opts)
 
+    def _sparse_allreduce(self, tensors, opts, op):
+        """SUM of sparse COO tensors, as gloo's: every rank's indices and values gathered, then
+        summed and coalesced, the result in the caller's tensor."""
+        if op is not ReduceOp.SUM:
+            raise ValueError(f"mpicomm process group: all_reduce of a sparse tensor supports "
+                             f"ReduceOp.SUM only (as gloo), got {op_name(opts.reduceOp)}")
+        if len(tensors) != 1 or not all(t.is_sparse for t in tensors):
+            raise ValueError("mpicomm process group: all_reduce of sparse tensors takes one "
+                             f"sparse COO tensor per call, got {len(tensors)} tensors of layouts "
+                             f"{[str(t.layout) for t in tensors]}")
+        tensor = tensors[0]
+        local = tensor.coalesce()
+        indices, values = local.indices(), local.values()
+        nnz = torch.tensor([indices.shape[1]], dtype=torch.int64)
+        counts = torch.empty(self.size(), dtype=torch.int64)
+        self._run("all_reduce", opts, lambda: [self.comm.all_gather_into_tensor(
+            counts, nnz, async_op=True)], [counts], tensors, blocking=True)
+        most = int(counts.max())
+        padded_i = indices.new_zeros((indices.shape[0], most))
+        padded_i[:, :indices.shape[1]] = indices
+        padded_v = values.new_zeros((most, *values.shape[1:]))
+        padded_v[:values.shape[0]] = values
+        all_i = indices.new_empty((self.size(), *padded_i.shape))
+        all_v = values.new_empty((self.size(), *padded_v.shape))
+
+        def assemble():
+            got = [int(c) for c in counts]
+            merged = torch.sparse_coo_tensor(
+                torch.cat([all_i[r][:, :n] for r, n in enumerate(got)], dim=1),
+                torch.cat([all_v[r][:n] for r, n in enumerate(got)]), tensor.shape,
+                dtype=tensor.dtype, device=tensor.device).coalesce()
+            tensor.copy_(merged)
+        return self._run("all_reduce", opts, lambda: [
+            self.comm.all_gather_into_tensor(all_i.view(-1), padded_i.reshape(-1), async_op=True),
+            self.comm.all_gather_into_tensor(all_v.view(-1), padded_v.reshape(-1), async_op=True)],
+            tensors, tensors, finish=[assemble])
+
     def broadcast(self, tensors, opts):
-        return self._run("broadcast", opts, lambda a: [
-            self.comm.broadcast(t, src=opts.rootRank, async_op=a) for t in tensors],
+        return self._run("broadcast", opts, lambda: [
+            self.comm.broadcast(t, src=opts.rootRank, async_op=True) for t in tensors],
             tensors, tensors)
 
     def reduce(self, tensors, opts):
         op, factor = self._reduce_op(opts, "reduce")
 
-        def start(a):
+        def start():
             works = []
             for t in tensors:
                 if factor is not None and t.dtype in reduce16.DTYPES:  # folded into the kernel
-                    works.append(self.comm._reduce(t, opts.rootRank, op, a, factor=_scalar(factor)))
+                    works.append(self.comm._reduce(t, opts.rootRank, op, True,
+                                                   factor=_scalar(factor)))
                     continue
                 if factor is not None:
                     t.copy_(premultiplied(t, factor))
-                works.append(self.comm.reduce(t, dst=opts.rootRank, op=op, async_op=a))
+                works.append(self.comm.reduce(t, dst=opts.rootRank, op=op, async_op=True))
             return works
         return self._run("reduce", opts, start, tensors, tensors)
 
     def all_gather_single(self, output, input, opts=None):
-        return self._run("all_gather_into_tensor", opts, lambda a: [
-            self.comm.all_gather_into_tensor(output, input, async_op=a)], [output], [input])
+        return self._run("all_gather_into_tensor", opts, lambda: [
+            self.comm.all_gather_into_tensor(output, input, async_op=True)], [output], [input])
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
-        return self._run("all_gather_into_tensor_coalesced", opts, lambda a: [
-            self.comm.all_gather_into_tensor(o, i, async_op=a) for o, i in zip(outputs, inputs)],
-            outputs, inputs)
+        return self._run("all_gather_into_tensor_coalesced", opts, lambda: [
+            self.comm.all_gather_into_tensor(o, i, async_op=True)
+            for o, i in zip(outputs, inputs)], outputs, inputs)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     def allgather(self, output_lists, inputs, opts=None):
-        return self._run("all_gather", opts, lambda a: [
-            self.comm.all_gather(outs, t, async_op=a) for outs, t in zip(output_lists, inputs)],
+        """``output_lists[i][r]`` receives rank r's ``inputs[i]``."""
+        return self._run("all_gather", opts, lambda: [
+            self.comm.all_gather(outs, t, async_op=True) for outs, t in zip(output_lists, inputs)],
             output_lists, inputs)
 
     def allgather_coalesced(self, output_lists, inputs, opts=None):
-        return self.allgather(output_lists, inputs, opts)
+        """``output_lists[r][i]`` receives rank r's ``inputs[i]`` (torch's layout: one list per
+        rank, unlike :meth:`allgather`): one all-gather of all inputs packed together."""
+        size = self.size()
+        if len(output_lists) != size or any(len(outs) != len(inputs) for outs in output_lists):
+            raise ValueError(
+                "mpicomm process group: all_gather_coalesced expects output_tensor_lists as one "
+                f"list per rank ({size}), each with one tensor per input ({len(inputs)}); got "
+                f"{[len(outs) for outs in output_lists]}")
+        if not inputs:
+            return self._run("all_gather_coalesced", opts, lambda: [], output_lists, inputs)
+        dtype = inputs[0].dtype
+        if any(t.dtype != dtype for t in inputs):
+            raise ValueError("mpicomm process group: all_gather_coalesced expects inputs of one "
+                             f"dtype, got {[str(t.dtype) for t in inputs]}")
+        sizes = [t.numel() for t in inputs]
+        packed = torch.cat([t.reshape(-1) for t in inputs]) if len(inputs) > 1 else \
+            inputs[0].reshape(-1)
+        gathered = packed.new_empty(size * packed.numel())
+
+        def unpack():
+            for r, piece in enumerate(gathered.view(size, -1)):
+                for out, chunk in zip(output_lists[r], piece.split(sizes)):
+                    out.copy_(chunk.view(out.shape))
+        return self._run("all_gather_coalesced", opts, lambda: [
+            self.comm.all_gather_into_tensor(gathered, packed, async_op=True)],
+            output_lists, inputs, finish=[unpack])
 
     def alltoall(self, outputs, inputs, opts=None):
         if not inputs:
-            return self._run("all_to_all", opts, lambda a: [], outputs, inputs)
+            return self._run("all_to_all", opts, lambda: [], outputs, inputs)
         out_flat = torch.empty(sum(o.numel() for o in outputs), dtype=outputs[0].dtype,
                                device=outputs[0].device)
 
@@ -218,14 +278,14 @@ class MpicommProcessGroup(dist.ProcessGroup):
             for o, piece in zip(outputs, out_flat.split([o.numel() for o in outputs])):
                 o.copy_(piece.view(o.shape))
         in_flat = torch.cat([i.reshape(-1) for i in inputs])
-        return self._run("all_to_all", opts, lambda a: [self.comm.all_to_all_single(
+        return self._run("all_to_all", opts, lambda: [self.comm.all_to_all_single(
             out_flat, in_flat, [o.numel() for o in outputs], [i.numel() for i in inputs],
-            async_op=a)], outputs, inputs, finish=[unpack])
+            async_op=True)], outputs, inputs, finish=[unpack])
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
-        return self._run("all_to_all_single", opts, lambda a: [self.comm.all_to_all_single(
-            output, input, output_split_sizes or None, input_split_sizes or None, async_op=a)],
-            [output], [input])
+        return self._run("all_to_all_single", opts, lambda: [self.comm.all_to_all_single(
+            output, input, output_split_sizes or None, input_split_sizes or None,
+            async_op=True)], [output], [input])
 
     alltoall_base = all_to_all_single
 
@@ -239,11 +299,11 @@ class MpicommProcessGroup(dist.ProcessGroup):
         if factor is not None and not folded:
             inputs = [premultiplied(i, factor) for i in inputs]
         if folded:  # PREMUL_SUM of 16-bit tensors: the factor scales the float32 sum
-            return self._run(call, opts, lambda a: [
-                self.comm._reduce_scatter_tensor(o, i, op, a, factor=_scalar(factor))
+            return self._run(call, opts, lambda: [
+                self.comm._reduce_scatter_tensor(o, i, op, True, factor=_scalar(factor))
                 for o, i in zip(outputs, inputs)], outputs, inputs)
-        return self._run(call, opts, lambda a: [
-            self.comm.reduce_scatter_tensor(o, i, op=op, async_op=a)
+        return self._run(call, opts, lambda: [
+            self.comm.reduce_scatter_tensor(o, i, op=op, async_op=True)
             for o, i in zip(outputs, inputs)], outputs, inputs)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
@@ -254,33 +314,46 @@ class MpicommProcessGroup(dist.ProcessGroup):
 
     def gather(self, output_lists, inputs, opts):
         root = self.comm.rank == opts.rootRank
-        return self._run("gather", opts, lambda a: [self.comm.gather(
-            inputs[0], output_lists[0] if root else None, dst=opts.rootRank, async_op=a)],
+        return self._run("gather", opts, lambda: [self.comm.gather(
+            inputs[0], output_lists[0] if root else None, dst=opts.rootRank, async_op=True)],
             output_lists, inputs)
 
     def scatter(self, outputs, input_lists, opts):
         root = self.comm.rank == opts.rootRank
-        return self._run("scatter", opts, lambda a: [self.comm.scatter(
-            outputs[0], input_lists[0] if root else None, src=opts.rootRank, async_op=a)],
+        return self._run("scatter", opts, lambda: [self.comm.scatter(
+            outputs[0], input_lists[0] if root else None, src=opts.rootRank, async_op=True)],
             outputs, outputs)
 
     def barrier(self, opts=None):
-        return self._run("barrier", opts, lambda a: [self.comm.barrier(async_op=a)], [], [])
+        return self._run("barrier", opts, lambda: [self.comm.barrier(async_op=True)], [], [])
+
+    def monitored_barrier(self, timeout: datetime.timedelta | float | None = None,
+                          wait_all_ranks: bool = False) -> None:
+        """gloo's ``monitoredBarrier``: every rank reports to rank 0, which names the ranks that
+        did not arrive within ``timeout`` (the first, or all with ``wait_all_ranks``)."""
+        if self._broken is not None:
+            raise RuntimeError("mpicomm process group: monitored_barrier refused, the group is "
+                               f"unusable after an earlier timeout: {self._broken}")
+        if self.comm is None:
+            raise RuntimeError("mpicomm process group: monitored_barrier on a group that was "
+                               "destroyed")
+        _monitored.run(self.comm.mpi_comm, self.timeout if timeout is None else timeout,
+                       wait_all_ranks)
 
     # -- point to point ---------------------------------------------------------------------
 
     def send(self, tensors, dst, tag):
-        return self._run("send", None, lambda a: [self.comm.isend(t, dst, tag) for t in tensors],
+        return self._run("send", None, lambda: [self.comm.isend(t, dst, tag) for t in tensors],
                          tensors, tensors)
 
-    def recv(self, tensors, src, tag):
+    def recv(self, tensors, src, tag, call: str = "recv"):
         works = []
-        return self._run("recv", None, lambda a: works.extend(
+        return self._run(call, None, lambda: works.extend(
             self.comm.irecv(t, src, tag) for t in tensors) or works, tensors, tensors,
             source=_Lazy(works))
 
     def recv_anysource(self, tensors, tag):
-        return self.recv(tensors, None, tag)
+        return self.recv(tensors, None, tag, "recvAnySource")  # torch's profiler name
 
 
 def _scalar(factor) -> float:

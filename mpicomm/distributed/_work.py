@@ -3,12 +3,15 @@
 A work wraps the mpicomm Work(s) of one process-group call; completion, futures and
 ``wait(timeout)`` are mpicomm's :class:`~mpicomm.work.BaseWork`. ``async_op=True`` hands it to
 mpicomm's progress thread, which completes it (results in place, future set, ``.then``
-callbacks run) without the caller polling; below MPI_THREAD_MULTIPLE it is tested on the
-caller's thread. The deadline thread (``_deadlines``) keeps its deadline, as it keeps those of
-blocking calls: past the process group's timeout the work fails with
-:class:`ProcessGroupTimeoutError` and the MPI job is aborted when the process exits, or one more
-timeout later at the latest (MPI cannot cancel a collective that a peer never joined, so the
-job cannot go on correctly).
+callbacks run) without the caller polling; a blocking call, and any call below
+MPI_THREAD_MULTIPLE, is tested on the caller's thread. The deadline thread (``_deadlines``)
+keeps every work's deadline: past the process group's timeout the work fails with
+:class:`ProcessGroupTimeoutError` in the caller (``wait()``, the future), as gloo's does, and the
+group refuses further calls; ``destroy_process_group`` and a new group work. MPI cannot cancel a
+collective that a peer never joined: the operation stays pending in MPI, is reported at exit, and
+MPI_Finalize goes ahead without it (neither MPICH nor Open MPI waits for it).
+Under a profiler a work records one ``mpicomm:<op>`` event from launch to completion, ended on
+the progress thread (an async event, as torch's backends record theirs).
 """
 from __future__ import annotations
 
@@ -21,44 +24,36 @@ from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
-from mpi4py import MPI
 
 from ..byte_sizes import format_bytes
 from ..work import BaseWork, Work
 from . import _deadlines
 
 _log = logging.getLogger("mpicomm")
-_timed_out: list[str] = []  # messages of the timeouts seen in this process
+# (description, MPI works) of every call that timed out in this process: MPI may still hold them
+_left_pending: list[tuple[str, list]] = []
 
 
 class ProcessGroupTimeoutError(dist.DistBackendError):
-    """A process-group call did not complete within the process group's timeout: the group is
-    unusable and the MPI job will be aborted. (``wait(timeout)`` running out is
+    """A process-group call did not complete within the process group's timeout: the group
+    refuses further calls (destroy it and create a new one). (``wait(timeout)`` running out is
     ``mpicomm.WaitTimeoutError`` instead: the call goes on.)"""
 
 
-#: Seconds between writing the reason and aborting: the launcher forwards a rank's output
-#: through its own process and may tear the job down before it passed on what was written just
-#: before the abort (seen with MPICH's hydra: a job that ended with no output at all).
-ABORT_GRACE_S = 1.0
-
-
-def _abort(reason: str) -> None:
-    try:  # a closed or broken stream must not keep the job from ending
-        sys.stdout.flush()
-        sys.stderr.write(f"mpicomm: aborting the MPI job after a timeout: {reason}\n")
-        sys.stderr.flush()
+@atexit.register
+def _report_pending() -> None:
+    """Say which timed-out operations MPI still holds as the process exits."""
+    try:  # neither a closed stream nor a failing test may keep the process from exiting
+        pending = [where for where, inner in _left_pending
+                   if any(not w.is_completed() for w in inner)]
+        if pending:
+            sys.stderr.write(f"mpicomm: exiting with {len(pending)} operation(s) that timed out "
+                             "still pending in MPI (MPI cannot cancel a collective a peer never "
+                             "joined); MPI_Finalize goes ahead without them:\n"
+                             + "".join(f"  {m}\n" for m in pending))
+            sys.stderr.flush()
     except Exception:  # noqa: BLE001
         pass
-    time.sleep(ABORT_GRACE_S)
-    MPI.COMM_WORLD.Abort(1)
-
-
-@atexit.register
-def _abort_at_exit() -> None:
-    """A collective left pending by a timeout would hang MPI_Finalize: abort the job instead."""
-    if _timed_out:
-        _abort(_timed_out[0])
 
 
 def _describe(tensors: Sequence) -> str:
@@ -77,33 +72,16 @@ def _size(nbytes: int) -> str:
     return format_bytes(nbytes)
 
 
-def expire(pg, call: str, seq: int, described, timeout: datetime.timedelta, elapsed: float,
-           abort_now: bool) -> ProcessGroupTimeoutError:
-    """A call of ``pg`` ran past ``timeout``: log, break the group, abort the job (now or later)."""
-    message = (f"mpicomm: {call} ({_describe(described)}), operation #{seq} of process group "
-               f"{pg.group_name!r} on rank {pg.rank()} of {pg.size()}, did not complete within "
-               f"the process group's timeout of {timeout.total_seconds():g} s (waited "
-               f"{elapsed:.1f} s). {pg._peers_report(seq, call)} The process group is unusable "
-               "now; the MPI job will be aborted.")
-    _log.error(message)
-    pg._broken = message
-    if abort_now:
-        _abort(message)
-    if not _timed_out:
-        _timed_out.append(message)
-        _deadlines.watch(_deadlines.Deadline(time.monotonic() + timeout.total_seconds(),
-                                             lambda: _abort(message)))
-    return ProcessGroupTimeoutError(message)
-
-
 class MpicommWork(BaseWork, dist.Work):
     """A pending (or finished) process-group call: ``wait(timeout=None)``, ``is_completed()``,
     ``get_future()``, ``result()``, ``exception()``."""
 
     def __init__(self, pg, call: str, seq: int, inner: Sequence[Work],
                  finish: Sequence[Callable[[], None]], result: list, described: Sequence,
-                 timeout: datetime.timedelta, source: Work | None = None) -> None:
+                 timeout: datetime.timedelta, source: Work | None = None,
+                 record=None) -> None:
         super().__init__(result)
+        self._record = record  # the profiler event, ended when the work completes
         self._pg = pg
         self._call = call
         self._seq = seq
@@ -150,16 +128,30 @@ class MpicommWork(BaseWork, dist.Work):
             self._deadline_key = None
             if watched is not None and watched.noticed:
                 self._pg._publish_waiting(None, None)
+        if self._record is not None:
+            record, self._record = self._record, None
+            record.end()
         super()._settle(error)
 
     def _expire(self) -> None:
-        """The deadline thread: the call ran past the process group's timeout."""
+        """The deadline thread: the call ran past the process group's timeout. The caller gets
+        the error; the group refuses further calls; MPI keeps the operation pending."""
         with self._lock:
             if self._done:
                 return
             self._deadline_key = None  # the deadline thread dropped it
-            self._settle(expire(self._pg, self._call, self._seq, self._described, self._timeout,
-                                time.monotonic() - self._start, abort_now=False))
+            pg, where = self._pg, (f"{self._call} ({_describe(self._described)}), operation "
+                                   f"#{self._seq} of process group {self._pg.group_name!r} on "
+                                   f"rank {self._pg.rank()} of {self._pg.size()}")
+            message = (f"mpicomm: {where}, did not complete within the process group's timeout "
+                       f"of {self._timeout.total_seconds():g} s (waited "
+                       f"{time.monotonic() - self._start:.1f} s). "
+                       f"{pg._peers_report(self._seq, self._call)} The process group refuses "
+                       "further calls: destroy it and create a new one.")
+            _log.error(message)
+            pg._broken = message
+            _left_pending.append((where, self._inner))
+            self._settle(ProcessGroupTimeoutError(message))
 
     def _describe(self) -> str:
         return f"{self._call} (operation #{self._seq})"
