@@ -4,8 +4,9 @@
 
 runs every test method of ``torch.testing._internal.distributed.distributed_test._DistTestBase``
 (torch's backend suite, shipped in the wheel) once per backend, each rank doing what a child of
-upstream's ``test_distributed_spawn.py`` does (``tests/conformance_job.py``). Skips are decided as
-upstream decides them for gloo, so both backends face the same tests. A test that hangs past
+upstream's ``test_distributed_spawn.py`` does (``tests/conformance_job.py``). The suite runs as it
+runs for gloo (its skips, the paths its tests take by backend name), and on the mpicomm run every
+group it creates is an mpicomm group: mpicomm stands in for gloo, so both face the same tests. A test that hangs past
 ``--timeout`` or takes the job down is killed and reported by name, and the job starts again at
 the next test. Prints the counts per backend and every test that passed on gloo but not on
 mpicomm; exits 1 when there is one that :data:`EXEMPT` does not name.
@@ -29,11 +30,14 @@ JOB = os.path.join(HERE, "conformance_job.py")
 
 #: Tests no backend but gloo can pass through torch's own API, each with the reason.
 EXEMPT = {
-    name: "calls dist.monitored_barrier(), which raises 'monitored_barrier is only implemented "
-          "for GLOO backend' for any other backend (mpicomm serves the same call as "
-          "mpicomm.distributed.monitored_barrier and as the process group's monitored_barrier)"
-    for name in ("test_monitored_barrier_gloo", "test_monitored_barrier_gloo_subgroup",
-                 "test_monitored_barrier_failure_order", "test_monitored_barrier_wait_all_ranks")
+    **{name: "calls dist.monitored_barrier(), which raises 'monitored_barrier is only "
+             "implemented for GLOO backend' for any other backend (mpicomm serves the same call "
+             "as mpicomm.distributed.monitored_barrier and the process group's monitored_barrier)"
+       for name in ("test_monitored_barrier_gloo", "test_monitored_barrier_gloo_subgroup",
+                    "test_monitored_barrier_failure_order",
+                    "test_monitored_barrier_wait_all_ranks")},
+    "test_get_backend": "asserts dist.get_backend() == the suite's BACKEND name ('gloo', the "
+                        "backend mpicomm stands in for); an mpicomm group answers 'mpicomm'",
 }
 
 ERROR_CODE = 10  # MultiProcessTestCase.TEST_ERROR_EXIT_CODE
@@ -89,10 +93,9 @@ def judge(name: str, records: dict[int, dict], ranks: int, skips: dict[int, str]
     return Outcome("passed", seconds, "", codes)
 
 
-def _read(results: str, ranks: int) -> tuple[dict[str, dict[int, dict]], dict[int, tuple]]:
-    """({test: {rank: record}}, {rank: (current test, since)}) from the ranks' files."""
+def _read(results: str, ranks: int) -> dict[str, dict[int, dict]]:
+    """{test: {rank: record}} from the ranks' result files, whole lines only."""
     done: dict[str, dict[int, dict]] = {}
-    current: dict[int, tuple] = {}
     for rank in range(ranks):
         try:
             with open(os.path.join(results, f"rank{rank}.jsonl")) as f:
@@ -102,13 +105,7 @@ def _read(results: str, ranks: int) -> tuple[dict[str, dict[int, dict]], dict[in
                         done.setdefault(rec["test"], {})[rank] = rec
         except FileNotFoundError:
             pass
-        try:
-            with open(os.path.join(results, f"rank{rank}.current")) as f:
-                test, since = f.read().split()
-                current[rank] = (test, float(since))
-        except (FileNotFoundError, ValueError):
-            pass
-    return done, current
+    return done
 
 
 def _kill(proc: subprocess.Popen) -> None:
@@ -153,35 +150,35 @@ def run_suite(backend: str, names: list[str], ranks: int, *, skips_of: str = "gl
         log_path = os.path.join(results, "job.log")
         with open(log_path, "w") as log:
             proc = _launch(backend, skips_of, remaining, ranks, results, log)
-            launched = time.monotonic()
+            last = time.monotonic()  # launch, or the last test every rank finished
+            allowance = startup + timeout  # the first test also waits for the job to start
+            error_seen: float | None = None
             stuck: tuple[str, str, str] | None = None  # (test, status, detail)
             while True:
                 exited = proc.poll() is not None
-                done, current = _read(results, ranks)
+                done = _read(results, ranks)
                 for name in remaining:
                     if name in outcomes or len(done.get(name, {})) < ranks:
                         continue
                     outcomes[name] = judge(name, done[name], ranks, skips)
+                    last, allowance, error_seen = time.monotonic(), timeout, None
                     if progress:
                         progress(name, outcomes[name])
                 pending = [n for n in remaining if n not in outcomes]
                 if not pending or exited:
                     break
                 name = pending[0]
-                starts = [since for test, since in current.values() if test == name]
-                wall_start = min(starts) if starts else None
-                elapsed = (time.time() - wall_start) if wall_start is not None else None
                 finished = done.get(name, {})
-                failed_on = [r for r, rec in finished.items() if rec["code"] == ERROR_CODE]
-                if elapsed is None and time.monotonic() - launched > startup:
-                    stuck = (name, "hung", f"the job did not reach {name} in {startup:g} s")
-                elif elapsed is not None and elapsed > timeout:
-                    stuck = (name, "hung", f"killed after {timeout:g} s; ranks that finished "
-                             f"it: {sorted(finished)}")
-                elif failed_on and elapsed is not None and elapsed > grace and any(
-                        rec_time_passed(finished[r], wall_start, grace) for r in failed_on):
+                failed_on = sorted(r for r, rec in finished.items() if rec["code"] == ERROR_CODE)
+                now = time.monotonic()
+                if failed_on and error_seen is None:
+                    error_seen = now
+                if now - last > allowance:
+                    stuck = (name, "hung", f"killed after {now - last:.0f} s; ranks that "
+                             f"finished it: {sorted(finished)}")
+                elif error_seen is not None and now - error_seen > grace:
                     stuck = (name, "failed", f"ranks {sorted(set(range(ranks)) - set(finished))}"
-                             f" did not finish it after rank(s) {failed_on} failed")
+                             f" did not finish it {grace:g} s after rank(s) {failed_on} failed")
                 if stuck:
                     _kill(proc)
                     break
@@ -190,7 +187,7 @@ def run_suite(backend: str, names: list[str], ranks: int, *, skips_of: str = "gl
         if not pending:
             break
         name = pending[0]
-        done, _ = _read(results, ranks)
+        done = _read(results, ranks)
         errors = "\n".join(f"rank {r}:\n{rec['error']}" for r, rec in
                            sorted(done.get(name, {}).items()) if rec["error"])
         with open(log_path, errors="replace") as f:
@@ -203,11 +200,6 @@ def run_suite(backend: str, names: list[str], ranks: int, *, skips_of: str = "gl
             progress(name, outcomes[name])
         remaining = pending[1:]
     return outcomes
-
-
-def rec_time_passed(rec: dict, wall_start: float, grace: float) -> bool:
-    """Whether ``grace`` seconds passed since a rank finished its part (start + its duration)."""
-    return time.time() - (wall_start + rec["seconds"]) > grace
 
 
 def compare(results: dict[str, dict[str, Outcome]], reference: str = "gloo",

@@ -7,13 +7,14 @@ TEMP_DIR (``barrier``, ``test_dir``, ``init_dir``) and init file made by the par
 here), ``TestDistBackend._run`` itself (``init_process_group`` with the ``file://`` init method,
 the test's custom timeout, the file barrier, the rng seed, the test, ``destroy_process_group``),
 and the exit code it ends with (0, a skip code, or the error code with the traceback sent through
-the pipe). Skip decisions are made as upstream makes them for backend ``S`` (the module is imported
-with ``BACKEND=S``); the test body then runs on backend ``B`` (the module's ``BACKEND`` is ``B``).
+the pipe). The suite runs as it runs for backend ``S`` (``BACKEND=S``: its skips, and the paths
+its tests take by backend name), and every process group it creates for ``S`` is one of backend
+``B`` (``init_process_group`` and ``new_group`` given ``S`` get ``B``): ``B`` stands in for ``S``.
 
 Each rank appends one JSON line per test to ``DIR/rank<R>.jsonl`` (``test``, ``code``,
-``seconds``, ``error``; ``code`` is "skip" for a test unittest skips before it starts, ``error`` then
-its reason) and writes the test it is in to ``DIR/rank<R>.current`` first, so the
-driver can name a test that hangs or kills the job, and start again after it.
+``seconds``, ``error``; ``code`` is "skip" for a test unittest skips before it starts, ``error``
+then its reason), so the driver can name a test that hangs or kills the job, and start again
+after it.
 """
 from __future__ import annotations
 
@@ -54,7 +55,8 @@ def _import_suite(backend: str, skips_of: str):
         import mpicomm  # noqa: F401 - registers the backend
     from torch.testing._internal.distributed import distributed_test as dt
 
-    dt.BACKEND = backend
+    if backend != skips_of:
+        _stand_in(backend, skips_of)
     if backend not in ("gloo", "nccl", "mpi", "ucc"):
         # torch checks profiler events only for backends on these allowlists
         for name in ("PROFILING_SUPPORTED_BACKENDS", "CUDA_PROFILING_SUPPORTED_BACKENDS",
@@ -65,6 +67,24 @@ def _import_suite(backend: str, skips_of: str):
         pass
 
     return dt, TestDistBackendWithSpawn
+
+
+def _stand_in(backend: str, skips_of: str) -> None:
+    """Groups the suite creates for backend ``skips_of`` are created on ``backend``."""
+    import torch.distributed as dist
+
+    def swap(name):
+        return backend if name is not None and str(name).lower() == skips_of else name
+
+    init, new_group = dist.init_process_group, dist.new_group
+
+    def init_process_group(*args, backend=None, **kwargs):
+        return init(*args, backend=swap(backend), **kwargs)
+
+    def new_group_(*args, backend=None, **kwargs):
+        return new_group(*args, backend=swap(backend), **kwargs)
+
+    dist.init_process_group, dist.new_group = init_process_group, new_group_
 
 
 def _fresh_dirs(dt) -> tuple[str, str]:
@@ -131,11 +151,8 @@ def main(argv=None) -> int:
         names = [line.strip() for line in f if line.strip()]
     os.makedirs(args.results, exist_ok=True)
     out = open(os.path.join(args.results, f"rank{rank}.jsonl"), "a")
-    current = os.path.join(args.results, f"rank{rank}.current")
     environ = dict(os.environ)
     for name in names:
-        with open(current, "w") as f:
-            f.write(f"{name} {time.time()!r}\n")
         skip = _unittest_skip(cls, name)
         if skip is not None:  # unittest skips it before setUp: no process is started
             out.write(json.dumps({"test": name, "code": "skip", "seconds": 0.0,
