@@ -9,7 +9,9 @@ runs for gloo (its skips, the paths its tests take by backend name), and on the 
 group it creates is an mpicomm group: mpicomm stands in for gloo, so both face the same tests. A test that hangs past
 ``--timeout`` or takes the job down is killed and reported by name, and the job starts again at
 the next test. Prints the counts per backend and every test that passed on gloo but not on
-mpicomm; exits 1 when there is one that :data:`EXEMPT` does not name.
+mpicomm; exits 1 when there is one that :data:`EXEMPT` does not name. ``--beyond`` then runs on
+mpicomm the tests gloo skips only for its own limits (:data:`GLOO_LIMITS`), as torch runs them for
+its MPI backend, and exits 1 if one fails.
 """
 from __future__ import annotations
 
@@ -217,6 +219,26 @@ def counts(outcomes: dict[str, Outcome]) -> dict[str, int]:
     return out
 
 
+#: gloo's skip reasons for what only its own limits keep it from (torch runs these tests for MPI).
+GLOO_LIMITS = ("Only MPI supports",)
+
+
+def _beyond_gloo(results: dict[str, dict[str, Outcome]], args) -> int:
+    """Run on mpicomm, standing in for torch's MPI backend, the tests gloo skips for its own
+    limits (upstream runs them for MPI, at 3 ranks); 1 if one does not pass."""
+    names = [n for n, o in results["gloo"].items()
+             if o.status == "skipped" and any(r in o.detail for r in GLOO_LIMITS)]
+    outcomes = run_suite("mpicomm", names, args.ranks, skips_of="mpi", timeout=args.timeout)
+    results["mpicomm-beyond-gloo"] = outcomes
+    passed = [n for n, o in outcomes.items() if o.status == "passed"]
+    bad = [n for n, o in outcomes.items() if o.status not in ("passed", "skipped")]
+    print(f"beyond gloo (skipped there for its own limits, run as for MPI): {len(passed)} of "
+          f"{len(names)} pass on mpicomm: {', '.join(passed)}")
+    for name in bad:
+        print(f"BEYOND GLOO, FAILED: {name}: {outcomes[name].status}\n{outcomes[name].detail}\n")
+    return 1 if bad else 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=2)
@@ -226,6 +248,9 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per test")
     p.add_argument("--json", help="write every outcome here")
     p.add_argument("-v", "--verbose", action="store_true", help="a line per test")
+    p.add_argument("--beyond", action="store_true",
+                   help="also run, on mpicomm as for MPI, the tests gloo skips for its own limits "
+                        "(at 3 ranks or more, as upstream runs MPI's)")
     args = p.parse_args(argv)
     names = test_names(args.patterns)
     backends = args.backends.split(",")
@@ -256,6 +281,8 @@ def main(argv=None) -> int:
         print(f"passed on gloo, not on mpicomm: {len(missing)} (+{len(exempt)} exempt); "
               f"passed on mpicomm, not on gloo: {len(beyond)}")
         status = 1 if missing else 0
+        if args.beyond and args.ranks >= 3:
+            status |= _beyond_gloo(results, args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({b: {n: o.__dict__ for n, o in r.items()} for b, r in results.items()}, f,

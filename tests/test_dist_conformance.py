@@ -166,7 +166,7 @@ def test_torch_suite_passes_on_mpicomm_wherever_it_passes_on_gloo(ranks, tmp_pat
     pytest.importorskip("expecttest", reason="torch's distributed test base imports expecttest")
     out = tmp_path / "suite.json"
     proc = subprocess.run([sys.executable, os.path.join(HERE, "conformance.py"), "--ranks",
-                           str(ranks), "--json", str(out)], capture_output=True, text=True,
+                           str(ranks), "--json", str(out), "--beyond"], capture_output=True, text=True,
                           timeout=2300, cwd=os.path.dirname(HERE))
     text = proc.stdout + proc.stderr
     print(text[-3000:])
@@ -174,3 +174,28 @@ def test_torch_suite_passes_on_mpicomm_wherever_it_passes_on_gloo(ranks, tmp_pat
     gloo_passed = [n for n, o in results["gloo"].items() if o["status"] == "passed"]
     assert len(gloo_passed) > 60, f"gloo passed only {len(gloo_passed)}: the suite did not run\n{text}"
     assert proc.returncode == 0, text[-20000:]
+    if ranks >= 3:  # what gloo cannot do and MPI can: the all-to-all tests
+        beyond = results["mpicomm-beyond-gloo"]
+        assert sum(o["status"] == "passed" for o in beyond.values()) >= 8, beyond
+
+
+def test_the_verdict_follows_upstreams_exit_code_rules():
+    sys.path.insert(0, HERE)
+    import conformance as c
+
+    skips = {73: "Skipped due to small world size."}
+
+    def rec(code, error=""):
+        return {"code": code, "seconds": 0.5, "error": error}
+
+    assert c.judge("t", {0: rec(0), 1: rec(0)}, 2, skips).status == "passed"
+    failed = c.judge("t", {0: rec(0), 1: rec(c.ERROR_CODE, "boom on 1")}, 2, skips)
+    assert failed.status == "failed" and "rank 1:\nboom on 1" in failed.detail
+    assert c.judge("t", {0: rec(73), 1: rec(73)}, 2, skips).status == "skipped"
+    assert c.judge("t", {0: rec(3), 1: rec(0)}, 2, skips).status == "failed"
+    assert c.judge("t", {0: rec("skip", "why"), 1: rec("skip", "why")}, 2, skips).detail == "why"
+    assert c.judge("test_ddp_has_finalized", {0: rec(1), 1: rec(1)}, 2, skips).status == "passed"
+    p, f, s = c.Outcome("passed"), c.Outcome("failed"), c.Outcome("skipped")
+    results = {"gloo": {"a": p, "b": p, "test_get_backend": p, "d": s},
+               "mpicomm": {"a": p, "b": f, "test_get_backend": f, "d": p}}
+    assert c.compare(results) == (["b"], ["test_get_backend"])
