@@ -373,3 +373,12 @@ def test_link_check_catches_a_broken_anchor(tmp_path):
     assert "#nowhere" in str(exc.value) and "missing.md: no such file" in str(exc.value)
     assert "title-one-two" not in str(exc.value)
 
+
+def test_readme_fits_a_screen_before_its_links():
+    """The README says what mpicomm is and how to start, then points into docs/ (issue 31)."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    first = next((i + 1 for i, line in enumerate(lines) if "](docs/" in line), None)
+    assert first is not None and first <= 60, (
+        f"README.md: the first link into docs/ is at line {first}; keep it within 60 lines "
+        "(move details into docs/)")
+    assert len(lines) < 150, f"README.md has {len(lines)} lines; keep it under 150"
