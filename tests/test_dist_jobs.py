@@ -130,6 +130,19 @@ def test_plain_init_under_mpiexec_at_4_ranks(tmp_path):
     assert [(tmp_path / f"rank{r}").read_text() for r in range(4)] == ["4 4.0"] * 4, out
 
 
+def test_plain_init_under_mpiexec_with_local_world_size_exported(tmp_path):
+    """LOCAL_WORLD_SIZE (accelerate sets it) is no sign of torchrun: MPI still gives the ranks."""
+    script = tmp_path / "init.py"
+    script.write_text(_INIT_JOB + "t = torch.ones(1); dist.all_reduce(t)\n"
+                      "print('sum', dist.get_rank(), t.item(), flush=True)\n")
+    proc = subprocess.run([*_mpiexec(2), sys.executable, "-m", "mpi4py", str(script)], cwd=ROOT,
+                          env=_env(LOCAL_WORLD_SIZE="2"), capture_output=True, text=True,
+                          timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "sum 0 2.0" in out and "sum 1 2.0" in out, out
+
+
 def test_torchrun_gets_told_to_use_mpiexec(tmp_path):
     script = tmp_path / "init.py"
     script.write_text(_INIT_JOB)

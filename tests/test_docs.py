@@ -4,6 +4,9 @@ How a block is treated depends on the HTML comment on the line right before its 
 
 - no comment, a ``python`` block: run as a script at 1 rank (cwd: a temporary directory);
 - ``<!-- run: 2 ranks -->`` (any N): a ``python`` block run under ``mpiexec -n N python -m mpi4py``;
+  ``<!-- run: 2 ranks, needs deepspeed -->`` (modules separated by commas): the same, skipped
+  with the reason when one of those modules is not installed (scripts/bootstrap.sh installs the
+  training clients with ``MPICOMM_DEEPSPEED=1``, as scripts/test.sh does);
 - ``<!-- excerpt: examples/NAME.py -->``: the block is a piece of that example, which
   tests/test_examples.py runs; every code line of the block (comments, blank lines and ``...``
   left out, whitespace and trailing ``# comments`` ignored) must be a line of the example, in the
@@ -25,6 +28,7 @@ Any other block fails with a message that says which of these to use.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import pathlib
 import re
@@ -253,6 +257,15 @@ def _run_python(block: Block, ranks: int, tmp_path: pathlib.Path) -> None:
         f"fix it, or {HOW}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
 
 
+def _run_marker(block: Block, arg: str) -> tuple[int, list[str]]:
+    """The ranks and the modules a ``<!-- run: N ranks[, needs MOD, ...] -->`` block needs."""
+    m = re.fullmatch(r"(\d+) ranks?(?:,\s*needs\s+([\w.]+(?:\s*,\s*[\w.]+)*))?", arg)
+    assert m and block.lang in PYTHON, (
+        f"{block.where}: expected <!-- run: N ranks --> or <!-- run: N ranks, needs MODULE --> "
+        f"before a python block, got <!-- run: {arg} --> before a {block.lang or 'plain'} block")
+    return int(m.group(1)), [n.strip() for n in (m.group(2) or "").split(",") if n.strip()]
+
+
 @pytest.mark.parametrize("block", BLOCKS, ids=[b.where for b in BLOCKS])
 def test_code_block(block: Block, tmp_path):
     kind, arg = block.marker or (None, None)
@@ -264,11 +277,12 @@ def test_code_block(block: Block, tmp_path):
         assert block.code.strip(), f"{block.where}: empty output sample"
         check_command(block.where, arg)
     elif kind == "run":
-        m = re.fullmatch(r"(\d+) ranks?", arg)
-        assert m and block.lang in PYTHON, (
-            f"{block.where}: expected <!-- run: N ranks --> before a python block, got "
-            f"<!-- run: {arg} --> before a {block.lang or 'plain'} block")
-        _run_python(block, int(m.group(1)), tmp_path)
+        ranks, needs = _run_marker(block, arg)
+        missing = [name for name in needs if importlib.util.find_spec(name) is None]
+        if missing:
+            pytest.skip(f"{block.where}: needs {', '.join(missing)}, not installed here "
+                        "(scripts/bootstrap.sh installs the clients with MPICOMM_DEEPSPEED=1)")
+        _run_python(block, ranks, tmp_path)
     elif block.lang in PYTHON:
         _run_python(block, 1, tmp_path)
     elif block.lang in SHELL:
@@ -286,6 +300,19 @@ def test_parser_sees_markers_and_indented_fences(tmp_path):
     a, b = parse_blocks(page)
     assert (a.lang, a.code, a.marker) == ("python", "x = 1\n", ("excerpt", "examples/x.py"))
     assert (b.lang, b.code, b.marker) == ("bash", "ls  # list\n", None)
+
+
+def test_run_marker_names_ranks_and_needed_modules(tmp_path):
+    block = Block(ROOT / "README.md", 1, "python", "pass\n", None)
+    assert _run_marker(block, "2 ranks") == (2, [])
+    assert _run_marker(block, "2 ranks, needs lightning, torch.distributed") == (
+        2, ["lightning", "torch.distributed"])
+    with pytest.raises(AssertionError, match="expected <!-- run: N ranks -->"):
+        _run_marker(block, "2 ranks, lightning")
+    missing = Block(ROOT / "README.md", 1, "python", "raise SystemExit(1)\n",
+                    ("run", "2 ranks, needs no_such_module_here"))
+    with pytest.raises(pytest.skip.Exception, match="needs no_such_module_here, not installed"):
+        test_code_block(missing, tmp_path)
 
 
 def test_excerpt_check_catches_drift(tmp_path):
@@ -345,3 +372,13 @@ def test_link_check_catches_a_broken_anchor(tmp_path):
         test_links_resolve(page)
     assert "#nowhere" in str(exc.value) and "missing.md: no such file" in str(exc.value)
     assert "title-one-two" not in str(exc.value)
+
+
+def test_readme_fits_a_screen_before_its_links():
+    """The README says what mpicomm is and how to start, then points into docs/ (issue 31)."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    first = next((i + 1 for i, line in enumerate(lines) if "](docs/" in line), None)
+    assert first is not None and first <= 60, (
+        f"README.md: the first link into docs/ is at line {first}; keep it within 60 lines "
+        "(move details into docs/)")
+    assert len(lines) < 150, f"README.md has {len(lines)} lines; keep it under 150"

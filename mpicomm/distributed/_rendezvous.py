@@ -4,7 +4,8 @@
 uses when given no ``init_method`` or ``store``): when the launcher did not set ``RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``, rank and world size come from
 ``MPI.COMM_WORLD`` and rank 0 hosts a TCPStore whose address travels to the other ranks over MPI.
-When all four are set (torchrun, or a user who set them), torch's own handler runs unchanged.
+When all four are set (torchrun, or a user who set them), torch's own handler runs unchanged;
+so it does under torchrun when an MPI launcher did not start the process.
 """
 from __future__ import annotations
 
@@ -20,14 +21,17 @@ from mpi4py import MPI
 # Variables an MPI launcher (Hydra, Open MPI, PMIx, Slurm) sets in every process it starts.
 _MPI_LAUNCHER_VARS = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID",
                       "MPI_LOCALRANKID", "HYDI_CONTROL_FD")
-# Variables torchrun / torch.distributed.elastic set.
-_TORCHRUN_VARS = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "GROUP_RANK",
-                  "LOCAL_WORLD_SIZE")
+# Variables only torchrun's elastic agent sets in its workers (LocalElasticAgent._start_workers
+# in torch/distributed/elastic/agent/server/local_elastic_agent.py). Not LOCAL_WORLD_SIZE,
+# GROUP_RANK or LOCAL_RANK: other launchers set those too (Hugging Face accelerate sets
+# LOCAL_WORLD_SIZE under mpiexec).
+_TORCHRUN_VARS = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+                  "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE")
 _ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def under_torchrun() -> bool:
-    """Whether this process looks started by torchrun (elastic agent variables present)."""
+    """Whether this process looks started by torchrun (its elastic agent's variables present)."""
     return any(v in os.environ for v in _TORCHRUN_VARS)
 
 
@@ -118,7 +122,7 @@ def _mpi_env_handler(original):
         given = {"RANK": query.get("rank") or os.environ.get("RANK"),
                  "WORLD_SIZE": query.get("world_size") or os.environ.get("WORLD_SIZE")}
         complete = all(given.values()) and all(os.environ.get(v) for v in ("MASTER_ADDR", "MASTER_PORT"))
-        if complete or under_torchrun():
+        if complete or (under_torchrun() and not under_mpi_launcher()):
             yield from original(url, timeout=timeout, **kwargs)
             return
         comm = MPI.COMM_WORLD
