@@ -9,12 +9,13 @@ from typing import Any, Callable
 import torch
 from mpi4py import MPI
 
-from zero import ZeroOptimizer
+from accelerators import get_accelerator
 
 from .collective import Collective
 from .errors import CheckpointError
 from .io import byte_view
 from .manifest import Manifest
+from .optimizers import OptimizerPlanner
 
 ALIGN = 64
 
@@ -54,8 +55,9 @@ def copy_into(dsts: list[torch.Tensor], buffers: list[torch.Tensor]) -> None:
     """Copy each buffer's bytes into its host tensor (waiting for device copies to finish)."""
     for dst, b in zip(dsts, buffers):
         dst.copy_(byte_view(b))
-    if any(b.device.type == "cuda" for b in buffers):
-        torch.cuda.synchronize()
+    acc = get_accelerator()
+    if any(acc.is_device_buffer(b) for b in buffers):
+        acc.synchronize()
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -66,26 +68,16 @@ def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
-def updated_by_step(buffers: list[torch.Tensor], model: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer) -> dict[int, str]:
-    """Index -> name of the ``buffers`` that share memory with a tensor ``optimizer.step``
-    changes: the model's parameters, the optimizer's state (a ZeroOptimizer's: its master shards
-    and their state)."""
+def updated_by_step(buffers: list[torch.Tensor], model: torch.nn.Module, opt: OptimizerPlanner) -> dict[int, str]:
+    """Index -> name of the ``buffers`` that share memory with a tensor the optimizer's ``step``
+    changes: the model's parameters, and what the optimizer planner names (``stepped_tensors``)."""
     out: dict[int, str] = {}
     names = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), name)
         out.setdefault(_storage(p), f"parameter {name!r}")
-    for p, st in optimizer.state.items():
-        for key, t in st.items() if isinstance(st, dict) else ():
-            if isinstance(t, torch.Tensor) and t.numel():
-                out.setdefault(_storage(t), f"optimizer state {key!r} of {names.get(id(p), 'a parameter')!r}")
-    if isinstance(optimizer, ZeroOptimizer):
-        for gi, g in enumerate(optimizer.groups):
-            out.setdefault(_storage(g.master), f"master shard of group {gi}")
-            for key, t in optimizer.shard_state(gi).items():
-                if isinstance(t, torch.Tensor) and t.numel():
-                    out.setdefault(_storage(t), f"optimizer state {key!r} of group {gi}")
+    for t, what in opt.stepped_tensors(names):
+        out.setdefault(_storage(t), what)
     return {i: out[at] for i, b in enumerate(buffers) if (at := _storage(b)) in out}
 
 

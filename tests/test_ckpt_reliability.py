@@ -23,7 +23,7 @@ from zero import ZeroOptimizer
 import mpicomm
 from ckpt import cli as ckpt_cli
 from ckpt import io as ckpt_io
-from ckpt.planner_zero import ZeroPlanner
+from ckpt.optimizers import ZeroPlanner
 from mpitest import assert_all, mpiexec_cmd
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
