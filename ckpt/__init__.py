@@ -57,8 +57,7 @@ from .manifest import (FORMAT_VERSION, DamagedCheckpointError, IncompleteCheckpo
                        TensorEntry)
 from .stateful import RNG, PerRank, same_rank
 from .storage import incomplete_reason, read_manifest, resolve
-from zero import ZeroOptimizer  # a re-export for older code: the optimizer lives in the zero package
-from .deepspeed import PickleRefusedError, from_deepspeed, to_deepspeed_universal  # noqa: E402
+from .deepspeed import PickleRefusedError, from_deepspeed, to_deepspeed_universal
 
 
 __all__ = [
@@ -66,14 +65,13 @@ __all__ = [
     "CheckpointError", "CheckpointExistsError", "CheckpointNotFoundError", "ChecksumError", "FailureReport",
     "DamagedCheckpointError", "FORMAT_VERSION", "IncompatibleStateError", "IncompleteCheckpointError", "LoadResult",
     "Manifest", "ManifestError", "PerRank", "PickleRefusedError", "RNG",
-    "StateMismatchError", "StepFailedError", "TensorEntry", "ZeroOptimizer", "from_deepspeed", "incomplete_reason", "load",
+    "StateMismatchError", "StepFailedError", "TensorEntry", "from_deepspeed", "incomplete_reason", "load",
     "read_manifest", "resolve", "same_rank", "save", "to_deepspeed_universal",
 ]
 
 
 def __getattr__(name: str):
-    """DCP interop, imported on first use; the deprecated names (``CollectiveError``,
-    ``RankFailure``), with a DeprecationWarning."""
+    """DCP interop, imported on first use."""
     # torch.distributed.checkpoint is imported when DCP interop is first used, not with ckpt
     if name == "DCPReader":
         from .dcp_reader import DCPReader
@@ -81,11 +79,4 @@ def __getattr__(name: str):
     if name == "from_dcp":
         from .dcp_convert import from_dcp
         return from_dcp
-    from .errors import DEPRECATED
-
-    if name in DEPRECATED:
-        import warnings
-
-        warnings.warn(f"ckpt.{name} is deprecated; use ckpt.{DEPRECATED[name]}", DeprecationWarning, stacklevel=2)
-        return globals()[DEPRECATED[name]]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
