@@ -24,11 +24,11 @@ DeepSpeed: ``ckpt.from_deepspeed(tag_dir, path)`` imports a ZeRO checkpoint;
 What lives where:
     api            save / load: the collective steps, top to bottom
     collective     runs a step on rank 0 or every rank; a failure raises on every rank
-    planner        what each rank writes and reads: model weights, the optimizer planner interface
-    planner_zero   ... for a ZeroOptimizer (sharded masters and state)
-    planner_plain  ... for a plain torch optimizer (replicated state, extras included)
-    planners       ``planner_for``: which planner serves an optimizer (the only module importing them all)
-    items          ... for state items (``state=``) and optimizer extras: replicated or per rank
+    io_plan        what each rank writes and reads: packed entries, local buffers, byte ranges
+    model_state    ... of the model: its state in order, its weights, how it matches a checkpoint
+    optimizers/    ... of an optimizer: one planner per kind (plain torch, ZeroOptimizer), all that
+                   ckpt knows about optimizers
+    items          ... of state items (``state=``) and optimizer extras: replicated or per rank
     dtensor        DTensors through metadata only (local shard, placements, mesh): layout, checks across ranks
     dtensor_layout pure: the global index ranges a mesh coordinate holds, and their runs of bytes
     stateful       RNG, PerRank, the per-rank protocol and its default rule (same_rank)
@@ -37,7 +37,7 @@ What lives where:
     commit         atomic publish (rename / exchange) under a directory lock
     errors         CheckpointError and its subclasses, the CLI's exit codes
     io             collective MPI-IO of planned byte ranges, with checksums
-    plan           pure byte-range math;  manifest: the JSON format;  checksum: CRC-32
+    byte_ranges    pure byte-range math;  manifest: the JSON format;  checksum: CRC-32
     safetensors_header  the safetensors header that makes data.bin a safetensors file
     dtypes         the dtype names of the format;  progress_bar: the CLI's progress bars
     dcp_reader     DCPReader: torch DCP's StorageReader over our format (byte runs, checked blocks)
@@ -57,8 +57,7 @@ from .manifest import (FORMAT_VERSION, DamagedCheckpointError, IncompleteCheckpo
                        TensorEntry)
 from .stateful import RNG, PerRank, same_rank
 from .storage import incomplete_reason, read_manifest, resolve
-from zero import ZeroOptimizer  # a re-export for older code: the optimizer lives in the zero package
-from .deepspeed import PickleRefusedError, from_deepspeed, to_deepspeed_universal  # noqa: E402
+from .deepspeed import PickleRefusedError, from_deepspeed, to_deepspeed_universal
 
 
 __all__ = [
@@ -66,14 +65,13 @@ __all__ = [
     "CheckpointError", "CheckpointExistsError", "CheckpointNotFoundError", "ChecksumError", "FailureReport",
     "DamagedCheckpointError", "FORMAT_VERSION", "IncompatibleStateError", "IncompleteCheckpointError", "LoadResult",
     "Manifest", "ManifestError", "PerRank", "PickleRefusedError", "RNG",
-    "StateMismatchError", "StepFailedError", "TensorEntry", "ZeroOptimizer", "from_deepspeed", "incomplete_reason", "load",
+    "StateMismatchError", "StepFailedError", "TensorEntry", "from_deepspeed", "incomplete_reason", "load",
     "read_manifest", "resolve", "same_rank", "save", "to_deepspeed_universal",
 ]
 
 
 def __getattr__(name: str):
-    """DCP interop, imported on first use; the deprecated names (``CollectiveError``,
-    ``RankFailure``), with a DeprecationWarning."""
+    """DCP interop, imported on first use."""
     # torch.distributed.checkpoint is imported when DCP interop is first used, not with ckpt
     if name == "DCPReader":
         from .dcp_reader import DCPReader
@@ -81,11 +79,4 @@ def __getattr__(name: str):
     if name == "from_dcp":
         from .dcp_convert import from_dcp
         return from_dcp
-    from .errors import DEPRECATED
-
-    if name in DEPRECATED:
-        import warnings
-
-        warnings.warn(f"ckpt.{name} is deprecated; use ckpt.{DEPRECATED[name]}", DeprecationWarning, stacklevel=2)
-        return globals()[DEPRECATED[name]]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

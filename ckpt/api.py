@@ -1,5 +1,6 @@
-"""``save`` and ``load``: the collective steps, top to bottom (planning in ``planner``, files in
-``storage``, bytes in ``io``, failures on every rank through ``collective``)."""
+"""``save`` and ``load``: the collective steps, top to bottom (planning in ``model_state``,
+``optimizers`` and ``items``, files in ``storage``, bytes in ``io``, failures on every rank
+through ``collective``)."""
 from __future__ import annotations
 
 import json
@@ -18,19 +19,18 @@ from .async_save import SaveHandle
 from .collective import Collective
 from .errors import IncompatibleStateError, StateMismatchError
 from .io import DEFAULT_CHUNK_BYTES, read_items, write_items
+from .io_plan import ReadPlan, SavePlan
 from .manifest import DATA_NAME, DEFAULT_BLOCK_SIZE, Manifest, jsonable
-from .planner import (Match, ModelState, OptimizerPlanner, ReadPlan, SavePlan, check_optimizer_params, plan_model_load,
-                      plan_model_save)
-from .planners import planner_for
+from .model_state import Match, ModelState, plan_model_load, plan_model_save
+from .optimizers import OptimizerPlanner, planner_for
 from .stateful import is_per_rank, is_stateful, restore, split_item
 from .storage import commit_save, create_workdir, read_manifest, resolve, verify_data
-from zero import ZeroOptimizer
 
 
-def _communicator(comm: Any, optimizer: Any) -> mpicomm.Communicator:
-    if comm is None and isinstance(optimizer, ZeroOptimizer):
-        return optimizer.comm
-    return mpicomm.as_communicator(comm)
+def _communicator(comm: Any, opt: OptimizerPlanner | None) -> mpicomm.Communicator:
+    """``comm``; when None, the optimizer's own communicator, else the world."""
+    own = opt.communicator() if comm is None and opt is not None else None
+    return own if own is not None else mpicomm.as_communicator(comm)
 
 
 @dataclass
@@ -98,15 +98,16 @@ def save(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.op
         raise ValueError("save: snapshot='background' needs async_save=True and the torch optimizer that updates "
                          f"the model (its step() waits for the snapshot); got async_save={async_save}, optimizer of "
                          f"type {type(optimizer).__name__}")
-    comm = _communicator(comm, optimizer)
+    opt = planner_for(optimizer)
+    comm = _communicator(comm, opt)
     async_save_mod.wait_pending(comm)  # one save in flight per communicator; raises a failed one's error
     run = Collective(comm, "save")
     path = os.path.abspath(os.fspath(path))
-    opt = planner_for(optimizer)
+    prepared = None
     if opt is not None:
-        run.everywhere("gathering the optimizer state", lambda: opt.prepare_save(comm.size))
+        prepared = run.everywhere("gathering the optimizer state", lambda: opt.prepare_save(comm.size))
     sp, manifest, captured, summary = run.everywhere("planning", lambda: _plan_save(
-        comm, model, opt, step, extra, state or {}, block_size, chunk_bytes))
+        comm, model, opt, prepared, step, extra, state or {}, block_size, chunk_bytes))
     summaries = run.allgather(summary)
     if len({s["@table"] for s in summaries}) > 1:  # the same answer on every rank
         tables = run.allgather(sp.table())
@@ -128,42 +129,42 @@ def save(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.op
             update_latest=update_latest))
 
     if async_save:
-        later = (async_save_mod.updated_by_step(sp.buffers, model, optimizer)
-                 if snapshot == "background" else None)
+        later = (async_save_mod.updated_by_step(sp.buffers, model, opt)
+                 if snapshot == "background" and opt is not None else None)
         return async_save_mod.start(comm, run, sp.buffers, manifest, finish, later, optimizer)
     return finish(comm, sp.buffers, manifest)
 
 
-def _plan_save(comm: mpicomm.Communicator, model: torch.nn.Module, opt: OptimizerPlanner | None, step: int | None,
-               extra: Any, state: dict[str, Any], block_size: int, chunk_bytes: int
+def _plan_save(comm: mpicomm.Communicator, model: torch.nn.Module, opt: OptimizerPlanner | None, prepared: Any,
+               step: int | None, extra: Any, state: dict[str, Any], block_size: int, chunk_bytes: int
                ) -> tuple[SavePlan, Manifest, dict[tuple[str, str], items.Captured], dict]:
-    """What this rank writes of the model and optimizer, the manifest (state items and
-    checksums still to come), this rank's state items, captured, and their summary."""
+    """What this rank writes of the model and optimizer (``prepared``: what the optimizer
+    planner's ``prepare_save`` gave), the manifest (state items and checksums still to come),
+    this rank's state items, captured, and their summary."""
     if chunk_bytes % block_size:
         raise ValueError(f"expected chunk_bytes a multiple of block_size={block_size}, got {chunk_bytes}")
     model_state = ModelState.of(model)
     index = model_state.index()
     sp = SavePlan()
-    opt_meta = None
+    saved = None
     if opt is not None:
-        opt.check_size(comm.size, "save")
-        if any(id(p) not in index for p in opt.params()):
-            raise IncompatibleStateError("save: the optimizer holds a parameter that is not in model.state_dict()")
-    plan_model_save(model_state, opt, sp)
+        opt.check_in_model(index)
+    plan_model_save(model_state, sp, opt.saves_weights if opt is not None else None)
     if opt is not None:
-        opt_meta = opt.plan_save(model_state, index, sp, comm.rank)
+        saved = opt.plan_save(prepared, model_state, index, sp, comm.rank)
     manifest = Manifest(world_size=comm.size, stage=opt.stage if opt is not None else None, step=step,
-                        params=model_state.params(), tensors=sp.packer.entries, files={}, optimizer=opt_meta,
+                        params=model_state.params(), tensors=sp.packer.entries, files={},
+                        optimizer=saved.entry if saved is not None else None,
                         extra=jsonable(extra, "extra"), block_size=block_size,
                         info={"torch": torch.__version__, "aliases": model_state.aliases})
     captured = {("items", name): items.capture(*_parts(obj, f"state item {name!r}"))
                 for name, obj in state.items()}
-    if opt is not None:
-        has_extra, extra_state = opt.extra_state()
+    if saved is not None:
+        has_extra = saved.extra is not None
         per_rank = opt.per_rank_object()
         if has_extra or per_rank is not None:
             mine = per_rank.per_rank_state_dict() if per_rank is not None else None
-            captured[("optimizer", "optimizer")] = items.capture(extra_state, "optimizer state", has_extra,
+            captured[("optimizer", "optimizer")] = items.capture(saved.extra, "optimizer state", has_extra,
                                                                  mine, per_rank is not None)
     summary: dict[Any, Any] = {key: c.summary() for key, c in captured.items()}
     summary["@pg"] = dtensor.pg_rank()
@@ -210,13 +211,13 @@ def load(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.op
     ``state`` names the state items to load (as given to ``save``): objects take their state
     in place (``load_state_dict``; per-rank objects ``load_per_rank_state_dict``), tensors,
     dicts and lists are filled in place; ``LoadResult.state`` has every item."""
-    comm = _communicator(comm, optimizer)
+    opt = planner_for(optimizer)
+    comm = _communicator(comm, opt)
     async_save_mod.wait_pending(comm)  # a save in flight commits (or raises its failure) first
     run = Collective(comm, "load")
     text, ckdir = run.on_root("reading the manifest", lambda: (read_manifest(path).to_json(), resolve(path)))
     m = Manifest.from_json(text)
     chunk_bytes = max(m.block_size, chunk_bytes // m.block_size * m.block_size)  # rounds end on the saved blocks
-    opt = planner_for(optimizer)
     result: dict[str, Any] = {}
     pg_ranks = run.allgather(dtensor.pg_rank())
     rp, match, has_opt = run.everywhere("planning", lambda: _plan_load(
@@ -246,9 +247,8 @@ def _plan_load(comm: mpicomm.Communicator, m: Manifest, ckdir: str, model: torch
     rp = ReadPlan()
     has_opt = opt is not None and m.optimizer is not None
     if opt is not None:
-        check_optimizer_params(opt, match, ckdir, strict)
-        opt.check_size(comm.size, "load")
-    plan_model_load(model_state, m, match, opt, rp)
+        opt.check_load(match, ckdir, strict, comm.size)
+    plan_model_load(model_state, m, match, rp, opt.loads_weights if opt is not None else None)
     section = m.state or {}
     if opt is not None:
         saved = section.get("optimizer") if has_opt else None

@@ -3,18 +3,21 @@ background thread on a duplicated communicator; at most one save in flight per c
 from __future__ import annotations
 
 import copy
+import datetime
 import threading
 from typing import Any, Callable
 
 import torch
 from mpi4py import MPI
 
-from zero import ZeroOptimizer
+from accelerators import get_accelerator
+from mpicomm.work import BaseWork, WaitTimeoutError, timeout_seconds
 
 from .collective import Collective
 from .errors import CheckpointError
 from .io import byte_view
 from .manifest import Manifest
+from .optimizers import OptimizerPlanner
 
 ALIGN = 64
 
@@ -54,8 +57,9 @@ def copy_into(dsts: list[torch.Tensor], buffers: list[torch.Tensor]) -> None:
     """Copy each buffer's bytes into its host tensor (waiting for device copies to finish)."""
     for dst, b in zip(dsts, buffers):
         dst.copy_(byte_view(b))
-    if any(b.device.type == "cuda" for b in buffers):
-        torch.cuda.synchronize()
+    acc = get_accelerator()
+    if any(acc.is_device_buffer(b) for b in buffers):
+        acc.synchronize()
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -66,26 +70,16 @@ def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
-def updated_by_step(buffers: list[torch.Tensor], model: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer) -> dict[int, str]:
-    """Index -> name of the ``buffers`` that share memory with a tensor ``optimizer.step``
-    changes: the model's parameters, the optimizer's state (a ZeroOptimizer's: its master shards
-    and their state)."""
+def updated_by_step(buffers: list[torch.Tensor], model: torch.nn.Module, opt: OptimizerPlanner) -> dict[int, str]:
+    """Index -> name of the ``buffers`` that share memory with a tensor the optimizer's ``step``
+    changes: the model's parameters, and what the optimizer planner names (``stepped_tensors``)."""
     out: dict[int, str] = {}
     names = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), name)
         out.setdefault(_storage(p), f"parameter {name!r}")
-    for p, st in optimizer.state.items():
-        for key, t in st.items() if isinstance(st, dict) else ():
-            if isinstance(t, torch.Tensor) and t.numel():
-                out.setdefault(_storage(t), f"optimizer state {key!r} of {names.get(id(p), 'a parameter')!r}")
-    if isinstance(optimizer, ZeroOptimizer):
-        for gi, g in enumerate(optimizer.groups):
-            out.setdefault(_storage(g.master), f"master shard of group {gi}")
-            for key, t in optimizer.shard_state(gi).items():
-                if isinstance(t, torch.Tensor) and t.numel():
-                    out.setdefault(_storage(t), f"optimizer state {key!r} of group {gi}")
+    for t, what in opt.stepped_tensors(names):
+        out.setdefault(_storage(t), what)
     return {i: out[at] for i, b in enumerate(buffers) if (at := _storage(b)) in out}
 
 
@@ -132,14 +126,17 @@ class BackgroundSnapshot:
         self._hook.remove()
 
 
-class SaveHandle:
-    """A save in flight: ``wait()`` returns its Manifest (or raises its failure, the same on
-    every rank), ``done()`` tells without waiting."""
+class SaveHandle(BaseWork):
+    """A save in flight, a ``mpicomm`` work handle: ``wait(timeout)`` returns its Manifest (or
+    raises its failure, the same on every rank; :class:`mpicomm.WaitTimeoutError` if it is still
+    writing then), ``is_completed()`` tells without waiting, ``get_future()`` is completed with
+    the Manifest (``result()`` returns it)."""
 
     def __init__(self, fn: Callable[[], Manifest], name: str,
                  background: BackgroundSnapshot | None = None) -> None:
-        self._result: Manifest | None = None
-        self._error: BaseException | None = None
+        super().__init__()
+        self._result = None  # type: ignore[assignment]  # the Manifest once committed
+        self._event = threading.Event()  # only the save's thread settles: waiters wait for it
         self._reported = False
         self._background = background
         self._thread = threading.Thread(target=self._run, args=(fn,), name=name, daemon=True)
@@ -148,48 +145,70 @@ class SaveHandle:
     def snapshot_done(self) -> bool:
         """True once the save no longer reads the caller's tensors (at return unless
         ``snapshot='background'``)."""
-        return self._background is None or self._background.copied.is_set() or not self._thread.is_alive()
+        return self._background is None or self._background.copied.is_set() or self._done
 
-    def wait_snapshot(self, timeout: float | None = None) -> None:
-        """Block until the save no longer reads the caller's tensors (they may then change)."""
-        if self._background is not None and not self._background.copied.wait(timeout):
-            raise TimeoutError(f"the background snapshot is still copying after {timeout} s")
+    def wait_snapshot(self, timeout: float | datetime.timedelta | None = None) -> None:
+        """Block until the save no longer reads the caller's tensors (they may then change);
+        ``timeout`` as for ``wait``."""
+        limit = timeout_seconds(timeout)
+        if self._background is not None and not self._background.copied.wait(limit):
+            raise WaitTimeoutError(f"ckpt: the background snapshot did not complete within "
+                                   f"wait_snapshot(timeout={limit:g} s); it goes on")
 
     def _run(self, fn: Callable[[], Manifest]) -> None:
+        result, error = None, None
         try:
-            self._result = fn()
+            result = fn()
         except BaseException as exc:  # noqa: BLE001 - kept for wait(), raised on the caller's thread
-            self._error = exc
+            error = exc
+        with self._lock:
+            self._result = result  # type: ignore[assignment]
+            self._settle(error)
 
-    def done(self) -> bool:
-        """True when the save has committed or failed."""
-        return not self._thread.is_alive()
+    def _test(self) -> bool:
+        return self._done
 
-    def wait(self, timeout: float | None = None) -> Manifest:
+    def _describe(self) -> str:
+        return "the asynchronous save"
+
+    def wait(self, timeout: float | datetime.timedelta | None = None) -> Manifest:  # type: ignore[override]
         """Block until the save has committed and return its manifest; a failure (the same on
-        every rank) is raised here, once."""
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            raise TimeoutError(f"the asynchronous save is still writing after {timeout} s")
-        self._release()
-        if self._error is not None:
-            self._reported = True
-            raise self._error
-        assert self._result is not None
-        return self._result
+        every rank) is raised here. With ``timeout`` (seconds or a timedelta; None or 0: no
+        limit), raise :class:`mpicomm.WaitTimeoutError` if it is still writing then."""
+        try:
+            super().wait(timeout)
+        except WaitTimeoutError:
+            raise
+        except BaseException:
+            self._finish()
+            raise
+        self._finish()
+        return self._result  # type: ignore[return-value]
 
-    def _settle(self) -> None:
-        """Wait; raise the failure unless it was raised already."""
-        self._thread.join()
-        self._release()
-        if self._error is not None and not self._reported:
-            self._reported = True
-            raise self._error
+    def result(self) -> Manifest:  # type: ignore[override]
+        """The manifest (waits for the commit)."""
+        return self.wait()
 
-    def _release(self) -> None:
+    def _finish(self) -> None:
+        """After completion: the thread ended, the step pre-hook removed, the failure reported."""
+        if threading.current_thread() is not self._thread:  # a future's callback may wait too
+            self._thread.join()
         if self._background is not None:
             self._background.release()
             self._background = None
+        self._reported = True
+
+    def _settle_pending(self) -> None:
+        """Wait; raise the failure unless it was raised already."""
+        reported = self._reported
+        try:
+            self.wait()
+        except BaseException:
+            if not reported:
+                raise
+
+    def __repr__(self) -> str:
+        return f"<ckpt.SaveHandle {'completed' if self._done else 'pending'}>"
 
 
 class _Slot:
@@ -219,7 +238,7 @@ def wait_pending(comm: Any = None) -> None:
         handle = slot.pending
         if handle is not None:
             slot.pending = None
-            handle._settle()
+            handle._settle_pending()
 
 
 def slot_for(comm: Any) -> _Slot:

@@ -52,10 +52,6 @@ class StepFailedError(CheckpointError, RuntimeError):
     ``failures`` says where and how."""
 
 
-#: Deprecated names (ckpt.__getattr__ warns): what they are called now.
-DEPRECATED = {"CollectiveError": "StepFailedError", "RankFailure": "FailureReport"}
-
-
 class CheckpointExistsError(CheckpointError, FileExistsError):
     """The destination of a save, convert or export exists and overwriting was not asked for."""
 

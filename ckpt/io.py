@@ -12,7 +12,7 @@ import torch
 from mpi4py import MPI
 
 from .checksum import Piece, block_ranges, crc32
-from .plan import IOItem, batches, chunk, coalesce
+from .byte_ranges import IOItem, batches, chunk, coalesce
 
 DEFAULT_CHUNK_BYTES = 32 << 20   # bound of staging buffers (dtype conversion, device copies)
 DIRECT_CHUNK_BYTES = 256 << 20   # rounds that move bytes straight to or from a host tensor

@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
-from . import dtensor, plan
+from . import byte_ranges, dtensor
 from .dtypes import DTYPES, dtype_name
 from .errors import IncompatibleStateError
 from .manifest import Manifest, ManifestError
-from .planner import ReadPlan, SavePlan
+from .io_plan import ReadPlan, SavePlan
 from .tree import decode, encode
 
 
@@ -86,7 +86,7 @@ def plan_save(name: str, prefix: str, c: Captured, summaries: list[tuple], rank:
                 keys.append(f"{prefix}@{r}/{k}")
                 e = sp.packer.add(name, -1, "item", shape, dt, keys[-1])
                 if r == rank:
-                    sp.own.append(plan.IOItem(e.offset, e.nbytes, sp.buffer(c.mine_tensors[k]), 0))
+                    sp.own.append(byte_ranges.IOItem(e.offset, e.nbytes, sp.buffer(c.mine_tensors[k]), 0))
             ranks.append({"value": mine, "tensors": keys})
         out["ranks"] = ranks
     return out

@@ -5,7 +5,7 @@ import json
 import math
 import zlib
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from .errors import EXIT_DAMAGED, EXIT_INCOMPLETE, EXIT_USAGE, CheckpointError
 
@@ -392,10 +392,15 @@ def _int(v: Any, what: str, lo: int | None = 0, hi: int | None = None) -> int:
     return v
 
 
-def _str(v: Any, what: str) -> str:
-    if not isinstance(v, str):
-        raise ManifestError(f"{what}: expected a string, got {v!r}")
+def _typed(v: Any, what: str, kind: type, expected: str, got: Callable[[Any], str] = repr) -> Any:
+    """``v`` if it is a ``kind``, else a ManifestError naming ``what``, ``expected`` and ``got(v)``."""
+    if not isinstance(v, kind):
+        raise ManifestError(f"{what}: expected {expected}, got {got(v)}")
     return v
+
+
+def _str(v: Any, what: str) -> str:
+    return _typed(v, what, str, "a string")
 
 
 def _opt_str(v: Any, what: str) -> str | None:
@@ -403,15 +408,11 @@ def _opt_str(v: Any, what: str) -> str | None:
 
 
 def _bool(v: Any, what: str) -> bool:
-    if not isinstance(v, bool):
-        raise ManifestError(f"{what}: expected true or false, got {v!r}")
-    return v
+    return _typed(v, what, bool, "true or false")
 
 
 def _list(v: Any, what: str) -> list:
-    if not isinstance(v, list):
-        raise ManifestError(f"{what}: expected a list, got {type(v).__name__}")
-    return v
+    return _typed(v, what, list, "a list", lambda x: type(x).__name__)
 
 
 def _shape(v: Any, what: str) -> tuple[int, ...]:

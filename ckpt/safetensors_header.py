@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 from .manifest import TensorEntry
 
 if TYPE_CHECKING:
-    from .planner import SavePlan
+    from .io_plan import SavePlan
 
 DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
           "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
@@ -124,7 +124,7 @@ def add_header(sp: "SavePlan", metadata: dict[str, str] | None = None) -> bytes:
     replicated data (an even share, like the model weights). Returns the header."""
     import torch
 
-    from .plan import IOItem, shift
+    from .byte_ranges import IOItem, shift
 
     head = encode(sp.packer.entries, metadata)
     sp.packer.prepend(len(head))

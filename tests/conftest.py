@@ -11,6 +11,9 @@ from mpi4py import MPI
 
 _WORLD = MPI.COMM_WORLD
 
+#: A test that runs in a one-process run only (skipped under mpiexec): ``from conftest import single_process``.
+single_process = pytest.mark.skipif(_WORLD.Get_size() > 1, reason="single-process test")
+
 
 def pytest_report_header(config):
     import mpi4py

@@ -9,6 +9,7 @@ import sys
 import threading
 
 import pytest
+import mpicomm
 from mpicomm import clean_env
 import torch
 from mpi4py import MPI
@@ -77,7 +78,7 @@ def test_changes_after_save_returns_are_not_saved(comm, world, shared_tmp_path, 
             for g in opt.groups:
                 g.master.fill_(5.0)
     m = handle.wait()
-    assert handle.done() and m.step == 2
+    assert handle.is_completed() and handle.is_success() and m.step == 2
 
     net2, opt2 = stepped(comm, kind, stage, dtype)  # a fresh copy, then loaded over
     with torch.no_grad():
@@ -107,9 +108,13 @@ def test_latest_moves_at_commit_and_a_second_save_waits(comm, world, shared_tmp_
     monkeypatch.setattr(ckpt_api, "commit_save", held)
     h2 = ckpt.save(shared_tmp_path / "s2", model=net, optimizer=opt, step=2, comm=comm, async_save=True)
     latest = shared_tmp_path / "latest"
+    future = h2.get_future()  # asked for while the save is pending
 
     def before():
-        assert not h2.done()
+        assert isinstance(h2, mpicomm.work.BaseWork)
+        assert not h2.is_completed() and not future.done()
+        with pytest.raises(mpicomm.WaitTimeoutError, match="the asynchronous save did not complete"):
+            h2.wait(timeout=0.05)  # it goes on
         assert latest.read_text().strip() == "s1", "latest moved before the commit"
         assert not (shared_tmp_path / "s2").exists()
     check_all(before)
@@ -119,7 +124,8 @@ def test_latest_moves_at_commit_and_a_second_save_waits(comm, world, shared_tmp_
     h3 = ckpt.save(shared_tmp_path / "s3", model=net, optimizer=opt, step=3, comm=comm, async_save=True)
 
     def after():
-        assert h2.done() and h2.wait().step == 2
+        assert h2.is_completed() and h2.wait().step == 2
+        assert future.wait() is h2.result() and h2.result().step == 2
         assert (shared_tmp_path / "s2" / "manifest.json").exists()
     check_all(after)
     assert h3.wait().step == 3
@@ -251,6 +257,7 @@ def test_background_failure_is_raised_on_every_rank_once(comm, world, shared_tmp
     ckpt.save(shared_tmp_path / "s1", model=net, optimizer=opt, step=1, comm=comm)
     real = _fail_on_last_rank(monkeypatch, comm)
     h = ckpt.save(shared_tmp_path / "s2", model=net, optimizer=opt, step=2, comm=comm, async_save=True)
+    future = h.get_future()
 
     def next_call():
         if where == "wait":
@@ -266,6 +273,12 @@ def test_background_failure_is_raised_on_every_rank_once(comm, world, shared_tmp
         with pytest.raises(OSError, match="injected: no space left"):
             next_call()
     check_all(raised)
+
+    def settled():  # the handle and its future tell the same failure
+        assert h.is_completed() and not h.is_success() and isinstance(h.exception(), OSError)
+        with pytest.raises(OSError, match="injected: no space left"):
+            future.wait()
+    check_all(settled)
     monkeypatch.setattr(ckpt_api, "write_items", real)
     # raised once: the next calls work, and the failed save left the previous checkpoint
     res = ckpt.load(shared_tmp_path, model=net, optimizer=opt, comm=comm)

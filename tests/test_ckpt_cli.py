@@ -4,7 +4,6 @@ DeepSpeed checkpoints here are the fake ones of test_ckpt_ds_format (laid out as
 lays them out); the expected values are the tensors they were cut from."""
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
@@ -96,16 +95,18 @@ def test_convert_needs_no_consent_then_round_trips(tmp_path, capsys):
     assert info.value.code == ckpt_cli.EXIT_USAGE
 
 
-def test_progress_only_on_rank_0_and_only_when_asked_or_a_terminal(monkeypatch):
-    ns = argparse.Namespace
+def test_progress_only_when_asked_or_a_terminal(monkeypatch, capsys, tmp_path):
+    ckpt.save(tmp_path / "c", model=Net(torch.float32), comm=MPI.COMM_SELF)
+
+    def bar(*flags: str) -> bool:
+        code, out, err = cli(capsys, "verify", str(tmp_path / "c"), *flags)
+        assert code == 0 and out.startswith("ok: "), err
+        return "verifying [" in err
+
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
-    assert ckpt_cli._show_progress(ns(progress=None), 0)
-    assert not ckpt_cli._show_progress(ns(progress=None), 1)
-    assert not ckpt_cli._show_progress(ns(progress=False), 0)
+    assert bar() and not bar("--no-progress")
     monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
-    assert not ckpt_cli._show_progress(ns(progress=None), 0)
-    assert ckpt_cli._show_progress(ns(progress=True), 0)
-    assert not ckpt_cli._show_progress(ns(progress=True), 1)
+    assert not bar() and bar("--progress")
 
 
 def test_convert_and_export_in_parallel_under_mpiexec(tmp_path):
@@ -123,6 +124,8 @@ def test_convert_and_export_in_parallel_under_mpiexec(tmp_path):
               "--progress")
     assert out.stdout.count("ok: ") == 1, "one report, from rank 0"
     assert "convert: writing [" in out.stderr
+    done = f"convert: writing [{'#' * 30}] 100% 1/1"
+    assert out.stderr.count(done) == 1, f"a bar from rank 0 only, --progress or not: {out.stderr[-2000:]}"
     m = ckpt.read_manifest(tmp_path / "ours")
     assert (m.world_size, m.stage) == (2, 2)  # ZeRO-3 imports as stage 2
     net = loaded_net(tmp_path / "ours")  # saved by 2 ranks, loaded by 1

@@ -127,11 +127,7 @@ def test_every_ckpt_exception_is_a_checkpoint_error_with_a_documented_exit_code(
     assert issubclass(ckpt.CheckpointExistsError, FileExistsError)
 
 
-def test_old_error_names_are_deprecated_aliases():
-    with pytest.warns(DeprecationWarning, match="use ckpt.StepFailedError"):
-        assert ckpt.CollectiveError is ckpt.StepFailedError
-    with pytest.warns(DeprecationWarning, match="use ckpt.FailureReport"):
-        assert ckpt.RankFailure is ckpt.FailureReport
+def test_unknown_names_raise_attribute_error():
     with pytest.raises(AttributeError):
         ckpt.NoSuchName  # noqa: B018
 

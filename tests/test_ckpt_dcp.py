@@ -23,9 +23,9 @@ import mpicomm  # noqa: F401 - registers the "mpicomm" torch.distributed backend
 from ckpt import cli as ckpt_cli
 from ckpt.dcp_convert import read_dcp
 from ckpt.dcp_reader import byte_runs
+from conftest import single_process
 from mpitest import assert_all, check_all
 
-single_process = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1, reason="single-process test")
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # DCP's "assuming single process" warnings
 
 

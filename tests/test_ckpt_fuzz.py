@@ -25,8 +25,7 @@ from mpi4py import MPI
 import ckpt
 from ckpt.deepspeed import read_deepspeed
 from ckpt.manifest import MANIFEST_CRC_FIELD, manifest_crc
-
-single_process = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1, reason="single-process test")
+from conftest import single_process
 
 SEED = 20261130
 BLOCK = 256

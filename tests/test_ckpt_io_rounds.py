@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ckpt.io import _plan
-from ckpt.plan import IOItem
+from ckpt.byte_ranges import IOItem
 
 MIB = 1 << 20
 

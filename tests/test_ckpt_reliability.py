@@ -23,11 +23,11 @@ from zero import ZeroOptimizer
 import mpicomm
 from ckpt import cli as ckpt_cli
 from ckpt import io as ckpt_io
-from ckpt.planner_zero import ZeroPlanner
+from ckpt.optimizers import ZeroPlanner
+from conftest import single_process
 from mpitest import assert_all, mpiexec_cmd
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-single_process = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1, reason="single-process test")
 
 
 def make_model(seed: int = 0, hidden: int = 16) -> torch.nn.Module:

@@ -25,10 +25,10 @@ import ckpt
 from zero import ZeroOptimizer
 from ckpt import cli as ckpt_cli
 from ckpt.tree import decode, encode
+from conftest import single_process
 from mpitest import assert_all, mpiexec_cmd
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-single_process = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1, reason="single-process test")
 
 
 def same(a, b) -> bool:
@@ -319,7 +319,6 @@ def test_resume_in_fresh_processes_is_bit_identical(tmp_path, n):
 # -- the previous format version ----------------------------------------------------------------
 
 
-@single_process
 def _stored_v1(path: str) -> dict:
     """The tensors of a version-1 checkpoint read straight from its bytes (numpy at the offsets
     its manifest lists): the values stored with the fixture, independent of ckpt's reader."""
@@ -344,6 +343,7 @@ def close(a, b) -> bool:
     return same(a, b)
 
 
+@single_process
 def test_format_version_1_checkpoint_still_loads():
     path = os.path.join(ROOT, "tests", "data", "ckpt_v1")  # written by the version-1 code
     with open(os.path.join(path, "manifest.json")) as f:

@@ -7,7 +7,7 @@ import os
 import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -272,6 +272,14 @@ def _model_dtype(module: dict[str, torch.Tensor], names: list[str]) -> torch.dty
     return torch.float32
 
 
+def _cut(flat: torch.Tensor, start: int, numel: int, what: Callable[[], str]) -> torch.Tensor:
+    """``numel`` elements of the flat partition ``flat`` from ``start``; a DeepSpeedFormatError
+    (``what()`` names them) if they run past its end."""
+    if start + numel > flat.numel():
+        raise DeepSpeedFormatError(f"{what()} partition of {flat.numel()} elements")
+    return flat.narrow(0, start, numel)
+
+
 def _unflatten_zero12(optim: list[tuple[int, dict]], owned: list[str], group: dict[str, int],
                       shapes: dict[str, tuple[int, ...]], module: dict[str, torch.Tensor],
                       folder: str, progress: ProgressFn | None = None) -> dict[str, dict[str, torch.Tensor]]:
@@ -291,10 +299,8 @@ def _unflatten_zero12(optim: list[tuple[int, dict]], owned: list[str], group: di
             start, numel = int(frag.start), int(frag.numel)
             flats = {"fp32": fp32[gi], **{k: states[gi][k] for k in STATE_KEYS}}
             for k, flat in flats.items():
-                if start + numel > flat.numel():
-                    raise DeepSpeedFormatError(f"{folder}: rank {rank} fragment of {n!r} [{start}, "
-                                               f"{start + numel}) exceeds its {k} partition of {flat.numel()}")
-                pieces[n][k].append(flat.narrow(0, start, numel))
+                pieces[n][k].append(_cut(flat, start, numel, lambda: f"{folder}: rank {rank} fragment of {n!r} "
+                                         f"[{start}, {start + numel}) exceeds its {k}"))
     out = {}
     for n in owned:
         shape, numel = shapes[n], math.prod(shapes[n])
@@ -342,10 +348,8 @@ def _unflatten_zero3(optim: list[tuple[int, dict]], owned: list[str], shapes_gro
             piece = math.ceil(numel / len(optim))
             valid = max(0, min(piece, numel - rank * piece))
             for k, flat in (("fp32", flats[si]), *((k, states[si][k]) for k in STATE_KEYS)):
-                if off + valid > flat.numel():
-                    raise DeepSpeedFormatError(f"{folder}: rank {rank} piece of {n!r} exceeds its {k} "
-                                               f"partition of {flat.numel()} elements")
-                pieces[n][k].append(flat.narrow(0, off, valid))
+                pieces[n][k].append(_cut(flat, off, valid, lambda: f"{folder}: rank {rank} piece of {n!r} "
+                                         f"exceeds its {k}"))
     out = {}
     for n in owned:
         out[n] = {k: torch.cat(v).reshape(shapes[n]).clone() for k, v in pieces[n].items()}

@@ -2,18 +2,20 @@
 masters and of every per-element optimizer state, at any world size and stage."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
-from . import plan
-from .dtypes import DTYPES, dtype_name
-from .errors import IncompatibleStateError
-from zero import Segment
-from .manifest import Manifest, ManifestError
-from .planner import ModelState, OptimizerPlanner, ReadPlan, SavePlan, split_state, unscalar
-from .stateful import is_per_rank
-from zero import ZeroOptimizer
+from zero import Segment, ZeroOptimizer
+
+from .. import byte_ranges
+from ..dtypes import DTYPES, dtype_name
+from ..errors import IncompatibleStateError
+from ..io_plan import ReadPlan, SavePlan
+from ..manifest import Manifest, ManifestError
+from ..model_state import ModelState
+from ..stateful import is_per_rank
+from .base import OptimizerPlanner, SavedOptimizer, split_state, unscalar
 
 
 def zero_padding(t: torch.Tensor, segments: list[Segment]) -> None:
@@ -40,6 +42,9 @@ class ZeroPlanner(OptimizerPlanner):
         cls = self.optimizer.optimizer_class
         return f"{cls.__module__}.{cls.__qualname__}"
 
+    def communicator(self) -> Any:
+        return self.optimizer.comm
+
     def check_size(self, size: int, what: str) -> None:
         if self.optimizer.comm.size != size:
             raise IncompatibleStateError(f"{what}: the optimizer shards over {self.optimizer.comm.size} ranks "
@@ -59,17 +64,16 @@ class ZeroPlanner(OptimizerPlanner):
     def loads_weights(self, t: torch.Tensor) -> bool:
         return id(t) in self._ids()  # gathered from the masters after the load
 
-    def prepare_save(self, size: int) -> None:
+    def prepare_save(self, size: int) -> list[dict[str, Any]]:
+        """Every group's shard state (handed to ``plan_save``)."""
         self.check_size(size, "save")
         # collective for OnebitAdam after freeze_step (the exact mean momentum): every rank,
         # every group, in order, in a step with nothing else that could fail on one rank first
-        self._states = [self.optimizer.shard_state(gi) for gi in range(len(self.optimizer.groups))]
+        return [self.optimizer.shard_state(gi) for gi in range(len(self.optimizer.groups))]
 
-    def plan_save(self, model: ModelState, index: dict[int, int], sp: SavePlan, rank: int) -> dict[str, Any]:
-        zero = self.optimizer
-        states, self._states = getattr(self, "_states", None), None
-        if states is None:  # planned without prepare_save (not through ckpt.save)
-            states = [zero.shard_state(gi) for gi in range(len(zero.groups))]
+    def plan_save(self, prepared: list[dict[str, Any]], model: ModelState, index: dict[int, int], sp: SavePlan,
+                  rank: int) -> SavedOptimizer:
+        zero, states = self.optimizer, prepared
         group_tensors: list[dict[str, torch.Tensor]] = []
         scalars: dict[str, dict[str, Any]] = {}
         self._check_inner_state()
@@ -89,11 +93,11 @@ class ZeroPlanner(OptimizerPlanner):
                 entries[li] = e = sp.packer.add(model.names[i], i, "master", p.shape, "float32")
                 if p.dtype == torch.float32:
                     sp.packer.alias(e, "param")
-            sp.own += plan.shard_items(g.layout.segments(rank), entries, sp.buffer(g.master))
+            sp.own += byte_ranges.shard_items(g.layout.segments(rank), entries, sp.buffer(g.master))
             if g.params and g.dtype != torch.float32 and self.saves_weights(g.params[0]):
                 cast = {li: sp.packer.add(model.names[index[id(p)]], index[id(p)], "param", p.shape,
                                           dtype_name(p.dtype)) for li, p in enumerate(g.params)}
-                sp.own += plan.shard_items(g.layout.segments(rank), cast, sp.buffer(g.master.to(g.dtype)))
+                sp.own += byte_ranges.shard_items(g.layout.segments(rank), cast, sp.buffer(g.master.to(g.dtype)))
         keys: list[str] = []
         for tensors in group_tensors:
             keys += [k for k in tensors if k not in keys]
@@ -104,8 +108,8 @@ class ZeroPlanner(OptimizerPlanner):
                     continue
                 entries = {li: sp.packer.add(model.names[index[id(p)]], index[id(p)], "state", p.shape,
                                              dtype_name(t.dtype), key) for li, p in enumerate(g.params)}
-                sp.own += plan.shard_items(g.layout.segments(rank), entries, sp.buffer(t))
-        return {"class": self.class_name(), "param_groups": self.groups_json(index), "scalars": scalars}
+                sp.own += byte_ranges.shard_items(g.layout.segments(rank), entries, sp.buffer(t))
+        return SavedOptimizer({"class": self.class_name(), "param_groups": self.groups_json(index), "scalars": scalars})
 
     def _check_inner_state(self) -> None:
         inner = self.optimizer.optimizer
@@ -119,6 +123,15 @@ class ZeroPlanner(OptimizerPlanner):
     def per_rank_object(self) -> Any:
         inner = self.optimizer.optimizer
         return self.optimizer if is_per_rank(self.optimizer) else inner if is_per_rank(inner) else None
+
+    def stepped_tensors(self, names: dict[int, str]) -> Iterator[tuple[torch.Tensor, str]]:
+        """Besides the wrapped optimizer's state: the master shards and their state."""
+        yield from super().stepped_tensors(names)
+        for gi, g in enumerate(self.optimizer.groups):
+            yield g.master, f"master shard of group {gi}"
+            for key, t in self.optimizer.shard_state(gi).items():
+                if isinstance(t, torch.Tensor) and t.numel():
+                    yield t, f"optimizer state {key!r} of group {gi}"
 
     def plan_load(self, m: Manifest, by_id: dict[int, int], rp: ReadPlan, has_state: bool,
                   extra: Callable[[], Any] | None = None) -> None:
@@ -155,7 +168,7 @@ class ZeroPlanner(OptimizerPlanner):
                 raise ManifestError(f"load: checkpoint has no weights for {m.params[i].name!r}")
             src[li] = e
         for dt in {e.dtype for e in src.values()}:
-            rp.items += plan.shard_items(segs, {li: e for li, e in src.items() if e.dtype == dt}, rp.dest(g.master, dt))
+            rp.items += byte_ranges.shard_items(segs, {li: e for li, e in src.items() if e.dtype == dt}, rp.dest(g.master, dt))
         state: dict[str, Any] = {}
         for key in m.state_keys() if has_state else []:
             present = {li: e for li, i in enumerate(ids) if (e := m.find("state", i, key)) is not None}
@@ -170,7 +183,7 @@ class ZeroPlanner(OptimizerPlanner):
                             device=g.master.device)
             zero_padding(t, segs)
             state[key] = t
-            rp.items += plan.shard_items(segs, present, rp.dest(t, dt))
+            rp.items += byte_ranges.shard_items(segs, present, rp.dest(t, dt))
         if has_state:
             saved = [m.optimizer["scalars"].get(str(i), {}) for i in ids]
             for key in saved[0] if saved else []:

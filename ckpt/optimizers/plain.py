@@ -8,11 +8,13 @@ from typing import Any, Callable
 
 import torch
 
-from . import dtensor
-from .dtypes import DTYPES
-from .errors import IncompatibleStateError
-from .manifest import Manifest
-from .planner import ModelState, OptimizerPlanner, ReadPlan, SavePlan, split_state, unscalar
+from .. import dtensor
+from ..dtypes import DTYPES
+from ..errors import IncompatibleStateError
+from ..io_plan import ReadPlan, SavePlan
+from ..manifest import Manifest
+from ..model_state import ModelState
+from .base import OptimizerPlanner, SavedOptimizer, split_state, unscalar
 
 STANDARD_KEYS = ("state", "param_groups")
 
@@ -20,9 +22,8 @@ STANDARD_KEYS = ("state", "param_groups")
 class PlainPlanner(OptimizerPlanner):
     """Full optimizer state, replicated on every rank."""
 
-    _extra: dict[str, Any] | None = None
-
-    def plan_save(self, model: ModelState, index: dict[int, int], sp: SavePlan, rank: int) -> dict[str, Any]:
+    def plan_save(self, prepared: Any, model: ModelState, index: dict[int, int], sp: SavePlan,
+                  rank: int) -> SavedOptimizer:
         per_param: list[tuple[int, dict[str, torch.Tensor]]] = []
         scalars: dict[str, dict[str, Any]] = {}
         others: dict[str, dict[str, Any]] = {}
@@ -41,11 +42,8 @@ class PlainPlanner(OptimizerPlanner):
                 if key in tensors:
                     sp.whole(model.names[i], i, "state", tensors[key], key)
         top = {k: v for k, v in self.optimizer.state_dict().items() if k not in STANDARD_KEYS}
-        self._extra = {"top": top, "params": others} if top or others else None
-        return {"class": self.class_name(), "param_groups": self.groups_json(index), "scalars": scalars}
-
-    def extra_state(self) -> tuple[bool, Any]:
-        return self._extra is not None, self._extra
+        entry = {"class": self.class_name(), "param_groups": self.groups_json(index), "scalars": scalars}
+        return SavedOptimizer(entry, {"top": top, "params": others} if top or others else None)
 
     def plan_load(self, m: Manifest, by_id: dict[int, int], rp: ReadPlan, has_state: bool,
                   extra: Callable[[], Any] | None = None) -> None:

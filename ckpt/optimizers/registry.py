@@ -1,18 +1,13 @@
-"""Which optimizer planner serves an optimizer: the one module that knows every planner kind.
-
-``planner`` defines the interface (``OptimizerPlanner``) and imports no planner; ``planner_plain``
-and ``planner_zero`` implement it; this module picks one, so no module imports one that
-imports it back.
-"""
+"""Which planner serves an optimizer: the one module that knows every planner kind."""
 from __future__ import annotations
 
 import torch
 
 from zero import ZeroOptimizer
 
-from .planner import OptimizerPlanner
-from .planner_plain import PlainPlanner
-from .planner_zero import ZeroPlanner
+from .base import OptimizerPlanner
+from .plain import PlainPlanner
+from .zero_optimizer import ZeroPlanner
 
 #: (optimizer class, planner class), the first match wins; any other optimizer: ``PlainPlanner``.
 PLANNERS: list[tuple[type, type[OptimizerPlanner]]] = [(ZeroOptimizer, ZeroPlanner)]

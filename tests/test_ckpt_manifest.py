@@ -1,0 +1,95 @@
+"""ckpt's checksums and manifest (pure): CRC-32 combining, per-block checksums whoever wrote
+which bytes, and the manifest's JSON round trip and validation."""
+from __future__ import annotations
+
+import os
+import random
+import zlib
+
+import pytest
+
+from ckpt import checksum
+from ckpt.manifest import FORMAT_VERSION, Manifest, ManifestError, Packer, ParamInfo, jsonable, like
+
+
+def test_crc32_combine_matches_zlib():
+    rng = random.Random(5)
+    for i in range(60):
+        a = os.urandom(rng.randrange(0, 3000))
+        b = os.urandom(rng.randrange(0, 3000) if i % 3 else rng.randrange(60_000, 140_000))
+        assert checksum.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+        assert checksum.crc32(a) == zlib.crc32(a)  # the fast path (ISA-L) when installed
+
+
+def _pieces(data: bytes, cuts, block):
+    out = []
+    bounds = [0, *cuts, len(data)]
+    for a, b in zip(bounds, bounds[1:]):
+        for off, ln in checksum.block_ranges(a, b - a, block):
+            out.append(checksum.Piece(off, ln, zlib.crc32(data[off:off + ln])))
+    return out
+
+
+def test_block_checksums_do_not_depend_on_who_wrote_what():
+    data = os.urandom(10_000)
+    block = 1024
+    expected = [zlib.crc32(data[i:i + block]) for i in range(0, len(data), block)]
+    for cuts in ([], [1], [500, 1500, 1600, 7777], list(range(37, 10_000, 911))):
+        pieces = _pieces(data, cuts, block)
+        random.Random(1).shuffle(pieces)
+        assert checksum.combine_blocks(pieces, len(data), block) == expected
+
+
+def test_verify_blocks_finds_bad_and_partial_blocks():
+    data = bytearray(os.urandom(5000))
+    block = 1000
+    expected = [zlib.crc32(bytes(data[i:i + block])) for i in range(0, len(data), block)]
+    # two "ranks" read overlapping ranges; one duplicate piece; block 4 is touched but not covered
+    pieces = _pieces(bytes(data), [300, 2500], block)[:-1]
+    pieces += [checksum.Piece(off, ln, zlib.crc32(bytes(data[off:off + ln])))
+               for off, ln in checksum.block_ranges(0, 1700, block)]
+    pieces.append(checksum.Piece(4000, 10, zlib.crc32(bytes(data[4000:4010]))))
+    bad, partial = checksum.verify_blocks(pieces, expected, len(data), block)
+    assert bad == [] and partial == [4]
+    data[1234] ^= 1
+    pieces = _pieces(bytes(data), [300, 2500], block)
+    bad, partial = checksum.verify_blocks(pieces, expected, len(data), block)
+    assert bad == [1] and partial == []
+
+
+def test_combine_blocks_reports_a_gap():
+    data = os.urandom(3000)
+    pieces = [p for p in _pieces(data, [1000, 1500], 1000) if p.offset != 1000]
+    with pytest.raises(ValueError, match="block 1"):
+        checksum.combine_blocks(pieces, len(data), 1000)
+
+
+def test_manifest_round_trip_and_validation():
+    pk = Packer()
+    e = pk.add("w", 0, "master", (2, 3), "float32")
+    pk.alias(e, "param")
+    pk.add("w", 0, "state", (2, 3), "bfloat16", key="exp_avg")
+    m = Manifest(world_size=3, stage=1, step=7, params=[ParamInfo("w", (2, 3), "float32")],
+                 tensors=pk.entries, files={"data.bin": {"nbytes": pk.size, "crc32": [123]}},
+                 optimizer={"class": "torch.optim.adam.Adam", "param_groups": [{"betas": [0.9, 0.99]}], "scalars": {}},
+                 extra={"a": [1, 2]}, block_size=1 << 20)
+    m2 = Manifest.from_json(m.to_json())
+    assert m2.tensors == m.tensors and m2.params == m.params and m2.extra == {"a": [1, 2]}
+    assert m2.find("param", 0).offset == m2.find("master", 0).offset == 0
+    assert m2.find("state", 0, "exp_avg").nbytes == 12
+    assert m2.state_keys() == ["exp_avg"]
+    bad = m.to_json().replace('"nbytes": 12', '"nbytes": 13')
+    with pytest.raises(ManifestError, match="expected 12 bytes"):
+        Manifest.from_json(bad)
+    with pytest.raises(ManifestError, match="version"):
+        Manifest.from_json(m.to_json().replace(f'"version": {FORMAT_VERSION}', '"version": 99'))
+    with pytest.raises(ManifestError, match="format"):
+        Manifest.from_json('{"format": "other"}')
+
+
+def test_jsonable_and_like():
+    assert jsonable({"betas": (0.9, 0.999), "x": None}, "g") == {"betas": [0.9, 0.999], "x": None}
+    with pytest.raises(TypeError, match="g.lr"):
+        jsonable({"lr": object()}, "g")
+    assert like((0.9, 0.99), [0.8, 0.7]) == (0.8, 0.7)
+    assert like(0.1, 0.2) == 0.2
