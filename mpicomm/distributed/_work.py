@@ -90,7 +90,8 @@ class MpicommWork(BaseWork, dist.Work):
         self._described = described
         self._timeout = timeout
         self._source = source
-        self._deadline_key: int | None = None
+        self._deadline_key: int | None = None  # while the deadline thread keeps the deadline
+        self._deadline: _deadlines.Deadline | None = None
         if not self._inner:  # completed at launch (a blocking call): finish now
             for step in self._finish:
                 step()
@@ -102,7 +103,23 @@ class MpicommWork(BaseWork, dist.Work):
         self._deadline = _deadlines.Deadline(
             self._start + limit, self._expire, notice=self._start + limit / 2,
             on_notice=lambda: pg._publish_waiting(seq, call))
-        self._deadline_key = _deadlines.watch(self._deadline)
+
+    def _launch_threaded(self) -> None:
+        """The progress thread completes the work; the deadline thread keeps its deadline."""
+        if not self._done:
+            self._deadline_key = _deadlines.watch(self._deadline)
+        super()._launch_threaded()
+
+    def _block(self) -> None:
+        """Test on this thread until done, keeping the deadline here (no other thread woken)."""
+        d = self._deadline
+        while not self._poll():
+            now = time.monotonic()
+            if now >= d.notice and not d.noticed:
+                d.noticed = True
+                d.on_notice()
+            if now >= d.due:
+                self._expire()
 
     # -- completion -------------------------------------------------------------------------
 
@@ -124,10 +141,10 @@ class MpicommWork(BaseWork, dist.Work):
         if error is None:
             self._inner = []
         if self._deadline_key is not None:
-            watched = _deadlines.unwatch(self._deadline_key)
+            _deadlines.unwatch(self._deadline_key)
             self._deadline_key = None
-            if watched is not None and watched.noticed:
-                self._pg._publish_waiting(None, None)
+        if self._deadline is not None and self._deadline.noticed:
+            self._pg._publish_waiting(None, None)
         if self._record is not None:
             record, self._record = self._record, None
             record.end()
@@ -139,7 +156,7 @@ class MpicommWork(BaseWork, dist.Work):
         with self._lock:
             if self._done:
                 return
-            self._deadline_key = None  # the deadline thread dropped it
+            self._deadline_key = None  # the deadline thread dropped it (or never had it)
             pg, where = self._pg, (f"{self._call} ({_describe(self._described)}), operation "
                                    f"#{self._seq} of process group {self._pg.group_name!r} on "
                                    f"rank {self._pg.rank()} of {self._pg.size()}")
