@@ -32,7 +32,8 @@ mpicomm's collectives), ``hierarchical`` (node structure and the hierarchical ca
 (kernel families behind one interface, and the choice among them), ``kernels`` with
 ``_numba_kernels``/``_numpy_kernels`` (host kernels), ``torch_kernels`` (device kernels),
 ``transport`` (a process group as the engine's communicator), ``adam_update`` (the 1-bit Adam
-family's checks and update), ``flat`` (means of many tensors in one call),
+family's checks and update), ``onebit_optimizer`` (the 1-bit optimizers' step frame and
+checkpointed counters), ``flat`` (means of many tensors in one call),
 ``deepspeed_backend`` (``MpiBackend``, ``CompressedBackend``: DeepSpeed's compression backends,
 not torch.distributed backends)/``allreduce``/``adam``/``zoadam``/``lamb``/``ddp_hook`` (the
 public classes), ``errors``.
