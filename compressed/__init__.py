@@ -18,33 +18,39 @@ Public API:
   steps with a compressed sync of the accumulated update at doubling intervals).
 - ``OnebitLamb``: LAMB, then frozen variance and trust ratio, compressed scaled momentum.
 - ``CompressedBackend(group=None)``: ``MpiBackend`` on any torch.distributed process group.
+- ``Compressor(comm=None, kernels=None, hierarchical=None)``: the core all of them run on:
+  ``allreduce_into(inp, out, worker_error, server_error)`` (the compressed mean of ``inp``
+  written into ``out``) and ``compressed_reduce_scatter``, over caller buffers.
 - ``onebit_ddp_hook`` with ``OnebitDDPState``: DDP comm hook (warm-up and small buckets exact).
 
 The optimizers and ``OnebitAllreduce`` take ``comm=`` as an mpicomm Communicator (or what
 ``mpicomm.as_communicator`` takes) or a torch.distributed process group (``transport``).
 
 What lives where: ``wire_format`` (sizes and the wire format), ``engine`` (the algorithm, once, on
-mpicomm's collectives), ``hierarchical`` (node structure and the hierarchical call), ``families`` (kernel families behind one interface), ``kernels`` with
+mpicomm's collectives), ``hierarchical`` (node structure and the hierarchical call),
+``compressor`` (``Compressor``: buffers, workspaces, the hierarchy decision), ``families``
+(kernel families behind one interface, and the choice among them), ``kernels`` with
 ``_numba_kernels``/``_numpy_kernels`` (host kernels), ``torch_kernels`` (device kernels),
 ``transport`` (a process group as the engine's communicator), ``adam_update`` (the 1-bit Adam
-family's checks and update), ``flat`` (means of many tensors in one call),
-``deepspeed_backend`` (``MpiBackend``: DeepSpeed's compression backend, not a
-torch.distributed backend)/``group_backend``/``allreduce``/``adam``/``zoadam``/``lamb``/``ddp_hook`` (the public
-classes), ``errors``.
+family's checks and update), ``onebit_optimizer`` (the 1-bit optimizers' step frame and
+checkpointed counters), ``flat`` (means of many tensors in one call),
+``deepspeed_backend`` (``MpiBackend``, ``CompressedBackend``: DeepSpeed's compression backends,
+not torch.distributed backends)/``allreduce``/``adam``/``zoadam``/``lamb``/``ddp_hook`` (the
+public classes), ``errors``.
 """
 from __future__ import annotations
 
 from .adam import OnebitAdam
 from .allreduce import OnebitAllreduce
-from .deepspeed_backend import MpiBackend
+from .compressor import Compressor
 from .ddp_hook import OnebitDDPState, onebit_ddp_hook
+from .deepspeed_backend import CompressedBackend, MpiBackend
 from .errors import NonFiniteError, SizeMismatchError
-from .group_backend import CompressedBackend
 from .lamb import OnebitLamb
 from .transport import GroupTransport
 from .wire_format import padded_size
 from .zoadam import ZeroOneAdam
 
-__all__ = ["MpiBackend", "CompressedBackend", "GroupTransport", "OnebitAllreduce", "OnebitAdam",
-           "ZeroOneAdam", "OnebitLamb", "OnebitDDPState", "onebit_ddp_hook", "NonFiniteError",
-           "SizeMismatchError", "padded_size"]
+__all__ = ["Compressor", "MpiBackend", "CompressedBackend", "GroupTransport", "OnebitAllreduce",
+           "OnebitAdam", "ZeroOneAdam", "OnebitLamb", "OnebitDDPState", "onebit_ddp_hook",
+           "NonFiniteError", "SizeMismatchError", "padded_size"]

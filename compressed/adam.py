@@ -1,18 +1,19 @@
 """OnebitAdam: Adam whose momentum is averaged with 1-bit compressed allreduce after a warm-up."""
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 import torch
 
 from . import adam_update as U
 from .allreduce import OnebitAllreduce
+from .onebit_optimizer import OnebitOptimizer
 from .transport import as_comm
 
 __all__ = ["OnebitAdam"]
 
 
-class OnebitAdam(torch.optim.Optimizer):
+class OnebitAdam(OnebitOptimizer):
     """1-bit Adam (Tang et al., as in DeepSpeed) over an mpicomm communicator.
 
     Steps 1..``freeze_step`` are Adam (as ``torch.optim.Adam``, weight decay added to the
@@ -22,8 +23,9 @@ class OnebitAdam(torch.optim.Optimizer):
     buffer per device, are averaged with one compressed allreduce (error feedback kept by this
     optimizer). Parameters whose ``grad`` is None are skipped: every rank must skip the same ones.
     Moments are fp32 and every update is computed in fp32, also for fp16/bf16 parameters and
-    gradients (rounded once into the parameter). ``state_dict()`` holds the moments and step
-    counters (the same on every rank); ``per_rank_state_dict()`` adds this rank's error feedback.
+    gradients (rounded once into the parameter). ``state_dict()`` holds the moments and, under
+    ``onebit``, the step counters (the same on every rank: warm-up and bias correction resume
+    where they stopped); ``per_rank_state_dict()`` adds this rank's error feedback.
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
@@ -38,30 +40,17 @@ class OnebitAdam(torch.optim.Optimizer):
         self.onebit = OnebitAllreduce(self.comm, cuda_aware=cuda_aware)
         self._flats: dict[str, torch.Tensor] = {}
 
-    @property
-    def frozen(self) -> bool:
-        """Whether the next step uses compressed momentum."""
-        return self.global_step >= self.freeze_step
+    def _warm_step(self, active: list, t: int) -> None:
+        self._adam_step(active, t, frozen=False)
 
-    def _active(self) -> list[tuple[dict, torch.Tensor]]:
-        return [(g, p) for g in self.param_groups for p in g["params"] if p.grad is not None]
+    def _frozen_step(self, active: list, t: int) -> None:
+        self._adam_step(active, t, frozen=True)
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None):
-        """Take one optimisation step (collective: every rank calls it)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        active = self._active()
-        frozen = self.frozen
-        t = self.global_step + 1
-        grads = [p.grad.detach() for _, p in active]
+    def _adam_step(self, active: list, t: int, frozen: bool) -> None:
+        grads = [p.grad.detach() for _, _, p in active]
         if not frozen:
             grads = self._average(grads)
-        for (group, p), g in zip(active, grads):
-            if g.is_sparse:
-                raise RuntimeError("OnebitAdam does not support sparse gradients")
+        for (_, group, p), g in zip(active, grads):
             beta1, beta2 = group["betas"]
             st = U.moments(self.state[p], p)  # fp32 whatever the parameter's dtype
             g = U.with_weight_decay(g, p, group["weight_decay"])
@@ -70,12 +59,10 @@ class OnebitAdam(torch.optim.Optimizer):
                 st["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
         if frozen:
             self._average_momenta(active)
-        for group, p in active:
+        for _, group, p in active:
             st = self.state[p]
             U.adam_update_(p, st["exp_avg"], st["exp_avg_sq"], lr=group["lr"], betas=group["betas"],
                            eps=group["eps"], t=t, n_var=min(t, self.freeze_step))
-        self.global_step = t
-        return loss
 
     def _flat(self, name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
         """A float32 buffer kept between steps (fresh large buffers cost page faults each step)."""
@@ -99,8 +86,8 @@ class OnebitAdam(torch.optim.Optimizer):
                 out[i] = piece.view(tensors[i].shape)  # fp32: the update is computed in fp32
         return out  # type: ignore[return-value]
 
-    def _average_momenta(self, active: list[tuple[dict, torch.Tensor]]) -> None:
-        moms = [self.state[p]["exp_avg"] for _, p in active]
+    def _average_momenta(self, active: list[tuple[int, dict, torch.Tensor]]) -> None:
+        moms = [self.state[p]["exp_avg"] for _, _, p in active]
         for key, idx in _by_device_dtype(moms).items():
             sizes = [moms[i].numel() for i in idx]
             name = f"exp_avg:{key[0]}:{key[1]}"
@@ -110,28 +97,10 @@ class OnebitAdam(torch.optim.Optimizer):
             for i, piece in zip(idx, flat.split(sizes)):
                 moms[i].copy_(piece.view(moms[i].shape))
 
-    def state_dict(self) -> dict:
-        """torch's optimizer state (fp32 moments) plus ``onebit``: the step counters (the same on
-        every rank). The per-rank error feedback is in ``per_rank_state_dict()``."""
-        sd = super().state_dict()
-        sd["onebit"] = {"global_step": self.global_step, "freeze_step": self.freeze_step}
-        return sd
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load ``state_dict()``'s output: moments, step counters (warm-up and bias correction)."""
-        state_dict = dict(state_dict)
-        extra = state_dict.pop("onebit", None)
-        super().load_state_dict(state_dict)
-        U.load_fp32_state(self, state_dict, ("exp_avg", "exp_avg_sq"))  # torch cast them
-        if extra is not None:
-            self.global_step = int(extra["global_step"])
-            self.freeze_step = int(extra["freeze_step"])
-
     def per_rank_state_dict(self) -> dict:
         """This rank's part of a checkpoint (``ckpt``'s per-rank protocol): step counters and the
         error feedback of the compressed momentum (worker and server errors, per buffer)."""
-        return {"global_step": self.global_step, "freeze_step": self.freeze_step,
-                "allreduce": self.onebit.per_rank_state_dict()}
+        return {**self._counters(), "allreduce": self.onebit.per_rank_state_dict()}
 
     def load_per_rank_state_dict(self, saved: list[dict], rank: int, size: int) -> None:
         """Load from every saved rank's ``per_rank_state_dict()`` (rank order): exact at the same

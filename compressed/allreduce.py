@@ -8,10 +8,8 @@ from typing import Any
 import numpy as np
 import torch
 
-
-from . import kernels as K
 from . import reshard
-from .deepspeed_backend import MpiBackend
+from .compressor import Compressor
 from .engine import Deferred
 from .transport import as_comm
 from .wire_format import padded_size
@@ -30,12 +28,14 @@ class _KeyErrors:
         self.se_pending = 0.0
         self.used = we.numel() if used is None else int(used)  # worker elements the calls use
 
-    def materialize(self) -> None:
-        """Apply the pending updates, so that the buffers hold the errors themselves."""
+    def materialize(self, compressor: Compressor) -> None:
+        """Apply the pending updates (with the kernels that deferred them), so that the buffers
+        hold the errors themselves."""
         for buf, name in ((self.we[:self.used], "we_pending"), (self.se, "se_pending")):
             pending = getattr(self, name)
             if pending != 0.0:
-                K.correct(buf.numpy(), pending)
+                fam = compressor.family(buf)
+                fam.server_residual(fam.view(buf), pending)
                 setattr(self, name, 0.0)
 
 
@@ -89,22 +89,29 @@ class OnebitAllreduce:
     CPU results of 1 MiB and more reuse the memory of earlier results that nothing references
     any more (a fresh buffer costs page faults on every call).
 
-    ``hierarchical`` as ``MpiBackend``'s: None (default) is hierarchical (``compressed.hierarchical``)
-    when the communicator spans several nodes with the same number (> 1) of ranks each, True
-    insists (``ValueError`` on every rank otherwise), False runs flat. Hierarchical, a key's
-    worker error is used in its first ``padded / ranks_per_node`` elements (this rank's part of
-    the node's mean); the rest stays zero.
+    Every call runs on ``compressor`` (a ``Compressor``: its ``calls``, ``wire_bytes`` and
+    ``hierarchical`` describe them). ``kernels`` and ``hierarchical`` are the ``Compressor``'s:
+    None (default) is hierarchical (``compressed.hierarchical``) when the communicator spans
+    several nodes with the same number (> 1) of ranks each, True insists (``ValueError`` on
+    every rank otherwise), False runs flat. Hierarchical, a key's worker error is used in its
+    first ``padded / ranks_per_node`` elements (this rank's part of the node's mean); the rest
+    stays zero. ``cuda_aware`` is accepted for DeepSpeed compatibility only (mpicomm's device
+    policy decides how device buffers reach MPI).
     """
 
     def __init__(self, comm: Any = None, *, cuda_aware: bool = False,
                  kernels: str | None = None, hierarchical: bool | None = None) -> None:
         self.comm = as_comm(comm)
-        self.backend = MpiBackend(cuda_aware=cuda_aware, comm=self.comm, kernels=kernels,
-                                  hierarchical=hierarchical)
+        self.compressor = Compressor(self.comm, kernels=kernels, hierarchical=hierarchical)
         self.size = self.comm.size
         self._errors: dict[str, _KeyErrors] = {}
         self._spares: dict[tuple[int, str], torch.Tensor] = {}
         self._results = _ResultMemory()
+
+    @property
+    def backend(self) -> Compressor:
+        """``compressor`` under the name ``bench compressed`` still reads (bench/compressed.py)."""
+        return self.compressor
 
     def __call__(self, tensor: torch.Tensor, key: str = "default") -> torch.Tensor:
         """Return the compressed mean of ``tensor`` over ranks, using the error buffers of ``key``."""
@@ -129,16 +136,16 @@ class OnebitAllreduce:
         return tensor
 
     def _run(self, inp: torch.Tensor, out: torch.Tensor, st: _KeyErrors) -> None:
-        if self.backend.family_name(inp) == "torch":
-            st.materialize()
-            self.backend.allreduce_into(inp, out, st.we, st.se)
+        if self.compressor.family(inp).name == "torch":
+            st.materialize(self.compressor)
+            self.compressor.allreduce_into(inp, out, st.we, st.se)
             return
         spare_key = (st.we.numel(), str(st.we.device))
         spare = self._spares.pop(spare_key, None)
         if spare is None:
             spare = torch.zeros_like(st.we)  # the part a hierarchical call does not use stays 0
         try:
-            scale, sscale = self.backend.allreduce_into(
+            scale, sscale = self.compressor.allreduce_into(
                 inp, out, st.we, st.se, Deferred(spare, st.we_pending, st.se_pending))
         except BaseException:
             self._spares[spare_key] = spare
@@ -162,13 +169,13 @@ class OnebitAllreduce:
             n = padded_size(numel, self.size)
             st = _KeyErrors(numel, torch.zeros(n, dtype=torch.float32, device=device),
                             torch.zeros(n // self.size, dtype=torch.float32, device=device),
-                            self.backend.worker_used(numel))
+                            self.compressor.worker_used(numel))
             self._errors[key] = st
         elif numel is not None and st.numel != numel:
             raise ValueError(f"OnebitAllreduce: key {key!r} holds error buffers for {st.numel} "
                              f"elements, got a tensor of {numel} elements; use another key or reset()")
         elif device is not None and st.we.device != torch.device(device):
-            st.materialize()  # loaded on another device (e.g. from a checkpoint): move once
+            st.materialize(self.compressor)  # loaded on another device (a checkpoint): move once
             st.we, st.se = st.we.to(device), st.se.to(device)
         return st
 
@@ -180,7 +187,7 @@ class OnebitAllreduce:
         buffer is double-buffered) rather than update them: ask again after each call.
         """
         st = self._state(key, numel, device)
-        st.materialize()
+        st.materialize(self.compressor)
         return st.we, st.se
 
     def keys(self) -> list[str]:
@@ -199,7 +206,7 @@ class OnebitAllreduce:
         """This rank's error buffers by key (they differ between ranks), with sizes."""
         out = {}
         for k, st in self._errors.items():
-            st.materialize()
+            st.materialize(self.compressor)
             out[k] = {"numel": st.numel, "worker_error": st.we.detach().cpu().clone(),
                       "server_error": st.se.detach().cpu().clone()}
         state: dict[str, Any] = {"world_size": self.size, "errors": out}
@@ -210,7 +217,7 @@ class OnebitAllreduce:
 
     def _record(self) -> list[int] | None:
         """This rank's place in the node layout, as checkpoints record it (None: flat)."""
-        layout = self.backend.hierarchy.layout_record()
+        layout = self.compressor.hierarchy.layout_record()
         return None if layout is None else reshard.record(layout, self.comm.rank)
 
     def load_state_dict(self, state: dict) -> None:
@@ -234,7 +241,7 @@ class OnebitAllreduce:
                 raise ValueError(f"OnebitAllreduce.load_state_dict: key {k!r} of {n} elements needs "
                                  f"{padded_size(n, self.size)} and {padded_size(n, self.size) // self.size} "
                                  f"error elements, got {we.numel()} and {se.numel()}")
-            errors[k] = _KeyErrors(n, we, se, self.backend.worker_used(n))
+            errors[k] = _KeyErrors(n, we, se, self.compressor.worker_used(n))
         self._errors = errors
 
     def per_rank_state_dict(self) -> dict:
@@ -248,4 +255,4 @@ class OnebitAllreduce:
             raise ValueError(f"OnebitAllreduce.load_per_rank_state_dict: rank {rank} of {size} does "
                              f"not match this communicator (rank {self.comm.rank} of {self.size})")
         self.load_state_dict(reshard.allreduce_state(saved, rank, size,
-                                                     self.backend.hierarchy.layout_record()))
+                                                     self.compressor.hierarchy.layout_record()))

@@ -151,8 +151,21 @@ class TorchFamily:
         out.div_(parts)
 
 
+#: What a ``kernels=`` argument may say: None (host kernels on CPU, torch elsewhere), "host" (the
+#: default host implementation), "numba" or "numpy" (that host implementation), "torch".
+KERNELS = (None, "host", "numba", "numpy", "torch")
+
+
+def check_kernels(kernels: str | None) -> None:
+    """Raise ValueError unless ``kernels`` is one of ``KERNELS``."""
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels: expected one of {KERNELS}, got {kernels!r}")
+
+
 def family_for(kernels: str | None, device: torch.device) -> Any:
-    """The family for ``kernels`` (None: host kernels on CPU, torch elsewhere) on ``device``."""
+    """The family for ``kernels`` (None: host kernels on CPU, torch elsewhere) on ``device``:
+    the one place that chooses kernels (host ones through ``kernels.module``)."""
+    check_kernels(kernels)
     if kernels == "torch" or (kernels is None and device.type != "cpu"):
         return TorchFamily(device)
     if device.type != "cpu":

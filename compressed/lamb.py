@@ -1,13 +1,14 @@
 """OnebitLamb: 1-bit LAMB (Li et al., arXiv 2104.06069, as in DeepSpeed) on the 1-bit engine."""
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 import torch
 
 from . import adam_update as U
 from .allreduce import OnebitAllreduce
 from .flat import mean_compressed, mean_exact
+from .onebit_optimizer import OnebitOptimizer
 from .transport import as_comm
 
 __all__ = ["OnebitLamb", "trust_ratio", "frozen_factor"]
@@ -35,7 +36,7 @@ def frozen_factor(den: torch.Tensor, den_fresh: torch.Tensor, prelim_norm: float
     return min(max(factor, last * (1.0 - threshold)), last * (1.0 + threshold))
 
 
-class OnebitLamb(torch.optim.Optimizer):
+class OnebitLamb(OnebitOptimizer):
     """1-bit LAMB over an mpicomm communicator or a torch.distributed process group (``comm``).
 
     Steps 1..``freeze_step`` are LAMB on gradients averaged exactly (one allreduce per step):
@@ -57,7 +58,14 @@ class OnebitLamb(torch.optim.Optimizer):
     feedback is saved per rank (``per_rank_state_dict``) instead of dropped on load. A
     non-finite gradient after the freeze raises ``NonFiniteError`` on every rank with nothing
     changed. ``lamb_coeffs`` holds the last step's ratios, in parameter order.
+
+    ``state_dict()`` is torch's optimizer state (fp32 moments, fresh variance, frozen ratios,
+    last factors, scaling coefficients) plus ``onebit_lamb``: the step counters (the same on
+    every rank).
     """
+
+    COUNTERS_KEY = "onebit_lamb"
+    FP32_STATE = ("exp_avg", "exp_avg_sq", "exp_avg_sq_fresh")
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, freeze_step: int = 100000,
@@ -81,45 +89,14 @@ class OnebitLamb(torch.optim.Optimizer):
         self.global_step = 0
         self.lamb_coeffs: list[float] = []
 
-    @property
-    def frozen(self) -> bool:
-        """Whether the next step uses compressed momentum."""
-        return self.global_step >= self.freeze_step
-
     def get_lamb_coeffs(self) -> list[float]:
         """The last step's trust ratios (as DeepSpeed's)."""
         return list(self.lamb_coeffs)
 
-    def _active(self) -> list[tuple[dict, torch.Tensor]]:
-        out = []
-        for g in self.param_groups:
-            for p in g["params"]:
-                if p.grad is not None:
-                    if p.grad.is_sparse:
-                        raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-                    out.append((g, p))
-        return out
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None):
-        """Take one optimisation step (collective: every rank calls it)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        active = self._active()
-        t = self.global_step + 1
-        if self.frozen:
-            self._compressed_step(active)
-        else:
-            self._warm_step(active, t)
-        self.global_step = t
-        return loss
-
     def _warm_step(self, active: list, t: int) -> None:
-        grads = mean_exact(self.comm, [p.grad for _, p in active])
+        grads = mean_exact(self.comm, [p.grad for _, _, p in active])
         self.lamb_coeffs = []
-        for (group, p), g in zip(active, grads):
+        for (_, group, p), g in zip(active, grads):
             beta1, beta2 = group["betas"]
             st = U.moments(self.state[p], p)
             st.setdefault("lamb_coeff_freeze", 0.0)
@@ -148,9 +125,9 @@ class OnebitLamb(torch.optim.Optimizer):
         for p, s in zip(params, scales):
             self.state[p]["scaling_coeff"] = united / s if s > 0 else 1.0
 
-    def _compressed_step(self, active: list) -> None:
+    def _frozen_step(self, active: list, t: int) -> None:
         self._scaling()
-        for _, p in active:
+        for _, _, p in active:
             st = U.moments(self.state[p], p)
             st.setdefault("scaling_coeff", 1.0)
             st.setdefault("lamb_coeff_freeze", 0.0)
@@ -158,13 +135,13 @@ class OnebitLamb(torch.optim.Optimizer):
             if "exp_avg_sq_fresh" not in st:
                 st["exp_avg_sq_fresh"] = st["exp_avg_sq"].clone()
         scaled = []
-        for group, p in active:
+        for _, group, p in active:
             st = self.state[p]
             m = st["exp_avg"].mul(group["betas"][0]).add_(p.grad.float(), alpha=1 - group["betas"][0])
             scaled.append(m.mul_(st["scaling_coeff"]))
         means = mean_compressed(self.onebit, scaled, "exp_avg")   # NonFiniteError: nothing changed
         self.lamb_coeffs = []
-        for (group, p), mean in zip(active, means):
+        for (_, group, p), mean in zip(active, means):
             st = self.state[p]
             beta1, beta2 = group["betas"]
             wd = group["weight_decay"]
@@ -185,34 +162,15 @@ class OnebitLamb(torch.optim.Optimizer):
 
     # -- checkpoints ----------------------------------------------------------------------------
 
-    def state_dict(self) -> dict:
-        """torch's optimizer state (fp32 moments, fresh variance, frozen ratios, last factors,
-        scaling coefficients) plus ``onebit_lamb``: the step counters (the same on every rank)."""
-        sd = super().state_dict()
-        sd["onebit_lamb"] = {"global_step": self.global_step, "freeze_step": self.freeze_step}
-        return sd
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load ``state_dict()``'s output."""
-        state_dict = dict(state_dict)
-        extra = state_dict.pop("onebit_lamb", None)
-        super().load_state_dict(state_dict)
-        U.load_fp32_state(self, state_dict, ("exp_avg", "exp_avg_sq", "exp_avg_sq_fresh"))
-        if extra is not None:
-            self.global_step = int(extra["global_step"])
-            self.freeze_step = int(extra["freeze_step"])
-
     def per_rank_state_dict(self) -> dict:
         """This rank's part of a checkpoint: the step counters and the error feedback of the
         compressed momentum."""
-        return {"onebit_lamb": {"global_step": self.global_step, "freeze_step": self.freeze_step},
-                "allreduce": self.onebit.per_rank_state_dict()}
+        return {self.COUNTERS_KEY: self._counters(), "allreduce": self.onebit.per_rank_state_dict()}
 
     def load_per_rank_state_dict(self, saved: list[dict], rank: int, size: int) -> None:
         """Load from every saved rank's ``per_rank_state_dict()`` (rank order): exact at the same
         world size, error mass carried to another size (``compressed.reshard``)."""
-        c = U.same_counters(type(self).__name__, saved, "onebit_lamb")
-        self.global_step, self.freeze_step = int(c["global_step"]), int(c["freeze_step"])
+        self._set_counters(U.same_counters(type(self).__name__, saved, self.COUNTERS_KEY))
         self.onebit.load_per_rank_state_dict([s["allreduce"] for s in saved], rank, size)
 
 

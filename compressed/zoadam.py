@@ -1,7 +1,7 @@
 """ZeroOneAdam: 0/1 Adam (Lu et al., arXiv 2202.06009, as in DeepSpeed) on the 1-bit engine."""
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 import torch
 
@@ -9,6 +9,7 @@ from . import adam_update as U
 from .allreduce import OnebitAllreduce
 from .errors import NonFiniteError
 from .flat import mean_compressed, mean_exact
+from .onebit_optimizer import OnebitOptimizer
 from .transport import as_comm
 
 __all__ = ["ZeroOneAdam"]
@@ -17,7 +18,7 @@ _COUNTERS = ("global_step", "var_freeze_step", "var_interval", "var_counter", "v
              "local_step_interval", "local_step_counter", "lrs")
 
 
-class ZeroOneAdam(torch.optim.Optimizer):
+class ZeroOneAdam(OnebitOptimizer):
     """0/1 Adam over an mpicomm communicator or a torch.distributed process group (``comm``).
 
     Step ``t`` (from 1), while ``t <= var_freeze_step``:
@@ -52,6 +53,8 @@ class ZeroOneAdam(torch.optim.Optimizer):
     accumulated update and the weights of the last sync.
     """
 
+    COUNTERS_KEY = "zero_one"   # the step counters and intervals
+
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, var_freeze_step: int = 100000,
                  var_update_scaler: int = 16, local_step_scaler: int = 32678,
@@ -78,33 +81,6 @@ class ZeroOneAdam(torch.optim.Optimizer):
     def frozen(self) -> bool:
         """Whether the next step is after ``var_freeze_step`` (local steps and syncs)."""
         return self.global_step >= self.var_freeze_step
-
-    def _active(self) -> list[tuple[int, dict, torch.Tensor]]:
-        out = []
-        for gi, g in enumerate(self.param_groups):
-            for p in g["params"]:
-                if p.grad is not None:
-                    if p.grad.is_sparse:
-                        raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-                    out.append((gi, g, p))
-        return out
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None):
-        """Take one optimisation step (collective on variance, compressed and sync steps: every
-        rank calls it every step)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        active = self._active()
-        t = self.global_step + 1
-        if self.frozen:
-            self._frozen_step(active, t)
-        else:
-            self._warm_step(active, t)
-        self.global_step = t
-        return loss
 
     def _warm_step(self, active: list, t: int) -> None:
         var_step = t % self.var_interval == 0
@@ -220,21 +196,9 @@ class ZeroOneAdam(torch.optim.Optimizer):
             else:
                 setattr(self, k, int(c[k]))
 
-    def state_dict(self) -> dict:
-        """torch's optimizer state (fp32 moments) plus ``zero_one``: the step counters and
-        intervals (the same on every rank)."""
-        sd = super().state_dict()
-        sd["zero_one"] = self._counters()
-        return sd
-
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load ``state_dict()``'s output: moments, counters and intervals."""
-        state_dict = dict(state_dict)
-        extra = state_dict.pop("zero_one", None)
+        """Load ``state_dict()``'s output: moments, counters and intervals (``zero_one``)."""
         super().load_state_dict(state_dict)
-        U.load_fp32_state(self, state_dict, ("exp_avg", "exp_avg_sq"))
-        if extra is not None:
-            self._set_counters(extra)
         self._acc.clear()
         self._base.clear()
 
@@ -249,7 +213,7 @@ class ZeroOneAdam(torch.optim.Optimizer):
                                  for p in params],
                      "accumulator": [self._acc[p].clone() if p in self._acc else None for p in params],
                      "sync_params": [self._base[p].clone() if p in self._base else None for p in params]}
-        return {"zero_one": self._counters(), "allreduce": self.onebit.per_rank_state_dict(),
+        return {self.COUNTERS_KEY: self._counters(), "allreduce": self.onebit.per_rank_state_dict(),
                 "local": local}
 
     def load_per_rank_state_dict(self, saved: list[dict], rank: int, size: int) -> None:
@@ -257,7 +221,7 @@ class ZeroOneAdam(torch.optim.Optimizer):
         this rank's own state (an exact resume). Another size: error feedback by
         ``compressed.reshard`` (mean kept); inside a local interval every rank starts from the
         mean over the saved ranks of their weights and momenta, as if synced exactly."""
-        self._set_counters(U.same_counters(type(self).__name__, saved, "zero_one"))
+        self._set_counters(U.same_counters(type(self).__name__, saved, self.COUNTERS_KEY))
         self.onebit.load_per_rank_state_dict([s["allreduce"] for s in saved], rank, size)
         self._acc.clear()
         self._base.clear()

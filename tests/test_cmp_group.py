@@ -99,7 +99,7 @@ def test_optimizers_take_a_process_group(world, comm, groups, kind, name):
         for p, q in zip(a, b):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
         if comm.size > 1:
-            assert on_group.onebit.backend.calls == on_comm.onebit.backend.calls > 0
+            assert on_group.onebit.compressor.calls == on_comm.onebit.compressor.calls > 0
 
     check_all(run, world)
 

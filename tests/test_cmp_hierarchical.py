@@ -92,7 +92,7 @@ def test_hierarchical_matches_float64_simulation(world, monkeypatch, api, n, pie
 
         monkeypatch.setattr(wire_format, "PIECE_BYTES", 8)
         monkeypatch.setattr(wire_format, "MAX_PIECES", 1000)
-        monkeypatch.setattr(compressed.deepspeed_backend, "_one_node", lambda comm: False)
+        monkeypatch.setattr(compressed.compressor, "_one_node", lambda comm: False)
         monkeypatch.setattr(compressed.engine, "STEP_BYTES", 8)
 
     def run():
@@ -105,7 +105,7 @@ def test_hierarchical_matches_float64_simulation(world, monkeypatch, api, n, pie
             assert b.hierarchical and b.hierarchy.describe() == "hierarchical: 2 nodes x 2 ranks"
         else:
             ar = compressed.OnebitAllreduce(comm4, kernels=kernels)
-            assert ar.backend.hierarchical
+            assert ar.compressor.hierarchical
         we, se = torch.zeros(N), torch.zeros(N // p)
         rng = np.random.default_rng(100 + comm4.rank)
         for _ in range(3):  # error feedback carried over consecutive calls
@@ -215,7 +215,7 @@ def test_hierarchical_true_refused_where_it_cannot_run(world, monkeypatch, node_
         with pytest.raises(ValueError, match="hierarchical=True needs several nodes"):
             compressed.OnebitAllreduce(comm, hierarchical=True)
         fallback = compressed.OnebitAllreduce(comm)  # None: the flat algorithm
-        assert not fallback.backend.hierarchical
+        assert not fallback.compressor.hierarchical
         x = torch.ones(48) * (comm.rank + 1)  # 48: no padding, so the mean is exact
         out = fallback(x, key="k")
         assert torch.allclose(out, torch.full((48,), (comm.size + 1) / 2))
@@ -231,8 +231,9 @@ def test_ddp_state_passes_hierarchical(world, monkeypatch):
     def run():
         if sub4 is None:
             return
-        assert compressed.OnebitDDPState(comm4).allreduce.backend.hierarchical
-        assert not compressed.OnebitDDPState(comm4, hierarchical=False).allreduce.backend.hierarchical
+        assert compressed.OnebitDDPState(comm4).allreduce.compressor.hierarchical
+        flat = compressed.OnebitDDPState(comm4, hierarchical=False)
+        assert not flat.allreduce.compressor.hierarchical
 
     check_all(run, world)
 
@@ -249,7 +250,7 @@ def test_layout_record_names_the_part_and_chunk_each_rank_serves(world, monkeypa
         if sub4 is None:
             return
         ar = compressed.OnebitAllreduce(comm4)
-        h = ar.backend.hierarchy
+        h = ar.compressor.hierarchy
         nodes, per_node, positions = h.layout_record()
         assert (nodes, per_node) == (2, 2) and positions[comm4.rank] == (h.cross.rank, h.node.rank)
         ar(torch.from_numpy(np.random.default_rng(comm4.rank).standard_normal(300).astype(np.float32)))

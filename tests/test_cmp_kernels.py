@@ -21,11 +21,9 @@ except ImportError:  # pragma: no cover
 
 
 @pytest.fixture(params=IMPLS)
-def impl(request):
-    before = K.implementation()
-    K.use(request.param)
-    yield request.param
-    K.use(before)
+def kern(request):
+    """One host kernel implementation (``compressed.kernels.module``)."""
+    return K.module(request.param)
 
 
 # ---- independent references -------------------------------------------------------------------
@@ -79,7 +77,7 @@ def test_padded_size_rejects(n, p):
 
 # ---- host kernels -----------------------------------------------------------------------------
 @pytest.mark.parametrize("m,p", [(1, 1), (13, 2), (64, 2), (100, 3), (999, 4), (4096, 4)])
-def test_encode_and_residual(impl, m, p):
+def test_encode_and_residual(kern, m, p):
     rng = np.random.default_rng(m * 10 + p)
     N = compressed.padded_size(m, p)
     g = rng.standard_normal(m).astype(np.float32)
@@ -88,20 +86,20 @@ def test_encode_and_residual(impl, m, p):
     e[:3] = [-0.0, -0.0, 0.0]
     e_before = e.copy()
     msg = np.full((p, HEADER_BYTES + N // (8 * p)), 0xAB, np.uint8)
-    ssq = K.encode(g, e, msg[:, HEADER_BYTES:])
+    ssq = kern.encode(g, e, msg[:, HEADER_BYTES:])
     x = padded(g, N) + e_before
     assert np.array_equal(msg[:, HEADER_BYTES:].reshape(-1), ref_bits(x))
     assert np.all(msg[:, :HEADER_BYTES] == 0xAB), "encode wrote into the headers"
     assert np.array_equal(e, e_before), "encode modified the worker error"
     assert ssq == pytest.approx(float(np.dot(x, x)), rel=1e-5)
     scale = 0.37
-    K.worker_residual(g, e, scale)
+    kern.worker_residual(g, e, scale)
     np.testing.assert_allclose(e, x - scale * ref_sign(x), rtol=0, atol=1e-6)
 
 
 # numba works in blocks of 32 packed bytes: whole blocks, tails, both
 @pytest.mark.parametrize("p,cb", [(1, 1), (2, 5), (3, 17), (4, 64), (2, 75), (3, 33)])
-def test_server_steps(impl, p, cb):
+def test_server_steps(kern, p, cb):
     rng = np.random.default_rng(p * 100 + cb)
     msg = rng.integers(0, 256, (p, HEADER_BYTES + cb), dtype=np.uint8)
     rows = msg[:, HEADER_BYTES:]
@@ -109,33 +107,37 @@ def test_server_steps(impl, p, cb):
     se = (rng.standard_normal(cb * 8) * 0.5).astype(np.float32)
     se0 = se.astype(np.float64)
     out = np.zeros(cb, np.uint8)
-    ssq = K.server_accumulate(rows, coef, se, out)
+    ssq = kern.server_accumulate(rows, coef, se, out, 0.0)
     signs = np.unpackbits(rows, axis=1).astype(np.float64) * 2 - 1
     s = (signs * coef.astype(np.float64)[:, None]).sum(axis=0) + se0
     np.testing.assert_allclose(se, s, rtol=1e-6, atol=1e-6)
     assert np.array_equal(out, ref_bits(s))
     assert ssq == pytest.approx(float(np.dot(s, s)), rel=1e-5)
-    K.server_residual(se, 0.8)
+    kern.server_residual(se, 0.8)
     np.testing.assert_allclose(se, s - 0.8 * ref_sign(s), atol=1e-5)
 
 
 @pytest.mark.parametrize("p,cb,m", [(1, 1, 1), (2, 3, 48), (2, 3, 41), (3, 4, 70), (4, 2, 1)])
-def test_decode(impl, p, cb, m):
+def test_decode(kern, p, cb, m):
     rng = np.random.default_rng(m)
     msg = rng.integers(0, 256, (p, HEADER_BYTES + cb), dtype=np.uint8)
     scales = rng.uniform(0.5, 3.0, p).astype(np.float32)
     out = np.full(m + 5, 123.0, np.float32)
-    K.decode(msg[:, HEADER_BYTES:], scales, out[:m])
+    kern.decode(msg[:, HEADER_BYTES:], scales, out[:m])
     bits = np.unpackbits(msg[:, HEADER_BYTES:], axis=1).astype(np.float64) * 2 - 1
     want = (bits * scales.astype(np.float64)[:, None]).reshape(-1)[:m]
     np.testing.assert_array_equal(out[:m], want.astype(np.float32))
     assert np.all(out[m:] == 123.0), "decode wrote past the output's end"
 
 
-def test_default_implementation_is_known():
-    assert K.implementation() in ("numba", "numpy")
+def test_default_implementation_is_known(monkeypatch):
+    assert K.implementation_of(K.module()) in ("numba", "numpy")
     with pytest.raises(ValueError, match="expected 'numba' or 'numpy'"):
-        K.use("fortran")
+        K.module("fortran")
+    monkeypatch.setenv(K.ENV, "numpy")
+    assert K.implementation_of(K.module()) == "numpy"
+    with pytest.raises(ValueError, match="kernels: expected one of"):
+        compressed.Compressor(kernels="fortran")
 
 
 # ---- torch kernels ----------------------------------------------------------------------------
@@ -157,14 +159,16 @@ def test_falls_back_to_numpy_without_numba():
     code = ("import sys; sys.modules['numba'] = None\n"
             "import numpy as np\n"
             "from compressed import kernels as K\n"
-            "assert K.use() == 'numpy', K.implementation()\n"
+            "mod = K.module()\n"
+            "assert K.implementation_of(mod) == 'numpy', mod\n"
             "rows = np.zeros((1, 2), np.uint8)\n"
-            "K.encode(np.ones(16, np.float32), np.zeros(16, np.float32), rows)\n"
+            "mod.encode(np.ones(16, np.float32), np.zeros(16, np.float32), rows)\n"
             "assert rows.tolist() == [[255, 255]], rows\n"
             "print('ok')\n")
     # a fresh singleton MPI process: no kernel choice, no launcher variables of this run
     env = {k: v for k, v in __import__("os").environ.items()
-           if k != "MPICOMM_COMPRESSED_KERNELS" and not k.startswith(("PMI_", "PMIX_", "HYDRA_", "HYDI_", "MPIR_", "OMPI_"))}
+           if k != K.ENV and not k.startswith(("PMI_", "PMIX_", "HYDRA_", "HYDI_", "MPIR_",
+                                                "OMPI_"))}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env=env)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
@@ -179,7 +183,7 @@ def ref_correct(e: np.ndarray, pending: float) -> np.ndarray:
 
 @pytest.mark.parametrize("m,p", [(1, 1), (13, 2), (100, 3), (4096, 4), (4096 * 3 + 5, 2)])
 @pytest.mark.parametrize("pending", [0.0, 0.37])
-def test_encode_into_fuses_the_pending_update(impl, m, p, pending):
+def test_encode_into_fuses_the_pending_update(kern, m, p, pending):
     rng = np.random.default_rng(m * 7 + p)
     N = compressed.padded_size(m, p)
     g = rng.standard_normal(m).astype(np.float32)
@@ -188,7 +192,7 @@ def test_encode_into_fuses_the_pending_update(impl, m, p, pending):
     e_before = e.copy()
     xout = np.full(N, 7.0, np.float32)
     msg = np.full((p, HEADER_BYTES + N // (8 * p)), 0xAB, np.uint8)
-    ssq = K.encode_into(g, e, pending, xout, msg[:, HEADER_BYTES:])
+    ssq = kern.encode_into(g, e, pending, xout, msg[:, HEADER_BYTES:])
     c = ref_correct(e_before, pending)
     want = c.copy()
     want[:m] = (g + c[:m]).astype(np.float32)
@@ -198,32 +202,32 @@ def test_encode_into_fuses_the_pending_update(impl, m, p, pending):
     assert np.all(msg[:, :HEADER_BYTES] == 0xAB)
     assert ssq == pytest.approx(float(np.dot(want.astype(np.float64), want)), rel=1e-5)
     # in place (xout is e) gives the same
-    ssq2 = K.encode_into(g, e, pending, e, msg[:, HEADER_BYTES:])
+    ssq2 = kern.encode_into(g, e, pending, e, msg[:, HEADER_BYTES:])
     np.testing.assert_array_equal(e, want)
     assert ssq2 == pytest.approx(float(np.dot(want.astype(np.float64), want)), rel=1e-5)
 
 
 # numba works in blocks of 32 packed bytes: whole blocks, tails, both
 @pytest.mark.parametrize("p,cb", [(1, 1), (2, 5), (3, 17), (4, 64), (2, 75), (3, 33)])
-def test_server_accumulate_applies_pending_update(impl, p, cb):
+def test_server_accumulate_applies_pending_update(kern, p, cb):
     rng = np.random.default_rng(p * 31 + cb)
     rows = rng.integers(0, 256, (p, cb), dtype=np.uint8)
     coef = rng.uniform(0.1, 2.0, p).astype(np.float32)
     se = (rng.standard_normal(cb * 8) * 0.5).astype(np.float32)
     c = ref_correct(se, 0.6).astype(np.float64)
     out = np.zeros(cb, np.uint8)
-    ssq = K.server_accumulate(rows, coef, se, out, 0.6)
+    ssq = kern.server_accumulate(rows, coef, se, out, 0.6)
     signs = np.unpackbits(rows, axis=1).astype(np.float64) * 2 - 1
     s = (signs * coef.astype(np.float64)[:, None]).sum(axis=0) + c
     np.testing.assert_allclose(se, s, rtol=1e-6, atol=1e-6)
     assert np.array_equal(out, ref_bits(s))
     assert ssq == pytest.approx(float(np.dot(s, s)), rel=1e-5)
-    K.correct(se, 0.25)
+    kern.server_residual(se, 0.25)  # how a deferred update is applied
     np.testing.assert_allclose(se, s - 0.25 * ref_sign(s), atol=1e-5)
 
 
 @pytest.mark.parametrize("offset", [0, 1, 4])
-def test_encode_into_same_result_for_any_alignment(impl, offset):
+def test_encode_into_same_result_for_any_alignment(kern, offset):
     """The numba kernel streams x with non-temporal stores into 64-byte aligned buffers only;
     aligned or not, x, signs and sum are the same."""
     m, p = 4096 * 4 + 77, 2
@@ -234,7 +238,7 @@ def test_encode_into_same_result_for_any_alignment(impl, offset):
     base = torch.zeros(N + 16).numpy()  # torch memory is 64-byte aligned
     xout = base[offset:offset + N]
     rows = np.zeros((p, N // (8 * p)), np.uint8)
-    ssq = K.encode_into(g, e, 0.21, xout, rows)
+    ssq = kern.encode_into(g, e, 0.21, xout, rows)
     c = ref_correct(e, 0.21)
     want = c.copy()
     want[:m] = (g + c[:m]).astype(np.float32)
@@ -245,7 +249,7 @@ def test_encode_into_same_result_for_any_alignment(impl, offset):
 
 @pytest.mark.parametrize("offset", [0, 1, 2, 4])
 @pytest.mark.parametrize("m", [8 * 96, 8 * 96 - 3])
-def test_decode_same_result_for_any_alignment(impl, offset, m):
+def test_decode_same_result_for_any_alignment(kern, offset, m):
     """The numba decode streams into 16-byte aligned outputs and stores plainly otherwise."""
     p, cb = 3, 32
     rng = np.random.default_rng(m + offset)
@@ -253,7 +257,7 @@ def test_decode_same_result_for_any_alignment(impl, offset, m):
     scales = rng.uniform(0.5, 3.0, p).astype(np.float32)
     base = np.full(m + 8, 5.0, np.float32)
     out = base[offset:offset + m]
-    K.decode(rows, scales, out)
+    kern.decode(rows, scales, out)
     bits = np.unpackbits(rows, axis=1).astype(np.float64) * 2 - 1
     want = (bits * scales.astype(np.float64)[:, None]).reshape(-1)[:m]
     np.testing.assert_array_equal(out, want.astype(np.float32))
@@ -262,7 +266,7 @@ def test_decode_same_result_for_any_alignment(impl, offset, m):
 
 @pytest.mark.parametrize("offset", [0, 1, 4])
 @pytest.mark.parametrize("alias", [False, True])
-def test_add_mean_same_result_for_any_alignment(impl, offset, alias):
+def test_add_mean_same_result_for_any_alignment(kern, offset, alias):
     """The numba add_mean streams into 64-byte aligned outputs only; aligned or not, and with
     ``out`` aliasing its first input, it rounds as numpy's float32 add then divide."""
     n = 4096 * 2 + 13
@@ -274,7 +278,7 @@ def test_add_mean_same_result_for_any_alignment(impl, offset, alias):
     out = base[offset:offset + n]
     if alias:
         out[:] = a
-    K.add_mean(out if alias else a, b, 3, out)
+    kern.add_mean(out if alias else a, b, 3, out)
     np.testing.assert_array_equal(out, want)
     assert np.all(base[:offset] == 5.0) and np.all(base[offset + n:] == 5.0)
 
@@ -342,7 +346,7 @@ def test_node_mean_adds_rows_in_rank_order_and_reads_its_own_row_from_src(parts,
 @pytest.mark.parametrize("m,p", [(8, 1), (4096 + 8 * 3, 2), (4096 * 3 + 5, 2)])
 @pytest.mark.parametrize("pending", [0.0, 0.37])
 @pytest.mark.parametrize("offset", [0, 1])
-def test_encode_mean_into_is_add_mean_then_encode_into(impl, m, p, pending, offset):
+def test_encode_mean_into_is_add_mean_then_encode_into(kern, m, p, pending, offset):
     """The fused hierarchical pack rounds the node mean exactly as add_mean does, then packs
     as encode_into does (tiles and tail, streamed or not): the same x, signs and sum."""
     rng = np.random.default_rng(m + offset)
@@ -354,11 +358,11 @@ def test_encode_mean_into_is_add_mean_then_encode_into(impl, m, p, pending, offs
     mean = (a + b) / np.float32(3)  # numpy's float32 add then divide: the documented rounding
     want_x = np.full(N, 7.0, np.float32)
     want_rows = np.zeros((p, N // (8 * p)), np.uint8)
-    want_ss = K.encode_into(mean, e, pending, want_x, want_rows)
+    want_ss = kern.encode_into(mean, e, pending, want_x, want_rows)
     base = torch.full((N + 16,), 7.0).numpy()  # torch memory is 64-byte aligned
     xout = base[offset:offset + N]
     rows = np.zeros_like(want_rows)
-    ss = K.encode_mean_into(a, b, 3, e, pending, xout, rows)
+    ss = kern.encode_mean_into(a, b, 3, e, pending, xout, rows)
     np.testing.assert_array_equal(xout, want_x)
     assert np.array_equal(rows, want_rows)
     assert ss == pytest.approx(want_ss, rel=1e-6)

@@ -64,7 +64,7 @@ def test_ranks_on_different_kernel_families_interoperate(world, comm, shift, mon
 
     monkeypatch.setattr(layout, "PIECE_BYTES", 16)
     monkeypatch.setattr(layout, "MAX_PIECES", 1000)
-    monkeypatch.setattr(compressed.deepspeed_backend, "_one_node", lambda comm: False)  # pieces on one node too
+    monkeypatch.setattr(compressed.compressor, "_one_node", lambda comm: False)  # pieces on 1 node
     monkeypatch.setattr(compressed.engine, "STEP_BYTES", 8)  # many progress steps per piece
 
     def run():
@@ -83,7 +83,7 @@ def test_ranks_on_different_kernel_families_interoperate(world, comm, shift, mon
             ref2 = simulate(g.numpy(), *state, world)
             state = (ref2["we"], ref2["se"])
             compare(ar(g, key="k"), *ar.errors("k"), ref2)
-        assert backend.family_name(g) == kernels
+        assert backend.family(g).name == kernels
 
     check_all(run, world)
 
@@ -97,7 +97,7 @@ def test_wire_bytes_counted_through_the_communicator(world, n, pieces, monkeypat
 
     if pieces:
         monkeypatch.setattr(layout, "PIECE_BYTES", 1024)
-        monkeypatch.setattr(compressed.deepspeed_backend, "_one_node", lambda comm: False)
+        monkeypatch.setattr(compressed.compressor, "_one_node", lambda comm: False)
 
     def run():
         counting = CountingCommunicator(world)

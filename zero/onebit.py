@@ -7,7 +7,7 @@ After ``freeze_step`` the variance is frozen and gradients are no longer average
 a local momentum over the whole model (fp32, the (world, chunk) padded layout of the shards,
 started from the averaged momentum gathered once at the first frozen step) and folds its own
 gradient into it. That momentum plus the rank's worker error is sent as signs and one scale
-(phase 1 of the 1-bit allreduce alone, ``compressed.MpiBackend.compressed_reduce_scatter``:
+(phase 1 of the 1-bit allreduce alone, ``compressed.Compressor.compressed_reduce_scatter``:
 packed signs sent to each chunk's owner,
 error feedback kept by the sender); the owner averages the decoded chunks in fp32 and updates
 its shard. Since the mean of the local momenta is the momentum of the averaged gradient, the
@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from compressed import Compressor
 from compressed import adam_update as U
 
 from .partition import ceil_div
@@ -39,6 +40,7 @@ class ShardedOnebitAdam(torch.optim.Optimizer):
         self.freeze_step = freeze_step
         self.global_step = 0    # steps taken; the shard states carry it as "step" in checkpoints
         self._local: dict[int, dict[str, Any]] = {}     # per group: momentum, worker error, buffers
+        self._compressor_on: Compressor | None = None   # phase 1 of the 1-bit allreduce, on comm
 
     @property
     def frozen(self) -> bool:
@@ -162,15 +164,13 @@ class ShardedOnebitAdam(torch.optim.Optimizer):
                 avg = mom[0]
             else:              # phase 1 of the 1-bit allreduce: this rank's chunk of the mean
                 avg = loc["avg"]
-                self._backend(comm).compressed_reduce_scatter(mom.view(-1), avg, err.view(-1))
+                self._compressor(comm).compressed_reduce_scatter(mom.view(-1), avg, err.view(-1))
             st = self._state(g.master)
             st["exp_avg"].copy_(avg[:L]).mul_(loc["mask"])
             self._update(group, g.master, st, t)
         self.global_step = t
 
-    def _backend(self, comm: Any) -> Any:
-        if getattr(self, "_mpi_backend", None) is None or self._mpi_backend.comm is not comm:
-            from compressed import MpiBackend
-
-            self._mpi_backend = MpiBackend(comm=comm)
-        return self._mpi_backend
+    def _compressor(self, comm: Any) -> Compressor:
+        if self._compressor_on is None or self._compressor_on.comm is not comm:
+            self._compressor_on = Compressor(comm)
+        return self._compressor_on
