@@ -13,6 +13,9 @@ figure of your own can be given with ``--reference-s`` and is labelled as such).
 (``--fsdp2-ranks``): the same model under ``fully_shard`` with AdamW, ckpt save + load beside torch
 DCP save + fsync of its files + load, and ckpt's async save (the first, which allocates its host
 memory, and one in steady state).
+
+Where the parts live: ``bench.ckpt_deepspeed`` (the DeepSpeed workers), ``bench.ckpt_fsdp2`` (the
+FSDP2 rows); here the rest, ``main`` calling one function per part in the order of the rows.
 """
 from __future__ import annotations
 
@@ -22,8 +25,15 @@ import os
 import shutil
 import sys
 import tempfile
-import subprocess
 import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
+    from .reporting import Reporter
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench ckpt", description=__doc__.splitlines()[0])
@@ -100,96 +110,6 @@ def disk_bandwidth(path: str, nbytes: int, block: int = 64 << 20) -> float:
     return dt
 
 
-# -- DeepSpeed, side by side ---------------------------------------------------------------------
-
-_DS_TAG = "t"
-
-
-def _ds_worker(argv: list[str]) -> int:
-    """One DeepSpeed rank (started by _ds_run, not by mpiexec): save or load, print the time."""
-    mode, path, layers, hidden, stage = argv[0], argv[1], int(argv[2]), int(argv[3]), int(argv[4])
-    import torch
-    import deepspeed
-    import deepspeed.comm as dist
-
-    deepspeed.init_distributed(dist_backend="gloo")
-    torch.set_num_threads(1)
-    model = _model(layers, hidden, seed=0)
-    cfg = {"train_batch_size": dist.get_world_size(), "zero_optimization": {"stage": stage}}
-    if mode == "load":
-        cfg["checkpoint"] = {"load_universal": True}
-    engine, _, _, _ = deepspeed.initialize(model=model, config=cfg,
-                                           optimizer=torch.optim.Adam(model.parameters(), lr=1e-4))
-    if mode == "save":
-        from deepspeed.checkpoint import UNIVERSAL_CHECKPOINT_INFO
-
-        engine.backward(engine(torch.randn(1, hidden)).sum())
-        engine.step()
-        dist.barrier()
-        t0 = time.perf_counter()
-        engine.save_checkpoint(path, tag=_DS_TAG, client_state={UNIVERSAL_CHECKPOINT_INFO: {}, "iteration": 1})
-        dist.barrier()
-    else:
-        dist.barrier()
-        t0 = time.perf_counter()
-        engine.load_checkpoint(path, tag=_DS_TAG + "_universal")
-        dist.barrier()
-    if dist.get_rank() == 0:
-        print(f"DSTIME {time.perf_counter() - t0:.6f}", flush=True)
-    return 0
-
-
-def _ds_run(mode: str, ranks: int, path: str, args, log: str) -> float:
-    """Start ``ranks`` DeepSpeed workers on this host; return rank 0's timed seconds."""
-    from bench.common import clean_env, free_port
-
-    env = clean_env()
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(ranks),
-               LOCAL_WORLD_SIZE=str(ranks))
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    procs = []
-    for r in range(ranks):
-        env_r = dict(env, RANK=str(r), LOCAL_RANK=str(r))
-        cmd = [sys.executable, "-m", "bench.ckpt", "--ds-worker", mode, path, str(args.layers),
-               str(args.hidden), str(args.stage)]
-        out = open(f"{log}.{mode}.{r}", "w")
-        procs.append((subprocess.Popen(cmd, env=env_r, stdout=out, stderr=subprocess.STDOUT), out))
-    seconds = None
-    for r, (proc, out) in enumerate(procs):
-        rc = proc.wait(timeout=1800)
-        out.close()
-        if rc != 0:
-            raise RuntimeError(f"DeepSpeed {mode} rank {r} exited with {rc}; see {log}.{mode}.{r}")
-    with open(f"{log}.{mode}.0") as f:
-        for line in f:
-            if line.startswith("DSTIME "):
-                seconds = float(line.split()[1])
-    if seconds is None:
-        raise RuntimeError(f"DeepSpeed {mode}: no timing line in {log}.{mode}.0")
-    return seconds
-
-
-def _ds_convert(path: str, log: str) -> float:
-    src = os.path.join(path, _DS_TAG)
-    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", src,
-           "--output_folder", src + "_universal"]
-    from bench.common import clean_env
-
-    t0 = time.perf_counter()
-    with open(f"{log}.convert", "w") as out:
-        rc = subprocess.run(cmd, env=clean_env(), stdout=out, stderr=subprocess.STDOUT, timeout=1800).returncode
-    if rc != 0:
-        raise RuntimeError(f"ds_to_universal exited with {rc}; see {log}.convert")
-    return time.perf_counter() - t0
-
-
-def _deepspeed_available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("deepspeed") is not None
-
-
 def _async_save(comm, model, opt, path: str) -> tuple[float, float]:
     """Seconds ``ckpt.save(async_save=True)`` blocks, and until its commit, for a second async
     save (the first fills the reused snapshot memory); the slowest rank's times."""
@@ -233,32 +153,213 @@ def _columns():
             Column("note", "note", 1, align="<"))
 
 
-def main(argv: list[str]) -> int:
-    if argv and argv[0] == "--ds-worker":
-        return _ds_worker(argv[1:])
-    args = _parser().parse_args(argv)
+# -- the program, part by part, in the order the rows appear --------------------------------------
+
+@dataclass
+class _Run:
+    """What every part of one ``bench ckpt`` run shares: ranks, arguments, directory, output."""
+
+    world: MPI.Comm
+    args: argparse.Namespace
+    base: str
+    rep: Reporter
+    nbytes: int
+
+    @property
+    def path(self) -> str:
+        return os.path.join(self.base, "ck")
+
+    def emit(self, op: str, ranks: int, size: int | None, seconds: float | None, note: str = "",
+             wrong: int = 0) -> dict:
+        """One row and its record (every rank, the same values)."""
+        rec = dict(self.rep.base(op), ranks=ranks, size_bytes=size, time_s=seconds,
+                   gbps=size / seconds / 1e9 if size and seconds else None, note=note,
+                   wrong=wrong)
+        self.rep.emit(rec)
+        return rec
+
+
+def _disk(run: _Run) -> float:
+    """1. The disk itself: one file of the checkpoint's size, written and fdatasync'ed."""
+    disk_s = None
+    if run.world.rank == 0:
+        disk_s = disk_bandwidth(os.path.join(run.base, "disk-probe.bin"), run.nbytes)
+    disk_s = run.world.bcast(disk_s, root=0)
+    run.emit("disk write+fdatasync", 1, run.nbytes, disk_s, "python os.write + fdatasync")
+    return disk_s
+
+
+def _save(run: _Run, disk_s: float) -> tuple[float, list[float]]:
+    """2. One step at --save-ranks, then ``ckpt.save`` (fsync) and the async save; the save's
+    seconds and the weights' checksums to check the load against."""
+    import ckpt
+
+    args, world = run.args, run.world
+    save_c = _sub(world, args.save_ranks)
+    checksum_ref = save_s = async_s = None
+    if save_c is not None:
+        model, opt = _one_step(args, save_c)
+        checksum_ref = [float(p.detach().double().sum()) for p in model.parameters()]
+        m, save_s = _timed_collective(save_c.mpi_comm, lambda: ckpt.save(
+            run.path, model=model, optimizer=opt, step=1, comm=save_c, sync=True))
+        stored = sum(n for _, n in {(t.offset, t.nbytes) for t in m.tensors
+                                    if t.file == "data.bin"})  # aliases (masters) once
+        if stored != run.nbytes:  # the model and Adam state, nothing more, nothing less
+            raise RuntimeError(f"bench ckpt: expected {run.nbytes} tensor bytes in data.bin, "
+                               f"the manifest lists {stored}")
+        async_s = _async_save(save_c, model, opt, run.path) if not args.no_async else None
+        del model, opt, m
+        save_c.mpi_comm.Free()
+    gc.collect()
+    _polite_barrier(world)
+    save_s, checksum_ref, async_s = world.bcast((save_s, checksum_ref, async_s), root=0)
+    run.emit("ckpt.save (fsync)", args.save_ranks, run.nbytes, save_s,
+             f"{disk_s / save_s:.2f} x the disk's speed")
+    if not args.no_async:
+        run.emit("ckpt.save async: blocks", args.save_ranks, run.nbytes, async_s[0],
+                 f"{async_s[0] / save_s:.3f} x the sync save's blocking time")
+        run.emit("ckpt.save async: committed", args.save_ranks, run.nbytes, async_s[1],
+                 "from the call to handle.wait() returning")
+    return save_s, checksum_ref
+
+
+def _load(run: _Run, checksum_ref: list[float]) -> tuple[float, list]:
+    """3. ``ckpt.load`` at --load-ranks, the state checked, each rank's peak RSS growth against
+    its own partition; the load's seconds and per load rank (growth, partition, ok)."""
     import torch
-    from mpi4py import MPI
 
     import ckpt
-    from zero import ZeroOptimizer
-    from bench.common import Reporter
     from bench.memory import reset_peak_rss, rss_kib
+    from zero import ZeroOptimizer
 
-    world = MPI.COMM_WORLD
-    rank = world.rank
+    args, world = run.args, run.world
+    load_c = _sub(world, args.load_ranks)
+    load_s = rss = None
+    if load_c is not None:
+        model = _model(args.layers, args.hidden, seed=None)
+        for p in model.parameters():  # a built model: its weights are resident before loading
+            p.detach().zero_()
+        opt = ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=args.stage,
+                            comm=load_c, lr=1.0)
+        part = sum(g.master.numel() for g in opt.groups) * 4 * 3
+        gc.collect()
+        reset = reset_peak_rss() is None
+        before = rss_kib("VmRSS")
+        _, load_s = _timed_collective(load_c.mpi_comm, lambda: ckpt.load(
+            run.path, model=model, optimizer=opt, comm=load_c))
+        peak = rss_kib("VmHWM") if reset else -1
+        growth = (peak - before) * 1024 if reset else None
+        ok = [float(p.detach().double().sum()) for p in model.parameters()] == checksum_ref
+        ok = ok and float(opt.param_groups[0]["lr"]) == 1e-4
+        rss = load_c.mpi_comm.gather((growth, part, ok), root=0)
+        del model, opt
+        load_c.mpi_comm.Free()
+    gc.collect()
+    _polite_barrier(world)
+    load_s, rss = world.bcast((load_s, rss), root=0)
+    bad_state = sum(1 for _, _, ok in rss if not ok)
+    run.emit("ckpt.load", args.load_ranks, run.nbytes, load_s,
+             "state checked" if not bad_state else "WRONG STATE", wrong=bad_state)
+    return load_s, rss
+
+
+def _save_nosync(run: _Run) -> float:
+    """3b. A save without fsync (page cache speed); flushed untimed before going on."""
+    import ckpt
+
+    args, world = run.args, run.world
+    save_c = _sub(world, args.save_ranks)
+    nosync_s = None
+    if save_c is not None:
+        model, opt = _one_step(args, save_c)
+        _, nosync_s = _timed_collective(save_c.mpi_comm, lambda: ckpt.save(
+            run.path + "-nosync", model=model, optimizer=opt, step=1, comm=save_c, sync=False))
+        del model, opt
+        save_c.mpi_comm.Free()
+    _polite_barrier(world)
+    if world.rank == 0:
+        os.sync()  # so that its write-back does not slow down what follows
+    nosync_s = world.bcast(nosync_s, root=0)
+    gc.collect()
+    return nosync_s
+
+
+def _deepspeed(run: _Run, total: float) -> tuple[float | None, str]:
+    """4. DeepSpeed on the same model when it runs here (else ``--reference-s``); its rows and
+    the speed-up; the reference seconds (None: none) and where they come from."""
+    from bench import ckpt_deepspeed
+
+    args, world = run.args, run.world
+    ds = None
+    ds_wrong = 0
+    if args.deepspeed == "yes" or (args.deepspeed == "auto" and ckpt_deepspeed.available()):
+        ds_err = None
+        if world.rank == 0:
+            try:
+                ds = ckpt_deepspeed.measure(args, run.base)
+            except Exception as exc:  # noqa: BLE001 - reported on every rank
+                ds_err = f"{type(exc).__name__}: {exc}"
+        _polite_barrier(world)
+        ds, ds_err = world.bcast((ds, ds_err), root=0)
+        if ds_err:
+            if world.rank == 0:
+                print(f"# DeepSpeed run failed: {ds_err}", file=sys.stderr)
+            if args.deepspeed == "yes":
+                ds_wrong = 1
+    reference, ref_note = None, ""
+    if ds is not None:
+        run.emit("DeepSpeed save_checkpoint", args.save_ranks, None, ds[0], "torch.save, no fsync")
+        run.emit("DeepSpeed ds_to_universal", 1, None, ds[1], "python -m ..., default workers")
+        run.emit("DeepSpeed load universal", args.load_ranks, None, ds[2], "")
+        reference, ref_note = sum(ds), "measured in this run"
+    elif args.reference_s is not None:
+        reference, ref_note = args.reference_s, "given with --reference-s, not measured here"
+    if reference is None:
+        why = ("--deepspeed no" if args.deepspeed == "no" else "DeepSpeed is not installed"
+               if not ckpt_deepspeed.available() else "the DeepSpeed run failed")
+        run.emit("DeepSpeed save+convert+load", args.save_ranks, None, None, f"not run: {why}",
+                 wrong=ds_wrong)
+    else:
+        run.emit("DeepSpeed save+convert+load", args.save_ranks, None, reference, ref_note,
+                 wrong=ds_wrong)
+        run.emit("speed-up (ckpt vs DeepSpeed)", args.save_ranks, None, None,
+                 f"{reference / total:.1f}x ({ref_note})")
+    return reference, ref_note
+
+
+def _rss_rows(run: _Run, rss: list) -> None:
+    """The load's peak RSS growth per rank, against its partition + 64 MiB."""
+    for r, (growth, part, _ok) in enumerate(rss):
+        over = 0
+        if growth is None:
+            note = "peak RSS not measurable (/proc/self/clear_refs refused)"
+        else:
+            limit = part + (64 << 20)
+            over = int(growth > limit)
+            note = (f"peak RSS growth {growth / 2**20:.0f} MiB vs partition {part / 2**20:.0f} MiB "
+                    f"+ 64 MiB: {'OVER' if over else 'ok'}")
+        run.emit(f"load peak RSS growth, rank {r}", run.args.load_ranks, growth, None, note,
+                 wrong=over)
+
+
+def _start(args, world: MPI.Comm) -> _Run | None:
+    """Collective: the ranks checked, the directory, the header; a ``_Run`` (None: too few ranks)."""
+    import torch
+
+    from bench.common import Reporter
+
     if args.fsdp2_ranks is None:
         args.fsdp2_ranks = min(2, world.size)
     need = max(args.save_ranks, args.load_ranks, args.fsdp2_ranks)
     if world.size < need:
-        if rank == 0:
+        if world.rank == 0:
             print(f"bench ckpt: expected at least {need} ranks (--save-ranks {args.save_ranks}, "
                   f"--load-ranks {args.load_ranks}, --fsdp2-ranks {args.fsdp2_ranks}), got {world.size}",
                   file=sys.stderr)
-        return 2
+        return None
     torch.set_num_threads(1)
     base = args.dir
-    if rank == 0:
+    if world.rank == 0:
         base = tempfile.mkdtemp(prefix="bench-ckpt-", dir=args.dir)
     base = world.bcast(base, root=0)
     n_params = args.layers * (args.hidden * args.hidden + args.hidden)
@@ -270,173 +371,47 @@ def main(argv: list[str]) -> int:
                      f"{n_params / 1e6:.1f}M parameters; dir: {base}"],
               meta={"params": n_params, "layers": args.layers, "hidden": args.hidden,
                     "stage": args.stage, "dir": base})
+    return _Run(world, args, base, rep, nbytes)
 
-    def emit(op, ranks, size, seconds, note="", wrong=0):
-        rec = dict(rep.base(op), ranks=ranks, size_bytes=size, time_s=seconds,
-                   gbps=size / seconds / 1e9 if size and seconds else None, note=note,
-                   wrong=wrong)
-        rep.emit(rec)
-        return rec
 
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    run = _start(args, world)
+    if run is None:
+        return 2
     try:
-        # 1. the disk itself
-        disk_s = None
-        if rank == 0:
-            disk_s = disk_bandwidth(os.path.join(base, "disk-probe.bin"), nbytes)
-        disk_s = world.bcast(disk_s, root=0)
-        emit("disk write+fdatasync", 1, nbytes, disk_s, "python os.write + fdatasync")
-
-        # 2. train one step at --save-ranks and save
-        path = os.path.join(base, "ck")
-        save_c = _sub(world, args.save_ranks)
-        checksum_ref = None
-        save_s = None
-        if save_c is not None:
-            model, opt = _one_step(args, save_c)
-            checksum_ref = [float(p.detach().double().sum()) for p in model.parameters()]
-            m, save_s = _timed_collective(save_c.mpi_comm, lambda: ckpt.save(
-                path, model=model, optimizer=opt, step=1, comm=save_c, sync=True))
-            stored = sum(n for _, n in {(t.offset, t.nbytes) for t in m.tensors
-                                        if t.file == "data.bin"})  # aliases (masters) once
-            if stored != nbytes:  # the model and Adam state, nothing more, nothing less
-                raise RuntimeError(f"bench ckpt: expected {nbytes} tensor bytes in data.bin, "
-                                   f"the manifest lists {stored}")
-            async_s = _async_save(save_c, model, opt, path) if not args.no_async else None
-            del model, opt, m
-            save_c.mpi_comm.Free()
-        gc.collect()
-        _polite_barrier(world)
-        save_s = world.bcast(save_s, root=0)
-        checksum_ref = world.bcast(checksum_ref, root=0)
-        emit("ckpt.save (fsync)", args.save_ranks, nbytes, save_s, f"{disk_s / save_s:.2f} x the disk's speed")
-        if not args.no_async:
-            async_s = world.bcast(async_s if save_c is not None else None, root=0)
-            emit("ckpt.save async: blocks", args.save_ranks, nbytes, async_s[0],
-                 f"{async_s[0] / save_s:.3f} x the sync save's blocking time")
-            emit("ckpt.save async: committed", args.save_ranks, nbytes, async_s[1],
-                 "from the call to handle.wait() returning")
-
-        # 3. load at --load-ranks; peak RSS growth against the rank's own partition
-        load_c = _sub(world, args.load_ranks)
-        load_s = None
-        rss = None
-        if load_c is not None:
-            model = _model(args.layers, args.hidden, seed=None)
-            for p in model.parameters():  # a built model: its weights are resident before loading
-                p.detach().zero_()
-            opt = ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=args.stage,
-                                comm=load_c, lr=1.0)
-            part = sum(g.master.numel() for g in opt.groups) * 4 * 3
-            gc.collect()
-            reset = reset_peak_rss() is None
-            before = rss_kib("VmRSS")
-            _, load_s = _timed_collective(load_c.mpi_comm, lambda: ckpt.load(
-                path, model=model, optimizer=opt, comm=load_c))
-            peak = rss_kib("VmHWM") if reset else -1
-            growth = (peak - before) * 1024 if reset else None
-            ok = [float(p.detach().double().sum()) for p in model.parameters()] == checksum_ref
-            ok = ok and float(opt.param_groups[0]["lr"]) == 1e-4
-            rss = load_c.mpi_comm.gather((growth, part, ok), root=0)
-            del model, opt
-            load_c.mpi_comm.Free()
-        gc.collect()
-        _polite_barrier(world)
-        load_s, rss = world.bcast((load_s, rss), root=0)
-        bad_state = sum(1 for _, _, ok in rss if not ok)
-        emit("ckpt.load", args.load_ranks, nbytes, load_s,
-             "state checked" if not bad_state else "WRONG STATE", wrong=bad_state)
+        disk_s = _disk(run)
+        save_s, checksum_ref = _save(run, disk_s)
+        load_s, rss = _load(run, checksum_ref)
         total = save_s + load_s
-        emit("ckpt save + load", args.save_ranks, nbytes, total, "")
-
-        # 3a. FSDP2: ckpt beside torch DCP on the same state, and ckpt's async save
-        if args.fsdp2_ranks:
+        run.emit("ckpt save + load", args.save_ranks, run.nbytes, total, "")
+        if args.fsdp2_ranks:  # 3a. FSDP2: ckpt beside torch DCP on the same state, async save
             from bench import ckpt_fsdp2
 
             gc.collect()
-            ckpt_fsdp2.run(world, args.fsdp2_ranks, args.layers, args.hidden, base, args.fsdp2_reps, emit)
+            ckpt_fsdp2.run(world, args.fsdp2_ranks, args.layers, args.hidden, run.base,
+                           args.fsdp2_reps, run.emit)
             gc.collect()
-
-        # 3b. optional: a save without fsync (page cache speed); flushed untimed before going on
+        nosync_s = _save_nosync(run) if args.no_sync else None
+        reference, ref_note = _deepspeed(run, total)
         if args.no_sync:
-            save_c = _sub(world, args.save_ranks)
-            nosync_s = None
-            if save_c is not None:
-                model, opt = _one_step(args, save_c)
-                _, nosync_s = _timed_collective(save_c.mpi_comm, lambda: ckpt.save(
-                    path + "-nosync", model=model, optimizer=opt, step=1, comm=save_c, sync=False))
-                del model, opt
-                save_c.mpi_comm.Free()
-            _polite_barrier(world)
-            if rank == 0:
-                os.sync()  # so that its write-back does not slow down what follows
-            nosync_s = world.bcast(nosync_s, root=0)
-            gc.collect()
-
-        # 4. DeepSpeed on the same model, when it is installed
-        run_ds = args.deepspeed == "yes" or (args.deepspeed == "auto" and _deepspeed_available())
-        ds = None
-        ds_wrong = 0
-        if run_ds:
-            ds_err = None
-            if rank == 0:
-                try:
-                    dpath = os.path.join(base, "ds")
-                    log = os.path.join(base, "ds-log")
-                    if args.json:
-                        log = os.path.splitext(args.json)[0] + "-deepspeed"
-                    ds = (_ds_run("save", args.save_ranks, dpath, args, log), _ds_convert(dpath, log),
-                          _ds_run("load", args.load_ranks, dpath, args, log))
-                except Exception as exc:  # noqa: BLE001 - reported on every rank
-                    ds_err = f"{type(exc).__name__}: {exc}"
-            _polite_barrier(world)
-            ds, ds_err = world.bcast((ds, ds_err), root=0)
-            if ds_err:
-                if rank == 0:
-                    print(f"# DeepSpeed run failed: {ds_err}", file=sys.stderr)
-                if args.deepspeed == "yes":
-                    ds_wrong = 1
-        reference, ref_note = None, ""
-        if ds is not None:
-            emit("DeepSpeed save_checkpoint", args.save_ranks, None, ds[0], "torch.save, no fsync")
-            emit("DeepSpeed ds_to_universal", 1, None, ds[1], "python -m ..., default workers")
-            emit("DeepSpeed load universal", args.load_ranks, None, ds[2], "")
-            reference, ref_note = sum(ds), "measured in this run"
-        elif args.reference_s is not None:
-            reference, ref_note = args.reference_s, "given with --reference-s, not measured here"
-        if reference is None:
-            why = ("--deepspeed no" if args.deepspeed == "no" else "DeepSpeed is not installed"
-                   if not _deepspeed_available() else "the DeepSpeed run failed")
-            emit("DeepSpeed save+convert+load", args.save_ranks, None, None, f"not run: {why}",
-                 wrong=ds_wrong)
-        else:
-            emit("DeepSpeed save+convert+load", args.save_ranks, None, reference, ref_note,
-                 wrong=ds_wrong)
-            emit("speed-up (ckpt vs DeepSpeed)", args.save_ranks, None, None,
-                 f"{reference / total:.1f}x ({ref_note})")
-        if args.no_sync:
-            emit("ckpt.save (no fsync)", args.save_ranks, nbytes, nosync_s,
-                 f"with the load: {reference / (nosync_s + load_s):.1f}x faster than DeepSpeed"
-                 if reference is not None else "")
-        for r, (growth, part, _ok) in enumerate(rss):
-            over = 0
-            if growth is None:
-                note = "peak RSS not measurable (/proc/self/clear_refs refused)"
-            else:
-                limit = part + (64 << 20)
-                over = int(growth > limit)
-                note = (f"peak RSS growth {growth / 2**20:.0f} MiB vs partition {part / 2**20:.0f} MiB "
-                        f"+ 64 MiB: {'OVER' if over else 'ok'}")
-            emit(f"load peak RSS growth, rank {r}", args.load_ranks, growth, None, note, wrong=over)
-
+            run.emit("ckpt.save (no fsync)", args.save_ranks, run.nbytes, nosync_s,
+                     f"with the load: {reference / (nosync_s + load_s):.1f}x faster than DeepSpeed"
+                     if reference is not None else "")
+        _rss_rows(run, rss)
         versus = (f" = {reference / total:.1f}x faster than DeepSpeed's {reference:.1f} s ({ref_note})"
                   if reference is not None else " (DeepSpeed not run)")
-        rep.note(f"save throughput {nbytes / save_s / 1e6:.0f} MB/s = {disk_s / save_s:.2f} x the "
-                 f"disk's {nbytes / disk_s / 1e6:.0f} MB/s; save+load {total:.2f} s{versus}")
+        run.rep.note(f"save throughput {run.nbytes / save_s / 1e6:.0f} MB/s = {disk_s / save_s:.2f} "
+                     f"x the disk's {run.nbytes / disk_s / 1e6:.0f} MB/s; save+load {total:.2f} s"
+                     f"{versus}")
     finally:
         _polite_barrier(world)
-        if rank == 0 and args.dir is None:
-            shutil.rmtree(base, ignore_errors=True)
-    return rep.finish()
+        if world.rank == 0 and args.dir is None:
+            shutil.rmtree(run.base, ignore_errors=True)
+    return run.rep.finish()
 
 
 if __name__ == "__main__":

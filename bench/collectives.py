@@ -128,23 +128,16 @@ def _torch_case(peer, op, count, per_rank, name, device, n, mcomm) -> Case:
     ts = torch.zeros(per_rank if op == "all_gather" else count, dtype=dt, device=device)
     tr = torch.zeros(_recv_len(op, count, per_rank), dtype=dt, device=device)
     if peer == "gloo":
-        import torch.distributed as dist
-
-        calls = {
-            "all_reduce": lambda: dist.all_reduce(ts),
-            "all_gather": lambda: dist.all_gather_into_tensor(tr, ts),
-            "reduce_scatter": lambda: dist.reduce_scatter_tensor(tr, ts),
-            "all_to_all": lambda: dist.all_to_all_single(tr, ts),
-            "broadcast": lambda: dist.broadcast(ts, src=0),
-        }
+        import torch.distributed as api
     else:
-        calls = {
-            "all_reduce": lambda: mcomm.all_reduce(ts),
-            "all_gather": lambda: mcomm.all_gather_into_tensor(tr, ts),
-            "reduce_scatter": lambda: mcomm.reduce_scatter_tensor(tr, ts),
-            "all_to_all": lambda: mcomm.all_to_all_single(tr, ts),
-            "broadcast": lambda: mcomm.broadcast(ts, src=0),
-        }
+        api = mcomm  # the Communicator has torch.distributed's names and arguments
+    calls = {
+        "all_reduce": lambda: api.all_reduce(ts),
+        "all_gather": lambda: api.all_gather_into_tensor(tr, ts),
+        "reduce_scatter": lambda: api.reduce_scatter_tensor(tr, ts),
+        "all_to_all": lambda: api.all_to_all_single(tr, ts),
+        "broadcast": lambda: api.broadcast(ts, src=0),
+    }
     out = ts if op in ("all_reduce", "broadcast") else tr
     sixteen_reduce = op in REDUCTIONS and name in values.SIXTEEN_BIT
     check = f"within {n - 1} ulp" if peer == "gloo" and sixteen_reduce and n > 2 else "exact"
@@ -310,20 +303,10 @@ def summary_lines(records: list[dict]) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 # the program
 
-COLUMNS = (
-    common.Column("op", "op", 15),
-    common.Column("peer", "peer", 8),
-    common.Column("size_bytes", "size(B)", 10, "d"),
-    common.Column("count", "count", 9, "d"),
-    common.Column("dtype", "type", 8),
-    common.Column("device", "dev", 4),
-    common.Column("time_us_mean", "time(us)", 11, ".1f"),
-    common.Column("time_us_round_min", "min(us)", 11, ".1f"),
-    common.Column("time_us_round_max", "max(us)", 11, ".1f"),
-    common.Column("algbw_gbps", "algbw(GB/s)", 12, ".3f"),
-    common.Column("busbw_gbps", "busbw(GB/s)", 12, ".3f"),
-    common.Column("wrong", "#wrong", 7, "d"),
-)
+COLUMNS = common.columns(
+    "op", "peer", "size_bytes", "count", "dtype", "device",
+    common.Column("time_us_mean", "time(us)", 11, ".1f"),   # the median round's
+    "time_us_round_min", "time_us_round_max", "algbw_gbps", "busbw_gbps", "wrong")
 
 
 def _flat(lists) -> list[str]:

@@ -54,20 +54,10 @@ from . import common, netsim
 
 BENCH = "compressed"
 
-COLUMNS = (
-    common.Column("op", "op", 19),
-    common.Column("peer", "peer", 8),
-    common.Column("size_bytes", "size(B)", 10, "d"),
-    common.Column("count", "count", 9, "d"),
-    common.Column("time_us_min", "min(us)", 11, ".1f"),
-    common.Column("time_us_mean", "avg(us)", 11, ".1f"),
-    common.Column("time_us_max", "max(us)", 11, ".1f"),
-    common.Column("algbw_gbps", "algbw(GB/s)", 12, ".3f"),
-    common.Column("busbw_gbps", "busbw(GB/s)", 12, ".3f"),
-    common.Column("x_fp32", "x_fp32", 8, ".3f"),
-    common.Column("wire_bytes", "wire(B)", 11, "d"),
-    common.Column("wrong", "#wrong", 7, "d"),
-)
+COLUMNS = common.columns(
+    common.Column("op", "op", 19),   # all_reduce:1bit-new
+    "peer", "size_bytes", "count", "time_us_min", "time_us_mean", "time_us_max", "algbw_gbps",
+    "busbw_gbps", common.Column("x_fp32", "x_fp32", 8, ".3f"), "wire_bytes", "wrong")
 
 __all__ = ["main", "simulate_compressed", "check_compressed"]
 

@@ -15,8 +15,10 @@ DeepSpeed's signature; ``all_reduce:1bit-ar``: ``OnebitAllreduce``) over message
 
 For each setting and API it prints ``crossover: 1-bit faster from N bytes at R`` (the smallest
 measured size from which 1-bit is faster at that size and every larger one) or ``crossover:
-1-bit never faster ... at R``, writes every record with its setting to ``--json`` and draws
-time against size, one panel per setting, to ``--plot``.
+1-bit never faster ... at R``, and reports through the one ``Reporter``: ``--json`` gets every
+measurement record with its setting, then one ``crossover`` record per (setting, API)
+(``bench/README.md``), ``--plot`` time against size, one panel per setting
+(``bench.plot.plot_crossover``; ``bench plot`` draws the same from the file).
 """
 from __future__ import annotations
 
@@ -27,11 +29,15 @@ import sys
 import tempfile
 from typing import Sequence
 
-__all__ = ["APIS", "OPS", "crossover", "summarize", "lines", "draw", "run"]
+from . import netsim
+from .reporting import Reporter
+
+__all__ = ["APIS", "OPS", "crossover", "summarize", "lines", "run"]
 
 #: The 1-bit rows and the API each one times.
 APIS = {"all_reduce:1bit": "MpiBackend", "all_reduce:1bit-ar": "OnebitAllreduce"}
 OPS = ("all_reduce", *APIS)
+BENCH = "compressed"
 DEFAULT_SIZES = "16K,64K,256K,1M,4M,16M"
 
 
@@ -48,19 +54,23 @@ def crossover(sizes: Sequence[int], fp32: Sequence[float], onebit: Sequence[floa
 
 
 def summarize(records: list[dict]) -> list[dict]:
-    """One result per (setting, API): its sizes, both times and the crossover size."""
+    """One ``crossover`` record per (setting, API): its sizes, both times and the crossover size
+    (the envelope from the setting's fp32 records; ``wrong`` 0: the measurements carry theirs)."""
     by: dict[tuple[str, str], dict[int, float]] = {}
     for rec in records:
         by.setdefault((rec["setting"], rec["op"]), {})[int(rec["size_bytes"])] = float(rec["time_us_mean"])
     out = []
     for setting in dict.fromkeys(rec["setting"] for rec in records):
         base = by.get((setting, "all_reduce"), {})
+        first = next(r for r in records if r["setting"] == setting)
         for op, api in APIS.items():
             mine = by.get((setting, op), {})
             sizes = sorted(set(base) & set(mine))
             if not sizes:
                 continue
-            out.append({"setting": setting, "op": op, "api": api, "sizes": sizes,
+            out.append({"bench": BENCH, "op": "crossover", "ranks": first.get("ranks"),
+                        "hosts": first.get("hosts"), "network": first.get("network"), "wrong": 0,
+                        "setting": setting, "onebit_op": op, "api": api, "sizes": sizes,
                         "fp32_us": [base[s] for s in sizes], "onebit_us": [mine[s] for s in sizes],
                         "crossover_bytes": crossover(sizes, [base[s] for s in sizes],
                                                      [mine[s] for s in sizes])})
@@ -78,44 +88,6 @@ def lines(results: list[dict]) -> list[str]:
             text.append(f"crossover: 1-bit faster from {r['crossover_bytes']} bytes at "
                         f"{r['setting']} [{r['api']}]")
     return text
-
-
-def draw(results: list[dict], path: str) -> None:
-    """Time per call against size, one panel per setting: fp32 and each 1-bit API, crossovers marked."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from .plot import size_label
-
-    settings = list(dict.fromkeys(r["setting"] for r in results))
-    cols = min(2, len(settings))
-    rows = -(-len(settings) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(5.6 * cols, 3.6 * rows), squeeze=False)
-    flat = [ax for row in axes for ax in row]
-    for ax in flat[len(settings):]:
-        ax.set_visible(False)
-    for ax, setting in zip(flat, settings):
-        mine = [r for r in results if r["setting"] == setting]
-        ax.plot(mine[0]["sizes"], mine[0]["fp32_us"], "o-", color="black", label="fp32 all_reduce")
-        for r, colour in zip(mine, ("tab:blue", "tab:orange")):
-            ax.plot(r["sizes"], r["onebit_us"], "s--", color=colour, label=f"1-bit {r['api']}")
-            if r["crossover_bytes"] is not None:
-                ax.axvline(r["crossover_bytes"], color=colour, alpha=0.4, lw=3)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ticks = mine[0]["sizes"][::max(1, len(mine[0]["sizes"]) // 4)]
-        ax.set_xticks(ticks, [size_label(t) for t in ticks])
-        ax.set_title(setting, fontsize=9)
-        ax.set_xlabel("message size per rank")
-        ax.grid(True, which="both", alpha=0.3)
-    for row in axes:
-        row[0].set_ylabel("time per call (us), lower is better")
-    axes[0][0].legend(fontsize=7)
-    fig.suptitle("1-bit vs fp32 allreduce (vertical band: 1-bit faster from there on)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,12 +108,10 @@ def _bench_args(args, json_path: str) -> list[str]:
 
 
 def _local_command(ranks: int, bench_args: list[str]) -> tuple[list[str], dict]:
-    from .netsim import _find_mpiexec, mpi_flavour
-
-    mpiexec = _find_mpiexec()
+    mpiexec = netsim._find_mpiexec()
     env = dict(os.environ)
     extra = []
-    if mpi_flavour(mpiexec) == "openmpi":
+    if netsim.mpi_flavour(mpiexec) == "openmpi":
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
         if ranks > (os.cpu_count() or 1):
             extra = ["--oversubscribe"]
@@ -159,64 +129,73 @@ def run(args, world, measure) -> int:
     """The --crossover program: measure every setting, print verdicts, write JSON and plot.
 
     ``measure(argv) -> int`` is ``bench compressed``'s main, run in place under the user's mpiexec."""
-    from . import netsim
-
-    records: list[dict] = []
-    notes: list[str] = []
-    rc = 0
     rates = [r.strip() for r in (args.rates or "").split(",") if r.strip()]
     for r in rates:
         netsim.parse_rate(r)  # ValueError before anything runs
-    if world.Get_size() > 1:  # launched by the user's mpiexec: measure this network only
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "local.json") if world.Get_rank() == 0 else os.devnull
-            path = world.bcast(path)
-            rc = measure(_bench_args(args, path))
-            if world.Get_rank() == 0:
-                records += _records(path, "local")
-        if rates:
-            notes.append("netsim rates skipped: under mpiexec only this network is measured "
-                         "(run python -m bench compressed --crossover without mpiexec for netsim)")
+    launched = world.Get_size() > 1  # by the user's mpiexec: measure this network only
+    settings = ([f"local ({world.Get_size()} ranks of this launch)"] if launched else
+                [f"local ({args.ranks} ranks)"] + [f"netsim {rate} (2 hosts)" for rate in rates])
+    rep = Reporter(BENCH, world, args, columns=())
+    rep.start(dtype="float32", extra=[
+        "crossover: fp32 all_reduce against " + ", ".join(f"{op} ({api})" for op, api in APIS.items())
+        + f" at sizes {args.crossover_sizes}; settings: {', '.join(settings)}"])
+    if launched:
+        rc, notes = _measure_launched(args, world, measure, rates, rep)
         if world.Get_rank() != 0:
             return rc
     else:
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "local.json")
-            cmd, env = _local_command(args.ranks, _bench_args(args, path))
-            print(f"# crossover: local, {args.ranks} ranks: {' '.join(cmd[:3])} ...", flush=True)
-            rc = subprocess.run(cmd, env=env).returncode
-            if rc == 0:
-                records += _records(path, "local")
-            problem = netsim.preflight() if rates else None
-            if problem:
-                notes.append(f"netsim rates skipped: {problem}")
-            else:
-                for rate in rates:
-                    path = os.path.join(tmp, f"netsim-{rate}.json")
-                    cmd = [sys.executable, "-m", "bench", "netsim", "--hosts", "2", "--rate", rate,
-                           "--", "compressed", *_bench_args(args, path)]
-                    print(f"# crossover: netsim {rate}", flush=True)
-                    code = subprocess.run(cmd).returncode
-                    if code == 0:
-                        records += _records(path, f"netsim {rate}")
-                    else:
-                        rc = rc or code
-                        notes.append(f"netsim {rate}: the run failed (exit {code})")
-    results = summarize(records)
+        rc, notes = _measure_here(args, rates, rep)
+    for rec in summarize(rep.records):
+        rep.emit(rec, show=False)
     for line in notes:
-        print(f"# {line}")
-    for line in lines(results):
-        print(line)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"bench": "compressed-crossover", "results": results, "records": records,
-                       "notes": notes}, f, indent=1)
-    if args.plot and results:
-        from .plot import matplotlib_missing
-        missing = matplotlib_missing()
-        if missing:
-            print(f"# --plot: {missing}", file=sys.stderr)
-        else:
-            draw(results, args.plot)
-            print(f"# plot: {args.plot}")
-    return rc
+        rep.note(line)
+    for line in lines([r for r in rep.records if r["op"] == "crossover"]):
+        rep.line(line)
+    verdict = rep.finish(title="1-bit vs fp32 allreduce (vertical band: 1-bit faster from there on)")
+    return rc or verdict
+
+
+def _measure_launched(args, world, measure, rates: list[str], rep: Reporter) -> tuple[int, list[str]]:
+    """Collective: the local setting measured in place; rank 0 emits its records."""
+    notes = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "local.json") if world.Get_rank() == 0 else os.devnull
+        path = world.bcast(path)
+        rc = measure(_bench_args(args, path))
+        if world.Get_rank() == 0:
+            for rec in _records(path, "local"):
+                rep.emit(rec, show=False)
+    if rates:
+        notes.append("netsim rates skipped: under mpiexec only this network is measured "
+                     "(run python -m bench compressed --crossover without mpiexec for netsim)")
+    return rc, notes
+
+
+def _measure_here(args, rates: list[str], rep: Reporter) -> tuple[int, list[str]]:
+    """Every setting in its own job started from here: local, then netsim at each rate."""
+    notes = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "local.json")
+        cmd, env = _local_command(args.ranks, _bench_args(args, path))
+        rep.note(f"crossover: local, {args.ranks} ranks: {' '.join(cmd[:3])} ...")
+        rc = subprocess.run(cmd, env=env).returncode
+        if rc == 0:
+            for rec in _records(path, "local"):
+                rep.emit(rec, show=False)
+        problem = netsim.preflight() if rates else None
+        if problem:
+            notes.append(f"netsim rates skipped: {problem}")
+            rates = []
+        for rate in rates:
+            path = os.path.join(tmp, f"netsim-{rate}.json")
+            cmd = [sys.executable, "-m", "bench", "netsim", "--hosts", "2", "--rate", rate,
+                   "--", "compressed", *_bench_args(args, path)]
+            rep.note(f"crossover: netsim {rate}")
+            code = subprocess.run(cmd).returncode
+            if code == 0:
+                for rec in _records(path, f"netsim {rate}"):
+                    rep.emit(rec, show=False)
+            else:
+                rc = rc or code
+                notes.append(f"netsim {rate}: the run failed (exit {code})")
+    return rc, notes

@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 import warnings
+from typing import Callable
 
 import numpy as np
 from mpi4py import MPI
@@ -30,18 +31,7 @@ ROUNDS = 3
 
 
 # ---------------------------------------------------------------------------------------------
-# output
-
-class Out:
-    """Rank-0 printing."""
-
-    def __init__(self, mpi_comm: MPI.Comm) -> None:
-        self.root = mpi_comm.Get_rank() == 0
-
-    def __call__(self, text: str = "") -> None:
-        if self.root:
-            print(text, flush=True)
-
+# output: the parts print through ``out`` (the Reporter's ``line``: rank 0 only)
 
 def _ms(us: float) -> str:
     return f"{us / 1e3:.3f} ms" if us >= 1000 else f"{us:.1f} us"
@@ -50,7 +40,8 @@ def _ms(us: float) -> str:
 # ---------------------------------------------------------------------------------------------
 # part 1: collectives vs peers
 
-def part_collectives(mpi_comm, info, out, sizes, budget_s) -> list[dict]:
+def part_collectives(mpi_comm, info, out: Callable[[str], None], sizes,
+                     budget_s) -> list[dict]:
     """Time a few collectives on every peer that works; print one row per op and size."""
     peers, ctx, notes = collectives.available_peers(list(collectives.PEERS), mpi_comm)
     out(f"== 1. Collectives: {' vs '.join(peers)} ({info['ranks']} ranks, float32, "
@@ -297,46 +288,45 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     parts = args.parts
     mpi_comm = MPI.COMM_WORLD
-    out = Out(mpi_comm)
-    info = common.environment_info(mpi_comm)
+    rep = common.Reporter(BENCH, mpi_comm, args, narrative=True)
+    out = rep.line
+    info = rep.start(dtype="float32", iterations="see each part", meta={"parts": parts})
     t0 = time.perf_counter()
     if parts != ["compressed"] or info["network"] == "local":
         out(f"mpicomm demo: {info['ranks']} ranks on {info['hosts']} host(s), "
             f"{info['mpi_vendor']} {info['mpi_version']}, mpi4py {info['mpi4py_version']}, "
             f"torch {info['torch_version']}; network: {info['network']}")
         out()
-    records: list[dict] = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        if "collectives" in parts:
-            records += part_collectives(mpi_comm, info, out, args.sizes, args.budget)
-            out()
-        if "compressed" in parts:
-            title = ("2. Compressed: 1-bit allreduce vs fp32 allreduce, "
-                     f"{info['ranks']} ranks, {info['network']}")
-            records += part_compressed(mpi_comm, info, out, args.compressed_size, iters=3,
-                                       warmup=1, title=title)
-            out()
-        if "network" in parts:
-            records += part_network(mpi_comm, out, args.rates, args.compressed_size, timeout_s=120)
-            out()
+        for part in PARTS:
+            if part in parts:
+                for rec in _run_part(part, args, mpi_comm, info, out):
+                    rep.emit(rec)
+                out()
     collectives.close_gloo()
-    wrong = sum(r.get("wrong", 0) for r in records)
-    writer = common.JsonWriter(args.json, dict(info, bench=BENCH, dtype="float32",
-                                               iterations="see each part", argv=sys.argv[1:],
-                                               parts=parts), enabled=mpi_comm.Get_rank() == 0)
-    for rec in records:   # the same {"meta", "records"} file as every bench program's
-        writer.add(rec)
     if parts != ["compressed"] or info["network"] == "local":
-        lines = summary(records)
+        lines = summary(rep.records)
         if lines:
             out("== Summary ==")
             for line in lines:
                 out(f"   {line}")
             out()
         out(f"demo done in {time.perf_counter() - t0:.1f} s; "
-            + ("all values correct" if wrong == 0 else f"FAILED: {wrong} wrong values"))
-    return 1 if wrong else 0
+            + ("all values correct" if rep.wrong == 0 else f"FAILED: {rep.wrong} wrong values"))
+    return rep.finish()
+
+
+def _run_part(part: str, args, mpi_comm, info: dict, out: Callable[[str], None]) -> list[dict]:
+    """The records of one part of the demo (it prints as it goes)."""
+    if part == "collectives":
+        return part_collectives(mpi_comm, info, out, args.sizes, args.budget)
+    if part == "compressed":
+        title = ("2. Compressed: 1-bit allreduce vs fp32 allreduce, "
+                 f"{info['ranks']} ranks, {info['network']}")
+        return part_compressed(mpi_comm, info, out, args.compressed_size, iters=3, warmup=1,
+                               title=title)
+    return part_network(mpi_comm, out, args.rates, args.compressed_size, timeout_s=120)
 
 
 if __name__ == "__main__":

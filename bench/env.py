@@ -1,13 +1,48 @@
-"""What the programs start beside MPI: the torch.distributed gloo group, free ports, a clean environment."""
+"""What the programs run on and start beside MPI: the environment they report, the
+torch.distributed gloo group, free ports, a clean environment for child processes."""
 from __future__ import annotations
 
+import os
 import socket
+import time
 
 from mpi4py import MPI
 
 import mpicomm
+from accelerators.mpi_lib import library_version
 
-__all__ = ["clean_env", "free_port", "init_gloo"]
+__all__ = ["environment_info", "clean_env", "free_port", "init_gloo"]
+
+
+def environment_info(mpi_comm: MPI.Comm) -> dict:
+    """Collective: MPI vendor and versions, ranks, hosts; the same dict on every rank."""
+    import mpi4py
+
+    names = mpi_comm.allgather(MPI.Get_processor_name())
+    hosts = sorted(set(names))
+    vendor, vver = MPI.get_vendor()
+    info = {
+        "mpi_vendor": vendor,
+        "mpi_version": ".".join(map(str, vver)),
+        "mpi_library": library_version().splitlines()[0].strip(),
+        "mpi4py_version": mpi4py.__version__,
+        "ranks": mpi_comm.Get_size(),
+        "hosts": len(hosts),
+        "host_names": hosts,
+        "network": os.environ.get("MPICOMM_BENCH_NETWORK", "local"),
+        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    try:
+        import numpy
+        info["numpy_version"] = numpy.__version__
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        import torch
+        info["torch_version"] = torch.__version__
+    except ImportError:  # pragma: no cover
+        info["torch_version"] = None
+    return mpi_comm.bcast(info, root=0)
 
 
 def clean_env() -> dict:

@@ -4,6 +4,7 @@ Size records (collectives, compressed, ...): one panel per op, time or bandwidth
 log-log axes with sizes in B/KiB/MiB, one line per peer (colour; dtype and device when they vary)
 and per run (line style), the median round drawn with a band from the fastest to the slowest
 round. ``bench train --curve`` records: loss against step, one line per optimizer and run.
+``bench compressed --crossover`` records: time against size, one panel per setting.
 matplotlib is an optional extra; without it :func:`matplotlib_missing` says how to install it.
 """
 from __future__ import annotations
@@ -14,13 +15,11 @@ import os
 import sys
 from typing import Sequence
 
-from .arguments import comma_list
+from .arguments import PLOT_Y, comma_list
 
 __all__ = ["PLOT_Y", "matplotlib_missing", "size_label", "plot_records", "draw_records", "plot_curves",
-           "load_runs", "main"]
+           "plot_crossover", "load_runs", "main"]
 
-# --y / --plot-y name -> record field
-PLOT_Y = {"busbw": "busbw_gbps", "algbw": "algbw_gbps", "time": "time_us_mean"}
 _YLABEL = {"busbw_gbps": "bus bandwidth (GB/s)", "algbw_gbps": "algorithm bandwidth (GB/s)",
            "time_us_mean": "time per call (us)"}
 _STYLES = ("-", "--", ":", "-.")
@@ -209,6 +208,44 @@ def plot_curves(records: Sequence[dict], path: str, *, title: str = "") -> None:
     plt.close(fig)
 
 
+def plot_crossover(records: Sequence[dict], path: str, *, title: str = "") -> None:
+    """Time per call against size for ``bench compressed --crossover`` records, one panel per
+    setting: fp32 and each 1-bit API, crossovers marked; save a PNG."""
+    results = [r for r in records if r.get("op") == "crossover" and r.get("sizes")]
+    if not results:
+        raise ValueError("plot: no crossovers ('op': 'crossover' records) to draw")
+    plt = _pyplot()
+    settings = list(dict.fromkeys(r["setting"] for r in results))
+    cols = min(2, len(settings))
+    rows = -(-len(settings) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.6 * cols, 3.6 * rows), squeeze=False)
+    flat = [ax for row in axes for ax in row]
+    for ax in flat[len(settings):]:
+        ax.set_visible(False)
+    for ax, setting in zip(flat, settings):
+        mine = [r for r in results if r["setting"] == setting]
+        ax.plot(mine[0]["sizes"], mine[0]["fp32_us"], "o-", color="black", label="fp32 all_reduce")
+        for r, colour in zip(mine, ("tab:blue", "tab:orange")):
+            ax.plot(r["sizes"], r["onebit_us"], "s--", color=colour, label=f"1-bit {r['api']}")
+            if r["crossover_bytes"] is not None:
+                ax.axvline(r["crossover_bytes"], color=colour, alpha=0.4, lw=3)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ticks = mine[0]["sizes"][::max(1, len(mine[0]["sizes"]) // 4)]
+        ax.set_xticks(ticks, [size_label(t) for t in ticks])
+        ax.set_title(setting, fontsize=9)
+        ax.set_xlabel("message size per rank")
+        ax.grid(True, which="both", alpha=0.3)
+    for row in axes:
+        row[0].set_ylabel("time per call (us), lower is better")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(title or "1-bit vs fp32 allreduce (vertical band: 1-bit faster from there on)",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def load_runs(paths: Sequence[str]) -> list[dict]:
     """Read saved JSON runs; each record gets ``run``: the file's name (its path if names clash),
     with the run's rank count and network."""
@@ -258,7 +295,9 @@ def main(argv=None) -> int:
         if args.ops:
             wanted = set(args.ops)
             records = [r for r in records if r.get("op") in wanted]
-        if any(r.get("op") == "curve" for r in records):
+        if any(r.get("op") == "crossover" for r in records):
+            plot_crossover(records, args.output, title=args.title)
+        elif any(r.get("op") == "curve" for r in records):
             plot_curves(records, args.output, title=args.title)
         else:
             plot_records(records, args.output, y=args.y, title=args.title)

@@ -4,8 +4,9 @@ A record is one flat dict. Every record of every program starts with :data:`ENVE
 (``bench``, ``op``, ``ranks``, ``hosts``, ``network``, ``wrong``); the rest depends on the kind:
 measurement records (collectives, compressed, demo) carry :data:`RECORD_FIELDS` (the fields of
 :data:`OPTIONAL_FIELDS` checked when present), ``bench train`` records :data:`TRAIN_FIELDS` or
-:data:`CURVE_FIELDS`, ``bench ckpt`` records :data:`CKPT_FIELDS`, ``bench zero`` records
-:data:`ZERO_FIELDS` of their op. bench/README.md describes every field.
+:data:`CURVE_FIELDS`, ``bench compressed --crossover``'s results :data:`CROSSOVER_FIELDS`,
+``bench ckpt`` records :data:`CKPT_FIELDS`, ``bench zero`` records :data:`ZERO_FIELDS` of their
+op. bench/README.md describes every field.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import math
 from typing import Sequence
 
 __all__ = ["ENVELOPE_FIELDS", "RECORD_FIELDS", "OPTIONAL_FIELDS", "TRAIN_FIELDS", "CURVE_FIELDS",
-           "CKPT_FIELDS", "ZERO_FIELDS", "make_record", "median_round", "validate_record"]
+           "CROSSOVER_FIELDS", "CKPT_FIELDS", "ZERO_FIELDS", "make_record", "median_round", "validate_record"]
 
 _NUM = float  # int or float, never bool
 
@@ -52,6 +53,10 @@ CURVE_FIELDS = {
     "bench": str, "op": str, "peer": str, "ranks": int, "hosts": int, "model": str,
     "steps": int, "losses": list, "wrong": int,
 }
+# bench compressed --crossover: one record per setting and 1-bit API (op "crossover"; a
+# crossover_bytes of None: 1-bit never faster).
+CROSSOVER_FIELDS = {"setting": str, "onebit_op": str, "api": str, "sizes": list, "fp32_us": list,
+                    "onebit_us": list, "crossover_bytes": int}
 _SIGNED = {"overlap_ms", "hidden_pct"}  # may be negative: communication slowed the backward down
 
 # bench ckpt: one record per timed operation (time_s None: not run; size_bytes None: unknown).
@@ -171,6 +176,13 @@ def validate_record(rec: dict) -> list[str]:
             return problems + [f"field 'op': expected one of {sorted(ZERO_FIELDS)} for bench zero, "
                                f"got {rec.get('op')!r}"]
         _check_fields(rec, fields, True, problems, _NULLABLE_ROWS)
+        return problems
+    if rec.get("op") == "crossover":
+        _check_fields(rec, CROSSOVER_FIELDS, True, problems, {"crossover_bytes"})
+        sizes = rec.get("sizes")
+        if isinstance(sizes, list) and not (len(sizes) == len(rec.get("fp32_us") or ())
+                                            == len(rec.get("onebit_us") or ())):
+            problems.append("fields 'sizes', 'fp32_us', 'onebit_us': expected lists of one length")
         return problems
     if rec.get("bench") == "train":
         curve = rec.get("op") == "curve"

@@ -28,398 +28,28 @@ mpicomm) and with ``compressed.OnebitAdam``, ``ZeroOneAdam`` and ``OnebitLamb``,
 loss at every step (``--plot`` draws it, bytes per step in the legend), the final loss, the bytes
 each sent per step and the step time: what 1-bit compression costs in convergence and saves on
 the wire.
+
+Where the parts live: ``bench.train_peers`` (model, data, the peers, a round, the weight checks),
+``bench.train_curve`` (``--curve``), ``bench.lamb`` (its exact LAMB reference); here the
+arguments, the header and the step records.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
-import time
 import warnings
 
 from mpi4py import MPI
 
 from . import common, models
+from .train_curve import CURVE_COLUMNS, curve_main
+from .train_peers import (FSDP_PEERS, PEERS, build_model, check_peers, describe, make_peer,
+                          reference_of, run_round, tolerance, warm_up)
 
-DDP_PEERS = ("mpicomm", "gloo", "mpicomm-hook", "onebit-hook")
-FSDP_PEERS = ("fsdp2-mpicomm-r32", "fsdp2-gloo-r32", "fsdp2-mpicomm-r16", "fsdp2-gloo-r16")
-PEERS = DDP_PEERS + FSDP_PEERS
-EXACT = ("mpicomm", "gloo", "mpicomm-hook")  # must match gloo's weights
 DTYPES = ("float32", "bfloat16")
 BENCH = "train"
 
-__all__ = ["PEERS", "DDP_PEERS", "FSDP_PEERS", "DTYPES", "reference_of", "build_model", "batch", "Peer", "make_peer", "run_round", "main"]
-
-
-# ---------------------------------------------------------------------------------------------
-# model and data
-
-def build_model(args, seed: int):
-    """The benchmark's model: an MLP (GELU between layers) or a stack of transformer blocks."""
-    if args.model == "mlp":
-        return models.mlp(args.hidden, args.layers, activation="gelu", last_activation=False,
-                          seed=seed)
-    return models.transformer(args.hidden, args.layers, args.heads, seed=seed)
-
-
-def describe(args) -> str:
-    if args.model == "mlp":
-        return f"mlp {args.layers} x Linear({args.hidden}, {args.hidden})"
-    return (f"transformer {args.layers} x block(d={args.hidden}, heads={args.heads}, "
-            f"ffn={4 * args.hidden}), seq {args.seq}")
-
-
-def batch(args, rank: int, step: int, teacher):
-    """Rank ``rank``'s batch of step ``step``: random inputs, targets from a fixed teacher model."""
-    import torch
-
-    g = torch.Generator().manual_seed(1_000_003 * (rank + 1) + step)
-    shape = (args.batch, args.hidden) if args.model == "mlp" else (args.batch, args.seq,
-                                                                    args.hidden)
-    x = torch.randn(shape, generator=g)
-    with torch.no_grad():
-        y = teacher(x)
-    return x, y
-
-
-# ---------------------------------------------------------------------------------------------
-# peers
-
-class Peer:
-    """One replica (DDP or FSDP2): model, optimizer, step counter, communication-alone call."""
-
-    def __init__(self, name, ddp, opt, comm_alone, flat, no_sync=None, dtype=None) -> None:
-        import torch
-
-        self.name, self.ddp, self.opt = name, ddp, opt
-        self.comm_alone = comm_alone     # fn(): one all-reduce (FSDP2: reduce-scatter) of ``flat``
-        self.flat = flat
-        self.no_sync = no_sync or ddp.no_sync  # context: backward without communication
-        self.dtype = dtype or torch.float32   # the dtype inputs are fed in
-        self.model = getattr(ddp, "module", ddp)  # the module whose weights are checked
-        self.step = 0
-        self.loss = float("nan")
-
-
-def reference_of(name: str) -> str:
-    """The peer whose weights ``name``'s are checked against (gloo's twin)."""
-    return name.replace("mpicomm", "gloo") if name.startswith("fsdp2-") else "gloo"
-
-
-@contextlib.contextmanager
-def _fsdp_no_sync(model):
-    model.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
-
-
-def make_fsdp_peer(name: str, args, groups: dict) -> Peer:
-    """FSDP2 on the mpicomm or gloo group, bf16 parameters, reduce dtype float32 or bfloat16."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    pg = groups["mpicomm" if "-mpicomm-" in name else "gloo"]
-    reduce_dtype = torch.float32 if name.endswith("-r32") else torch.bfloat16
-    mesh = DeviceMesh.from_group(pg, "cpu")
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
-    model = build_model(args, seed=0)
-    for layer in model:
-        if any(True for _ in layer.parameters()):
-            fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
-    numel = sum(p.numel() for p in build_model(args, seed=0).parameters())
-    n = pg.size()
-    flat = torch.zeros(-(-numel // n) * n, dtype=reduce_dtype)
-    out = torch.zeros(flat.numel() // n, dtype=reduce_dtype)
-
-    def comm_alone():
-        flat.zero_()
-        dist.reduce_scatter_tensor(out, flat, group=pg)
-    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
-    return Peer(name, model, opt, comm_alone, flat, no_sync=lambda: _fsdp_no_sync(model))
-
-
-def make_peer(name: str, args, groups: dict, mcomm) -> Peer:
-    """Build ``name``'s DDP replica (same initial weights on every peer and rank)."""
-    import torch
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    import mpicomm.distributed
-
-    if name in FSDP_PEERS:
-        return make_fsdp_peer(name, args, groups)
-    dtype = getattr(torch, args.dtype)
-    model = build_model(args, seed=0).to(dtype)
-    numel = sum(p.numel() for p in model.parameters())
-    flat = torch.zeros(numel, dtype=dtype)
-    pg = groups["mpicomm"] if name == "mpicomm" else groups["gloo"]
-    ddp = DDP(model, process_group=pg, bucket_cap_mb=args.bucket_mb)
-    if name in ("mpicomm", "gloo"):
-        def comm_alone():
-            flat.zero_()
-            dist.all_reduce(flat, group=pg)
-    elif name == "mpicomm-hook":
-        ddp.register_comm_hook(mcomm, mpicomm.distributed.allreduce_ddp_hook)
-
-        def comm_alone():
-            flat.zero_()
-            mcomm.all_reduce(flat, op="avg")
-    elif name == "onebit-hook":
-        import compressed
-
-        state = compressed.OnebitDDPState(mcomm, warmup_steps=args.onebit_warmup,
-                                          min_bucket_numel=args.onebit_min_bucket)
-        ddp.register_comm_hook(state, compressed.onebit_ddp_hook)
-        alone = compressed.OnebitAllreduce(mcomm)
-
-        def comm_alone():
-            flat.normal_()
-            alone(flat, key="alone")
-    else:
-        raise ValueError(f"unknown peer {name!r}; expected one of {', '.join(PEERS)}")
-    opt = torch.optim.Adam(ddp.parameters(), lr=args.lr)
-    return Peer(name, ddp, opt, comm_alone, flat, dtype=dtype)
-
-
-def _train_step(peer: Peer, args, rank: int, teacher) -> tuple[float, float]:
-    """One step; seconds of forward + backward (with DDP's communication), and of the backward."""
-    import torch
-
-    x, y = batch(args, rank, peer.step, teacher)
-    peer.opt.zero_grad(set_to_none=False)
-    t0 = time.perf_counter()
-    loss = torch.nn.functional.mse_loss(peer.ddp(x.to(peer.dtype)).float(), y)
-    t1 = time.perf_counter()
-    loss.backward()
-    t2 = time.perf_counter()
-    peer.opt.step()
-    peer.step += 1
-    peer.loss = float(loss.detach())
-    return t2 - t0, t2 - t1
-
-
-def _backward_alone(peer: Peer, args, rank: int, teacher) -> float:
-    """Seconds of one backward under ``no_sync`` (no communication; weights unchanged)."""
-    import torch
-
-    x, y = batch(args, rank, 10_000_000 + peer.step, teacher)
-    peer.opt.zero_grad(set_to_none=False)
-    with peer.no_sync():
-        loss = torch.nn.functional.mse_loss(peer.ddp(x.to(peer.dtype)).float(), y)
-        t0 = time.perf_counter()
-        loss.backward()
-        dt = time.perf_counter() - t0
-    peer.opt.zero_grad(set_to_none=False)
-    return dt
-
-
-def _mean(mpi_comm, values: list[float]) -> float:
-    """Collective: the mean over ranks of this rank's mean."""
-    local = sum(values) / max(1, len(values))
-    return mpi_comm.allreduce(local, op=MPI.SUM) / mpi_comm.Get_size()
-
-
-def run_round(peer: Peer, args, mpi_comm, teacher) -> dict:
-    """Collective: one round of ``peer``: steps, backward alone, communication alone (seconds)."""
-    rank = mpi_comm.Get_rank()
-    mpi_comm.Barrier()
-    steps = [_train_step(peer, args, rank, teacher) for _ in range(args.steps)]
-    mpi_comm.Barrier()
-    alone = [_backward_alone(peer, args, rank, teacher) for _ in range(args.steps)]
-    mpi_comm.Barrier()
-    comm = []
-    for _ in range(args.steps):
-        t = time.perf_counter()
-        peer.comm_alone()
-        comm.append(time.perf_counter() - t)
-    return {"step": _mean(mpi_comm, [s[0] for s in steps]),
-            "backward_comm": _mean(mpi_comm, [s[1] for s in steps]),
-            "backward": _mean(mpi_comm, alone), "comm": _mean(mpi_comm, comm)}
-
-
-# ---------------------------------------------------------------------------------------------
-# checks
-
-def _weights(peer: Peer):
-    """The full float32 weights (FSDP2: gathered, a collective over the peer's group)."""
-    import torch
-
-    return torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float()
-                      .reshape(-1) for p in peer.model.parameters()])
-
-
-def tolerance(name: str, dtype: str) -> float:
-    """How far an exact peer's weights may be from its reference's: 1e-4 in float32; bf16
-    compute (FSDP2 peers, --dtype bfloat16) rounds differently wherever a reduction's bits
-    differ (gloo rounds 16-bit sums at every step), so 2e-2 there."""
-    return 2e-2 if name.startswith("fsdp2-") or dtype != "float32" else 1e-4
-
-
-def check_peers(peers: dict, mpi_comm, dtype: str = "float32") -> tuple[dict, list[str]]:
-    """Collective: wrong values per peer: weights that differ between ranks (every peer), and,
-    for the exact peers (DDP: mpicomm, gloo, mpicomm-hook; every FSDP2 peer), weights further
-    than :func:`tolerance` from their reference's (gloo's twin); and a non-finite loss."""
-    import numpy as np
-
-    wrong, notes = {}, []
-    weights = {name: _weights(peer).numpy() for name, peer in peers.items()}
-    for name in peers:
-        if (name in EXACT or name in FSDP_PEERS) and reference_of(name) not in peers:
-            notes.append(f"{reference_of(name)} not run: {name}'s weights are checked across "
-                         "ranks only")
-    for name, peer in peers.items():
-        w = weights[name]
-        first = np.empty_like(w)
-        first[:] = w
-        mpi_comm.Bcast(first, root=0)
-        bad = int(np.count_nonzero(w != first)) + int(not np.isfinite(peer.loss))
-        ref = weights.get(reference_of(name))
-        if ref is not None and (name in EXACT or name in FSDP_PEERS):
-            bad += int(np.count_nonzero(np.abs(w - ref) > tolerance(name, dtype)))
-        wrong[name] = mpi_comm.allreduce(bad, op=MPI.SUM)
-    return wrong, notes
-
-
-# ---------------------------------------------------------------------------------------------
-# loss curves: the 1-bit optimizers against their exact references
-
-CURVES = ("adam", "onebit-adam", "zero-one-adam", "lamb", "onebit-lamb")
-
-
-class Lamb:
-    """Plain LAMB (torch has none) as ``compressed.OnebitLamb``'s warm-up runs it: no bias
-    correction, weight decay inside the trust ratio, the ratio clamped to [min_coeff, max_coeff]."""
-
-    def __init__(self, params, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, max_coeff: float = 10.0, min_coeff: float = 0.01) -> None:
-        import torch
-
-        self.params = list(params)
-        self.lr, self.betas, self.eps, self.wd = lr, betas, eps, weight_decay
-        self.max_coeff, self.min_coeff = max_coeff, min_coeff
-        self.m = [torch.zeros_like(p) for p in self.params]
-        self.v = [torch.zeros_like(p) for p in self.params]
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.params:
-            p.grad = None
-
-    def step(self) -> None:
-        import torch
-
-        b1, b2 = self.betas
-        with torch.no_grad():
-            for p, m, v in zip(self.params, self.m, self.v):
-                if p.grad is None:
-                    continue
-                m.lerp_(p.grad, 1 - b1)
-                v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
-                u = m / (v.sqrt() + self.eps) + self.wd * p
-                wn, un = float(p.norm()), float(u.norm())
-                c = 1.0 if wn == 0 or un == 0 else min(max(wn / un, self.min_coeff), self.max_coeff)
-                p.sub_(u, alpha=self.lr * c)
-
-
-def _counting_comm(mpi_comm):
-    """An mpicomm Communicator (on a duplicate of ``mpi_comm``) counting the bytes this rank
-    hands its collectives for other ranks (all_reduce as a ring: 2 (p - 1) / p of the buffer)."""
-    import mpicomm
-
-    class Counting(mpicomm.Communicator):
-        sent = 0
-
-        def all_to_all_single(self, output, input, async_op=False):
-            self.sent += (self.size - 1) * input.numel() * input.element_size() // self.size
-            return super().all_to_all_single(output, input, async_op=async_op)
-
-        def all_gather_into_tensor(self, output, input, async_op=False):
-            self.sent += (self.size - 1) * input.numel() * input.element_size()
-            return super().all_gather_into_tensor(output, input, async_op=async_op)
-
-        def all_reduce(self, tensor, op="sum", async_op=False):
-            self.sent += 2 * (self.size - 1) * tensor.numel() * tensor.element_size() // self.size
-            return super().all_reduce(tensor, op=op, async_op=async_op)
-
-    return Counting(mpi_comm.Dup())
-
-
-def _curve_optimizer(name: str, params, args, comm):
-    import torch
-
-    import compressed
-
-    if name == "adam":
-        return torch.optim.Adam(params, lr=args.lr)
-    if name == "onebit-adam":
-        return compressed.OnebitAdam(params, lr=args.lr, freeze_step=args.freeze_step, comm=comm)
-    if name == "zero-one-adam":
-        return compressed.ZeroOneAdam(params, lr=args.lr, var_freeze_step=args.freeze_step,
-                                      var_update_scaler=args.var_update_scaler,
-                                      local_step_scaler=args.local_step_scaler,
-                                      local_step_clipper=args.local_step_clipper, comm=comm)
-    if name == "lamb":
-        return Lamb(params, lr=args.lr)
-    return compressed.OnebitLamb(params, lr=args.lr, freeze_step=args.freeze_step, comm=comm)
-
-
-def run_curve(args, mpi_comm, mcomm, teacher) -> dict[str, dict]:
-    """Collective: train from the same start with each optimizer of ``CURVES``, a step of each in
-    turn (Adam and LAMB on gradients averaged with mpicomm); per optimizer the mean loss over
-    ranks at every step, the bytes this rank sent per step (counted at its communicator) and
-    the step time (forward, backward, communication and update; max over ranks, mean over steps)."""
-    import torch
-
-    import compressed
-
-    rank, n = mpi_comm.Get_rank(), mpi_comm.Get_size()
-    compressed.OnebitAllreduce(mcomm)(torch.ones(1024), key="warm-up")   # load the kernels untimed
-    runs = {}
-    for name in CURVES:
-        model = build_model(args, seed=0)
-        comm = _counting_comm(mpi_comm)
-        runs[name] = {"model": model, "comm": comm, "losses": [], "times": [],
-                      "opt": _curve_optimizer(name, model.parameters(), args, comm)}
-
-    def average_grads(model, comm):
-        grads = [p.grad for p in model.parameters()]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        comm.all_reduce(flat, op="avg")
-        torch.nn.utils.vector_to_parameters(flat, grads)
-
-    for step in range(args.curve_steps):
-        x, y = batch(args, rank, step, teacher)
-        for name, run in runs.items():
-            model, opt = run["model"], run["opt"]
-            opt.zero_grad(set_to_none=False)
-            mpi_comm.Barrier()
-            t0 = time.perf_counter()
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            if name in ("adam", "lamb") and n > 1:
-                average_grads(model, run["comm"])
-            opt.step()
-            run["times"].append(time.perf_counter() - t0)
-            run["losses"].append(mpi_comm.allreduce(float(loss.detach()), op=MPI.SUM) / n)
-    out = {}
-    for name, run in runs.items():
-        out[name] = {"losses": run["losses"],
-                     "bytes_per_step": run["comm"].sent / args.curve_steps,
-                     "step_ms": mpi_comm.allreduce(sum(run["times"]) / len(run["times"]), op=MPI.MAX) * 1e3}
-        run["comm"].free()
-    return out
-
-
-def _human_bytes(b: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if b < 1024 or unit == "GiB":
-            return f"{b:.0f} {unit}" if unit == "B" else f"{b:.1f} {unit}"
-        b /= 1024
-    return f"{b:.1f} GiB"
+__all__ = ["PEERS", "DTYPES", "main"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -494,16 +124,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-CURVE_COLUMNS = (common.Column("step", "step", 7, "d"),) + tuple(
-    common.Column(name, name, 14, ".6f") for name in CURVES)
-SUMMARY_COLUMNS = (
-    common.Column("peer", "optimizer", 14),
-    common.Column("final_loss", "final loss", 12, ".6f"),
-    common.Column("bytes_per_step", "bytes/step", 12, ".0f"),
-    common.Column("step_ms", "step(ms)", 9, ".2f"),
-)
-
-
 def _header(args, ranks: int, params: int) -> tuple[str, list[str]]:
     """The header's iteration schedule and extra lines."""
     what = (f"{args.curve_steps} steps of each optimizer, freeze_step {args.freeze_step}; "
@@ -546,50 +166,19 @@ def main(argv=None) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if args.curve:
-            return _curve_main(args, mpi_comm, mcomm, teacher, rep)
+            return curve_main(args, mpi_comm, mcomm, teacher, rep)
         return _steps_main(args, mpi_comm, mcomm, teacher, params, rep)
 
 
 def _steps_main(args, mpi_comm, mcomm, teacher, params, rep) -> int:
-    import torch.distributed as dist
-
-    groups = {"gloo": common.init_gloo(mpi_comm)}
-    if any(p == "mpicomm" or p.startswith("fsdp2-mpicomm") for p in args.peers):
-        groups["mpicomm"] = dist.new_group(backend="mpicomm")
-    peers = {name: make_peer(name, args, groups, mcomm) for name in args.peers}
-    for peer in peers.values():
-        for _ in range(args.warmup):
-            _train_step(peer, args, mpi_comm.Get_rank(), teacher)
-        if args.warmup:
-            _backward_alone(peer, args, mpi_comm.Get_rank(), teacher)
-            peer.comm_alone()
-    rounds: dict[str, list[dict]] = {name: [] for name in peers}
-    order = list(peers)
-    for r in range(args.rounds):
-        for name in order[r % len(order):] + order[:r % len(order)]:
-            rounds[name].append(run_round(peers[name], args, mpi_comm, teacher))
+    """Collective: the step program after the header: every peer's rounds, checks, records."""
+    peers, rounds = _measure(args, mpi_comm, mcomm, teacher)
     wrong, notes = check_peers(peers, mpi_comm, args.dtype)
     for line in notes:
         rep.note(line)
     records = []
     for name, peer in peers.items():
-        times, means = common.median_round([(r["step"],) * 3 for r in rounds[name]])
-        mid = rounds[name][means.index(times[1])]
-        loss = mpi_comm.allreduce(peer.loss, op=MPI.SUM) / mpi_comm.Get_size()
-        fsdp = name in FSDP_PEERS
-        grad_dtype = (("float32" if name.endswith("-r32") else "bfloat16") if fsdp
-                      else args.dtype)
-        rec = dict(rep.base("step"), peer=name, model=describe(args), params=params,
-                   grad_bytes=params * (4 if grad_dtype == "float32" else 2),
-                   dtype="bfloat16" if fsdp else args.dtype, grad_dtype=grad_dtype,
-                   batch=args.batch, steps=args.steps, rounds=args.rounds,
-                   step_ms=mid["step"] * 1e3, step_ms_min=min(means) * 1e3,
-                   step_ms_max=max(means) * 1e3, step_ms_rounds=[m * 1e3 for m in means],
-                   samples_per_s=args.batch * mpi_comm.Get_size() / mid["step"], loss=loss,
-                   backward_ms=mid["backward"] * 1e3, comm_ms=mid["comm"] * 1e3,
-                   backward_comm_ms=mid["backward_comm"] * 1e3,
-                   overlap_ms=(mid["backward"] + mid["comm"] - mid["backward_comm"]) * 1e3,
-                   wrong=wrong[name], trained_steps=peer.step)
+        rec = _step_record(rep, args, mpi_comm, params, name, peer, rounds[name], wrong[name])
         records.append(rec)
         rep.emit(rec)
     by_name = {r["peer"]: r for r in records}
@@ -605,35 +194,43 @@ def _steps_main(args, mpi_comm, mcomm, teacher, params, rep) -> int:
                       f"{tolerance('fsdp2-', args.dtype):g}) of their gloo twin's weights)")
 
 
-def _curve_main(args, mpi_comm, mcomm, teacher, rep) -> int:
-    import numpy as np
+def _measure(args, mpi_comm, mcomm, teacher) -> tuple[dict, dict[str, list[dict]]]:
+    """Collective: build the peers, warm each up, run the interleaved rounds (order rotating)."""
+    import torch.distributed as dist
 
-    curves = run_curve(args, mpi_comm, mcomm, teacher)
-    records = []
-    for name, c in curves.items():
-        series = c["losses"]
-        bad = int(not np.all(np.isfinite(series)))
-        compressed_from = args.freeze_step if name in ("onebit-adam", "onebit-lamb") else None
-        records.append(dict(rep.base("curve"), peer=name, model=describe(args), steps=len(series),
-                            losses=series, final_loss=series[-1], freeze_step=compressed_from,
-                            bytes_per_step=c["bytes_per_step"], step_ms=c["step_ms"],
-                            label=f"{name} ({_human_bytes(c['bytes_per_step'])}/step)", wrong=bad))
-    every = max(1, args.curve_steps // 10)
-    for i in sorted(set(range(every - 1, args.curve_steps, every)) | {args.curve_steps - 1}):
-        rep.show({"step": i + 1, **{name: curves[name]["losses"][i] for name in CURVES}})
-    rep.section("per optimizer: final loss, bytes this rank sent per step (mean, counted at its "
-                "communicator), step time (forward + backward + communication + update; mean "
-                "over steps, max over ranks)", SUMMARY_COLUMNS)
-    for rec in records:
-        rep.emit(rec)
-    a, b = curves["adam"]["losses"][-1], curves["onebit-adam"]["losses"][-1]
-    rep.note(f"loss after {args.curve_steps} steps: Adam {a:.6f}, 1-bit Adam {b:.6f} "
-             f"({b / a if a else float('nan'):.2f}x Adam's; compressed from step "
-             f"{args.freeze_step + 1})")
-    return rep.finish("all losses finite (#wrong = 0)",
-                      title=f"{describe(args)}, {mpi_comm.Get_size()} ranks: exact and 1-bit optimizers")
+    groups = {"gloo": common.init_gloo(mpi_comm)}
+    if any(p == "mpicomm" or p.startswith("fsdp2-mpicomm") for p in args.peers):
+        groups["mpicomm"] = dist.new_group(backend="mpicomm")
+    peers = {name: make_peer(name, args, groups, mcomm) for name in args.peers}
+    for peer in peers.values():
+        warm_up(peer, args, mpi_comm.Get_rank(), teacher)
+    rounds: dict[str, list[dict]] = {name: [] for name in peers}
+    order = list(peers)
+    for r in range(args.rounds):
+        for name in order[r % len(order):] + order[:r % len(order)]:
+            rounds[name].append(run_round(peers[name], args, mpi_comm, teacher))
+    return peers, rounds
 
 
+def _step_record(rep, args, mpi_comm, params: int, name: str, peer, rounds: list[dict],
+                 wrong: int) -> dict:
+    """Collective (the loss): the ``step`` record of one peer, from its median round."""
+    times, means = common.median_round([(r["step"],) * 3 for r in rounds])
+    mid = rounds[means.index(times[1])]
+    loss = mpi_comm.allreduce(peer.loss, op=MPI.SUM) / mpi_comm.Get_size()
+    fsdp = name in FSDP_PEERS
+    grad_dtype = ("float32" if name.endswith("-r32") else "bfloat16") if fsdp else args.dtype
+    return dict(rep.base("step"), peer=name, model=describe(args), params=params,
+                grad_bytes=params * (4 if grad_dtype == "float32" else 2),
+                dtype="bfloat16" if fsdp else args.dtype, grad_dtype=grad_dtype,
+                batch=args.batch, steps=args.steps, rounds=args.rounds,
+                step_ms=mid["step"] * 1e3, step_ms_min=min(means) * 1e3,
+                step_ms_max=max(means) * 1e3, step_ms_rounds=[m * 1e3 for m in means],
+                samples_per_s=args.batch * mpi_comm.Get_size() / mid["step"], loss=loss,
+                backward_ms=mid["backward"] * 1e3, comm_ms=mid["comm"] * 1e3,
+                backward_comm_ms=mid["backward_comm"] * 1e3,
+                overlap_ms=(mid["backward"] + mid["comm"] - mid["backward_comm"]) * 1e3,
+                wrong=wrong, trained_steps=peer.step)
 
 
 def _close() -> None:
@@ -645,3 +242,4 @@ def _close() -> None:
 
 if __name__ == "__main__":
     sys.exit(main())
+

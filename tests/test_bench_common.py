@@ -149,3 +149,24 @@ def test_time_loop_counts_iterations():
     tmin, tmean, tmax = common.time_loop(lambda: calls.append(1), 7, 3, MPI.COMM_SELF)
     assert len(calls) == 10
     assert 0 <= tmin <= tmean <= tmax
+
+
+def test_columns_take_measurement_columns_by_name():
+    cols = common.columns("op", common.Column("x_fp32", "x_fp32", 8, ".3f"), "wrong")
+    assert [c.heading for c in cols] == ["op", "x_fp32", "#wrong"]
+    assert common.DEFAULT_COLUMNS[0] == common.columns("op")[0]
+
+
+def test_narrative_reporter_prints_only_its_lines_and_writes_the_same_json(tmp_path):
+    out = io.StringIO()
+    args = argparse.Namespace(json=str(tmp_path / "d.json"))
+    rep = common.Reporter("demo", MPI.COMM_SELF, args, out=out, narrative=True)
+    rep.start(dtype="float32", iterations="see each part", meta={"parts": ["x"]})
+    rep.line("== part ==")
+    rep.emit(_record(wrong=2))
+    rep.note("not printed")
+    assert rep.finish() == 1 and rep.wrong == 2
+    assert out.getvalue() == "== part ==\n"
+    doc = json.loads((tmp_path / "d.json").read_text())
+    assert doc["meta"]["bench"] == "demo" and doc["meta"]["parts"] == ["x"]
+    assert [r["wrong"] for r in doc["records"]] == [2]

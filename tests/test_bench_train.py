@@ -9,7 +9,7 @@ import sys
 import pytest
 from mpi4py import MPI
 
-from bench import common, plot, train
+from bench import common, plot, train, train_curve
 from mpitest import assert_all, mpiexec_cmd
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -71,7 +71,7 @@ def test_curve(n, tmp_path):
     stdout, doc = _run(n, tmp_path, "--hidden", "32", "--layers", "2", "--batch", "4", "--curve",
                        "--curve-steps", "8", "--freeze-step", "3", "--plot", str(png))
     recs = {r["peer"]: r for r in doc["records"]}
-    assert list(recs) == list(train.CURVES)
+    assert list(recs) == list(train_curve.CURVES)
     for rec in recs.values():
         assert common.validate_record(rec) == [], rec
         assert rec["op"] == "curve" and rec["steps"] == 8 and rec["wrong"] == 0

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from bench import crossover
+from bench.records import validate_record
 from mpitest import check_all
 
 
@@ -47,15 +48,26 @@ def test_crossover_run_here_writes_json_and_plot(world, shared_tmp_path, capsys)
         assert len(verdicts) == 2 and all(" at local [" in v for v in verdicts), out
         assert "netsim rates skipped: under mpiexec" in out
         doc = json.loads(js.read_text())
-        assert [r["api"] for r in doc["results"]] == ["MpiBackend", "OnebitAllreduce"]
-        assert all(r["sizes"] == [1024, 8192] for r in doc["results"])
-        assert {r["op"] for r in doc["records"]} == set(crossover.OPS)
+        results = [r for r in doc["records"] if r["op"] == "crossover"]
+        measured = [r for r in doc["records"] if r["op"] != "crossover"]
+        assert [r["api"] for r in results] == ["MpiBackend", "OnebitAllreduce"]
+        assert all(r["sizes"] == [1024, 8192] for r in results)
+        assert {r["op"] for r in measured} == set(crossover.OPS)
         assert all(r["wrong"] == 0 for r in doc["records"])
+        # one Reporter's file: the meta envelope, every record valid
+        assert doc["meta"]["bench"] == "compressed" and doc["meta"]["ranks"] == world.size
+        assert all(validate_record(r) == [] for r in doc["records"]), doc["records"]
         try:
             import matplotlib  # noqa: F401
         except ImportError:
             return
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        # bench plot draws the same panels from the file
+        from bench import plot
+
+        again = shared_tmp_path / "again.png"
+        assert plot.main([str(js), "-o", str(again)]) == 0
+        assert again.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     check_all(check, world)
 
