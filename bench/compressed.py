@@ -129,7 +129,7 @@ def check_onebit(g: np.ndarray, mpi_comm: MPI.Comm, new: bool, kernels: str | No
     ar = compressed.OnebitAllreduce(mpi_comm, kernels=kernels, hierarchical=hierarchical)
     t = torch.from_numpy(g.copy())
     out = (ar(t, key="check") if new else ar.allreduce_(t, key="check")).numpy().astype(np.float64)
-    want, s = simulate_compressed(g.astype(np.float64), mpi_comm, ar.backend.hierarchy)
+    want, s = simulate_compressed(g.astype(np.float64), mpi_comm, ar.compressor.hierarchy)
     near0 = np.abs(s) <= 1e-5 * (np.abs(s).max() + 1e-30)
     bad = (np.abs(out - want) > 2e-6 * np.abs(want) + 1e-30) & ~near0
     return int(mpi_comm.allreduce(int(bad.sum()), op=MPI.SUM))
@@ -180,18 +180,18 @@ def _cases(ops, g, lay, world, backend, onebit, fam, kernels, rng) -> dict:
             arh = onebit[hier]
             th = torch.from_numpy(g.copy())
             cases[op] = (lambda a=arh, t=th: a.allreduce_(t, key=f"ar_{n}"), "mpicomm",
-                         arh.backend.call_wire_bytes(n),
+                         arh.compressor.call_wire_bytes(n),
                          lambda h=hier: check_onebit(g, world, False, kernels, h))
     if "all_reduce:1bit-ar" in ops or "all_reduce:1bit-new" in ops:
         ar = onebit[None]
         t = torch.from_numpy(g.copy())
         if "all_reduce:1bit-ar" in ops:
             cases["all_reduce:1bit-ar"] = (lambda: ar.allreduce_(t, key=f"ar_{n}"), "mpicomm",
-                                           ar.backend.call_wire_bytes(n),
+                                           ar.compressor.call_wire_bytes(n),
                                            lambda: check_onebit(g, world, False, kernels))
         if "all_reduce:1bit-new" in ops:
             cases["all_reduce:1bit-new"] = (lambda: ar(t, key=f"new{n}"), "mpicomm",
-                                            ar.backend.call_wire_bytes(n),
+                                            ar.compressor.call_wire_bytes(n),
                                             lambda: check_onebit(g, world, True, kernels))
     if "compress:fused" in ops:
         # torch-allocated (64-byte aligned) like OnebitAllreduce's buffers

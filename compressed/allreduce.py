@@ -108,11 +108,6 @@ class OnebitAllreduce:
         self._spares: dict[tuple[int, str], torch.Tensor] = {}
         self._results = _ResultMemory()
 
-    @property
-    def backend(self) -> Compressor:
-        """``compressor`` under the name ``bench compressed`` still reads (bench/compressed.py)."""
-        return self.compressor
-
     def __call__(self, tensor: torch.Tensor, key: str = "default") -> torch.Tensor:
         """Return the compressed mean of ``tensor`` over ranks, using the error buffers of ``key``."""
         self._check(tensor)
