@@ -8,9 +8,9 @@ import torch.distributed as dist
 
 import time
 
-from .. import progress_thread, reduce16
+from .. import progress_thread
 from ..communicator import Communicator
-from ._ops import premultiplied, to_mpicomm
+from ._ops import to_mpicomm
 from . import _deadlines
 from ._work import MpicommWork, expire
 
@@ -155,15 +155,7 @@ class MpicommProcessGroup(dist.ProcessGroup):
         op, factor = self._reduce_op(opts, "allreduce")
 
         def start(a):
-            works = []
-            for t in tensors:
-                if factor is not None and t.dtype in reduce16.DTYPES:  # folded into the kernel
-                    works.append(self.comm._all_reduce(t, op, a, factor=_scalar(factor)))
-                    continue
-                if factor is not None:
-                    t.copy_(premultiplied(t, factor))
-                works.append(self.comm.all_reduce(t, op=op, async_op=a))
-            return works
+            return [self.comm.all_reduce(t, op=op, async_op=a, factor=factor) for t in tensors]
         return self._run("all_reduce", opts, start, tensors, tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
@@ -178,15 +170,8 @@ class MpicommProcessGroup(dist.ProcessGroup):
         op, factor = self._reduce_op(opts, "reduce")
 
         def start(a):
-            works = []
-            for t in tensors:
-                if factor is not None and t.dtype in reduce16.DTYPES:  # folded into the kernel
-                    works.append(self.comm._reduce(t, opts.rootRank, op, a, factor=_scalar(factor)))
-                    continue
-                if factor is not None:
-                    t.copy_(premultiplied(t, factor))
-                works.append(self.comm.reduce(t, dst=opts.rootRank, op=op, async_op=a))
-            return works
+            return [self.comm.reduce(t, dst=opts.rootRank, op=op, async_op=a, factor=factor)
+                    for t in tensors]
         return self._run("reduce", opts, start, tensors, tensors)
 
     def all_gather_single(self, output, input, opts=None):
@@ -235,15 +220,8 @@ class MpicommProcessGroup(dist.ProcessGroup):
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None,
                                         call="reduce_scatter_tensor_coalesced"):
         op, factor = self._reduce_op(opts, call)
-        folded = factor is not None and all(i.dtype in reduce16.DTYPES for i in inputs)
-        if factor is not None and not folded:
-            inputs = [premultiplied(i, factor) for i in inputs]
-        if folded:  # PREMUL_SUM of 16-bit tensors: the factor scales the float32 sum
-            return self._run(call, opts, lambda a: [
-                self.comm._reduce_scatter_tensor(o, i, op, a, factor=_scalar(factor))
-                for o, i in zip(outputs, inputs)], outputs, inputs)
         return self._run(call, opts, lambda a: [
-            self.comm.reduce_scatter_tensor(o, i, op=op, async_op=a)
+            self.comm.reduce_scatter_tensor(o, i, op=op, async_op=a, factor=factor)
             for o, i in zip(outputs, inputs)], outputs, inputs)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
@@ -281,11 +259,6 @@ class MpicommProcessGroup(dist.ProcessGroup):
 
     def recv_anysource(self, tensors, tag):
         return self.recv(tensors, None, tag)
-
-
-def _scalar(factor) -> float:
-    """PREMUL_SUM's factor (a number or a one-element tensor) as a float."""
-    return float(factor.item() if isinstance(factor, torch.Tensor) else factor)
 
 
 class _Lazy:
