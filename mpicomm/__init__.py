@@ -7,9 +7,9 @@ reductions with 16 bits on the wire), ``world`` (the same calls as module functi
 ``fastpath`` (the one rule that sends plain host tensors straight to MPI), ``validate`` and ``errors`` (argument checks and their messages), ``buffers``
 (torch/numpy/cupy to MPI buffers and back), ``dtypes`` and ``ops`` (dtype and op tables),
 ``device_paths`` (direct or staged device buffers), ``large`` (counts beyond 2^31 on MPI-3
-libraries), ``checking`` (checking mode), ``work`` and ``progress_thread`` (async handles and
-the thread that completes them), ``observe`` (profiler events and logging), ``byte_sizes``
-(``format_bytes``), ``launch_env`` (``clean_env``: the environment for launching a fresh job),
+libraries), ``checking`` (checking mode), ``work``, ``requests`` and ``progress_thread``
+(async handles, one handle over several MPI requests, and the thread that completes them),
+``observe`` (profiler events and logging), ``byte_sizes`` (``format_bytes``), ``launch_env`` (``clean_env``: the environment for launching a fresh job),
 and ``distributed/`` (the torch.distributed backend and DDP hook).
 """
 from __future__ import annotations

@@ -20,6 +20,7 @@ from .device_paths import DevicePolicy
 from .errors import check_rank, check_type, describe, fail_value
 from .observe import observed_as
 from .ops import ReduceOp, parse_op
+from .requests import Requests
 from .validate import reduction, same_device, same_dtype
 from .work import Work
 
@@ -69,7 +70,7 @@ class Reductions:
             return None
         return reduce16.plan_op(op, self.size, None if factor is None else _scalar(factor))
 
-    def _launch16(self, steps: reduce16.Steps, slots: Sequence[Slot], async_op: bool,
+    def _launch16(self, steps: Requests, slots: Sequence[Slot], async_op: bool,
                   result: Sequence):
         """Finish (or hand to a Work) a started 16-bit reduction."""
         return self._launch(steps.Wait, lambda: steps, (), slots, async_op, result)
