@@ -21,10 +21,9 @@ class Moves:
     """broadcast, all_gather_into_tensor, all_gather, all_to_all_single, gather and scatter."""
 
 
+    @fastpath.broadcast
     def broadcast(self, tensor, src: int = 0, async_op: bool = False) -> Work | None:
         """Copy ``tensor`` from rank ``src`` into ``tensor`` on every rank."""
-        if not async_op and not self.check and fastpath.run(self, "broadcast", tensor, root=src):
-            return None
         return self._broadcast(tensor, src, async_op)
 
     @observed_as("broadcast")
@@ -40,12 +39,10 @@ class Moves:
         return self._launch(self.mpi_comm.Bcast, self.mpi_comm.Ibcast,
                             (_spec(slot, t.numel()), src), [slot], async_op, [tensor])
 
+    @fastpath.all_gather_into_tensor
     def all_gather_into_tensor(self, output_tensor, input_tensor,
                                async_op: bool = False) -> Work | None:
         """Concatenate every rank's ``input_tensor`` (in rank order) into ``output_tensor``."""
-        if (not async_op and not self.check
-                and fastpath.run(self, "all_gather_into_tensor", output_tensor, input_tensor)):
-            return None
         return self._all_gather_into_tensor(output_tensor, input_tensor, async_op)
 
     @observed_as("all_gather_into_tensor")
@@ -93,14 +90,12 @@ class Moves:
                             (_spec(send, inp.numel()), _spec(recv, inp.numel())), [send, recv],
                             async_op, tensor_list, extra=[lambda: _unflatten_into(flat, outs)])
 
+    @fastpath.all_to_all_single
     def all_to_all_single(self, output, input, output_split_sizes: list[int] | None = None,
                           input_split_sizes: list[int] | None = None,
                           async_op: bool = False) -> Work | None:
-        """Rank r sends its j-th chunk of ``input`` (along dim 0) to rank j, which stores it as chunk r of ``output``."""
-        if (not async_op and not self.check and output_split_sizes is None
-                and input_split_sizes is None
-                and fastpath.run(self, "all_to_all_single", output, input)):
-            return None
+        """Rank r sends its j-th chunk of ``input`` (along dim 0) to rank j, which stores it as
+        chunk r of ``output``."""
         return self._all_to_all_single(output, input, output_split_sizes, input_split_sizes, async_op)
 
     @observed_as("all_to_all_single")

@@ -161,13 +161,11 @@ class Reductions:
                                        async_op, [tensor])
         return self._launch(comm.Reduce, comm.Ireduce, args(0, -1), [slot], async_op, [tensor])
 
+    @fastpath.reduce_scatter_tensor
     def reduce_scatter_tensor(self, output, input, op=ReduceOp.SUM, async_op: bool = False,
                               factor: float | torch.Tensor | None = None) -> Work | None:
         """Reduce ``input`` across ranks; rank r receives the r-th of ``size`` equal chunks in
         ``output``; ``factor`` (op SUM): the sum times it."""
-        if (factor is None and not async_op and not self.check
-                and fastpath.run(self, "reduce_scatter_tensor", output, input, op=op)):
-            return None
         return self._reduce_scatter_tensor(output, input, op, async_op, factor)
 
     @observed_as("reduce_scatter_tensor")
