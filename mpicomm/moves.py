@@ -13,7 +13,7 @@ from .buffers import IN, OUT, Slot, host_overlap, prepare, to_tensor
 from .checking import agree, signature
 from .errors import check_rank, describe, fail_value
 from .observe import observed, observed_as
-from .validate import move_type, per_rank_list, root_list, same_device, same_dtype, splits
+from .validate import move_type, out_and_in, per_rank_list, root_list, splits
 from .work import Work
 
 
@@ -48,10 +48,7 @@ class Moves:
     @observed_as("all_gather_into_tensor")
     def _all_gather_into_tensor(self, output_tensor, input_tensor, async_op):
         call = "all_gather_into_tensor"
-        out = to_tensor(output_tensor, call, "output_tensor", writable=True)
-        inp = to_tensor(input_tensor, call, "input_tensor", writable=False)
-        same_dtype(call, "output_tensor", out, inp)
-        same_device(call, "output_tensor", out, inp)
+        out, inp = out_and_in(call, ("output_tensor", "input_tensor"), output_tensor, input_tensor)
         if out.numel() != self.size * inp.numel():
             fail_value(call, "output_tensor", f"{self.size} x input_tensor.numel() = "
                        f"{self.size * inp.numel()} elements", f"{out.numel()} ({describe(output_tensor)})")
@@ -101,10 +98,7 @@ class Moves:
     @observed_as("all_to_all_single")
     def _all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, async_op):
         call = "all_to_all_single"
-        out = to_tensor(output, call, "output", writable=True)
-        inp = to_tensor(input, call, "input", writable=False)
-        same_dtype(call, "output", out, inp)
-        same_device(call, "output", out, inp)
+        out, inp = out_and_in(call, ("output", "input"), output, input)
         mpi_type = move_type(call, "input", inp)
         mpi_call = "ialltoallv" if async_op else "alltoallv"
         if output_split_sizes is None and input_split_sizes is None:
@@ -141,6 +135,9 @@ class Moves:
         return self._launch(comm.Alltoallv, comm.Ialltoallv, args, [send, recv], async_op,
                             [output])
 
+    # gather and scatter are one shape mirrored (checks, the root's flat buffer, one MPI call;
+    # gather splits the flat buffer after, scatter joins it before): kept as two bodies, since
+    # one with the direction as an argument read worse than these.
     @observed
     def gather(self, tensor, gather_list: list | None = None, dst: int = 0,
                async_op: bool = False) -> Work | None:

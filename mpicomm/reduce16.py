@@ -203,6 +203,10 @@ def _scratch(state: State, mem, numel: int):
     return raw, (lambda: state.scratch.release(raw, mem.device))
 
 
+# all_reduce, reduce_scatter and reduce open alike (the private communicator, the memory kind,
+# the bit views, the one-collective or pipelined choice); kept inline: each is a few lines that
+# read as the steps of its own call.
+
 def all_reduce(state: State, x: torch.Tensor, plan: tuple[int, int, float]) -> Requests:
     """Start reducing the contiguous 16-bit tensor ``x`` in place on every rank."""
     comm = state.comm()
@@ -212,7 +216,9 @@ def all_reduce(state: State, x: torch.Tensor, plan: tuple[int, int, float]) -> R
     n = xb.shape[0]
     if _small(n, p):
         raw, release = _scratch(state, mem, p * n)
-        return Requests(_small_all_reduce(mem, comm, xb, raw, dtype, plan), [release])
+        rows = raw[:p * n].reshape(p, n)
+        return Requests(_one_collective(lambda: comm.Iallgather(mem.buf(xb), mem.buf(rows)),
+                                        mem, rows, xb, dtype, plan), [release])
     blocks = _balanced(n, p)
     lo, n_me = blocks[me]
     return _pipelined(state, mem, comm, xb, blocks, xb[lo:lo + n_me], dtype, plan, gather="all",
@@ -227,10 +233,12 @@ def reduce_scatter(state: State, out: torch.Tensor, inp: torch.Tensor,
     p = comm.Get_size()
     mem = _memory(inp)
     ib, ob, dtype = mem.bits(inp), mem.bits(out), _NAMES[inp.dtype]
+    b = ob.shape[0]
     if _small(ib.shape[0], p):
         raw, release = _scratch(state, mem, ib.shape[0])
-        return Requests(_small_reduce_scatter(mem, comm, ib, ob, raw, dtype, plan), [release])
-    b = ob.shape[0]
+        rows = raw[:p * b].reshape(p, b)
+        return Requests(_one_collective(lambda: comm.Ialltoall(mem.buf(ib), mem.buf(rows)),
+                                        mem, rows, ob, dtype, plan), [release])
     return _pipelined(state, mem, comm, ib, [(j * b, b) for j in range(p)], ob, dtype, plan,
                       gather=None, dest=None)
 
@@ -244,7 +252,10 @@ def reduce(state: State, x: torch.Tensor, dst: int, plan: tuple[int, int, float]
     n = xb.shape[0]
     if _small(n, p):
         raw, release = _scratch(state, mem, p * n if me == dst else 1)
-        return Requests(_small_reduce(mem, comm, xb, raw, dst, dtype, plan), [release])
+        rows = raw[:p * n].reshape(p, n) if me == dst else None
+        return Requests(_one_collective(
+            lambda: comm.Igather(mem.buf(xb), None if rows is None else mem.buf(rows), root=dst),
+            mem, rows, xb, dtype, plan), [release])
     blocks = _balanced(n, p)
     lo, n_me = blocks[me]
     if me == dst:
@@ -257,30 +268,14 @@ def reduce(state: State, x: torch.Tensor, dst: int, plan: tuple[int, int, float]
 
 # -- the one-collective path ----------------------------------------------------------------
 
-def _small_all_reduce(mem, comm, xb, raw, dtype, plan):
-    p, n = comm.Get_size(), xb.shape[0]
-    rows = raw[:p * n].reshape(p, n)
-    if n:
-        yield [comm.Iallgather(mem.buf(xb), mem.buf(rows))]
-        mem.combine(rows, None, -1, xb, dtype, plan)
-
-
-def _small_reduce_scatter(mem, comm, ib, ob, raw, dtype, plan):
-    p, b = comm.Get_size(), ob.shape[0]
-    rows = raw[:p * b].reshape(p, b)
-    if b:
-        yield [comm.Ialltoall(mem.buf(ib), mem.buf(rows))]
-        mem.combine(rows, None, -1, ob, dtype, plan)
-
-
-def _small_reduce(mem, comm, xb, raw, dst, dtype, plan):
-    p, n, root = comm.Get_size(), xb.shape[0], comm.Get_rank() == dst
-    if not n:
+def _one_collective(start, mem, rows, out, dtype, plan):
+    """The one-collective path: ``start()`` fills ``rows`` (p rows), then one combine writes
+    ``out`` (no combine where ``rows`` is None: reduce's other ranks; nothing for no elements)."""
+    if not out.shape[0]:
         return
-    rows = raw[:p * n].reshape(p, n) if root else None
-    yield [comm.Igather(mem.buf(xb), mem.buf(rows) if root else None, root=dst)]
-    if root:
-        mem.combine(rows, None, -1, xb, dtype, plan)
+    yield [start()]
+    if rows is not None:
+        mem.combine(rows, None, -1, out, dtype, plan)
 
 
 # -- the pipelined path ---------------------------------------------------------------------

@@ -21,7 +21,7 @@ from .errors import check_rank, check_type, describe, fail_value
 from .observe import observed_as
 from .ops import ReduceOp, parse_op
 from .requests import Requests
-from .validate import reduction, same_device, same_dtype
+from .validate import out_and_in, reduction
 from .work import Work
 
 def premultiplied(tensor: torch.Tensor, factor) -> torch.Tensor:
@@ -31,16 +31,18 @@ def premultiplied(tensor: torch.Tensor, factor) -> torch.Tensor:
     return torch.mul(tensor, factor).to(tensor.dtype)
 
 
-def _factor(call: str, op: ReduceOp, factor) -> float | torch.Tensor | None:
-    """``factor`` checked: a number or a one-element tensor, with op SUM (or raise)."""
+def _op_and_factor(call: str, op, factor) -> tuple[ReduceOp, float | torch.Tensor | None]:
+    """(ReduceOp, factor) checked: any op, or op SUM with a factor that is a number or a
+    one-element tensor (or raise)."""
+    op = parse_op(op, call)
     if factor is None:
-        return None
+        return op, None
     number = isinstance(factor, (int, float)) and not isinstance(factor, bool)
     check_type(call, "factor", factor, "None, a number or a one-element tensor",
                ok=number or (isinstance(factor, torch.Tensor) and factor.numel() == 1))
     if op is not ReduceOp.SUM:
         fail_value(call, "op", "ReduceOp.SUM with a factor (the factor scales the sum)", str(op))
-    return factor
+    return op, factor
 
 
 def _scalar(factor) -> float:
@@ -92,8 +94,7 @@ class Reductions:
     @observed_as("all_reduce")
     def _all_reduce(self, tensor, op, async_op, factor=None):
         call = "all_reduce"
-        op = parse_op(op, call)
-        factor = _factor(call, op, factor)
+        op, factor = _op_and_factor(call, op, factor)
         t = to_tensor(tensor, call, "tensor", writable=True)
         mpi_type, wire, mpi_op = reduction(call, t.dtype, op)
         if self.check:
@@ -127,8 +128,7 @@ class Reductions:
     @observed_as("reduce")
     def _reduce(self, tensor, dst, op, async_op, factor=None):
         call = "reduce"
-        op = parse_op(op, call)
-        factor = _factor(call, op, factor)
+        op, factor = _op_and_factor(call, op, factor)
         dst = check_rank(call, "dst", dst, self.size)
         t = to_tensor(tensor, call, "tensor", writable=True)
         mpi_type, wire, mpi_op = reduction(call, t.dtype, op)
@@ -171,12 +171,8 @@ class Reductions:
     @observed_as("reduce_scatter_tensor")
     def _reduce_scatter_tensor(self, output, input, op, async_op, factor=None):
         call = "reduce_scatter_tensor"
-        op = parse_op(op, call)
-        factor = _factor(call, op, factor)
-        out = to_tensor(output, call, "output", writable=True)
-        inp = to_tensor(input, call, "input", writable=False)
-        same_dtype(call, "output", out, inp)
-        same_device(call, "output", out, inp)
+        op, factor = _op_and_factor(call, op, factor)
+        out, inp = out_and_in(call, ("output", "input"), output, input)
         if inp.numel() != self.size * out.numel():
             fail_value(call, "input", f"{self.size} x output.numel() = {self.size * out.numel()} "
                        "elements", f"{inp.numel()} ({describe(input)})")
