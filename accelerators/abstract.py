@@ -19,6 +19,10 @@ class Accelerator(abc.ABC):
 
     Code outside this package asks the accelerator instead of branching on the device type.
     Creating an accelerator must not initialise the device runtime.
+
+    The abstract methods below repeat one shape (decorator, signature, docstring) on purpose:
+    each is a separate part of the interface that every accelerator implements, documented
+    where it is declared.
     """
 
     #: Short device type name, as used in torch device strings ("cpu", "cuda").

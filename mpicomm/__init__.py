@@ -1,14 +1,15 @@
 """mpicomm: MPI collectives over torch tensors, numpy and cupy arrays, for PyTorch training.
 
 What lives where: ``communicator`` (the Communicator and ``init``/``as_communicator``: one
-launch path for blocking and async calls), ``p2p`` (its point-to-point calls), ``world`` (the
-same calls as module functions), ``fastpath`` (the one rule that sends plain host tensors
-straight to MPI), ``validate`` and ``errors`` (argument checks and their messages), ``buffers``
+launch path for blocking and async calls), ``reductions``, ``moves`` and ``p2p`` (its
+reductions, its moves and its point-to-point calls), ``reduce16`` and ``kernels16`` (16-bit
+reductions with 16 bits on the wire), ``world`` (the same calls as module functions),
+``fastpath`` (the one rule that sends plain host tensors straight to MPI), ``validate`` and ``errors`` (argument checks and their messages), ``buffers``
 (torch/numpy/cupy to MPI buffers and back), ``dtypes`` and ``ops`` (dtype and op tables),
 ``device_paths`` (direct or staged device buffers), ``large`` (counts beyond 2^31 on MPI-3
-libraries), ``checking`` (checking mode), ``work`` and ``progress_thread`` (async handles and
-the thread that completes them), ``observe`` (profiler events and logging), ``byte_sizes``
-(``format_bytes``), ``launch_env`` (``clean_env``: the environment for launching a fresh job),
+libraries), ``checking`` (checking mode), ``work``, ``requests`` and ``progress_thread``
+(async handles, one handle over several MPI requests, and the thread that completes them),
+``observe`` (profiler events and logging), ``byte_sizes`` (``format_bytes``), ``launch_env`` (``clean_env``: the environment for launching a fresh job),
 and ``distributed/`` (the torch.distributed backend and DDP hook).
 """
 from __future__ import annotations

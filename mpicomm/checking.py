@@ -22,3 +22,8 @@ def agree(mpi_comm: MPI.Comm, call: str, signature: str) -> None:
     raise CollectiveMismatchError(
         f"{call}: the ranks of a communicator of size {mpi_comm.Get_size()} called it with "
         f"arguments that do not agree (this would hang or give garbage):\n{lines}")
+
+
+def signature(t) -> str:
+    """A tensor's dtype and shape as the ranks compare them: ``float32[4, 2]``."""
+    return f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}"

@@ -17,7 +17,7 @@ import torch
 SUM, MAX, MIN = 0, 1, 2           # combine kinds
 PLAIN, DIVIDE, MULTIPLY = 0, 1, 2  # what happens to a sum before rounding
 
-_numba: dict | None = None
+_numba = None  # the numba kernel (``_kernels16_numba.reduce_rows``) once chosen
 _choice: str | None = None
 
 
@@ -30,8 +30,8 @@ def implementation() -> str:
             raise ValueError(f"MPICOMM_REDUCE16_KERNELS: expected 'numba' or 'torch', got {wanted!r}")
         if wanted != "torch":
             try:
-                from ._kernels16_numba import KERNELS
-                _numba = KERNELS
+                from ._kernels16_numba import reduce_rows as kernel
+                _numba = kernel
             except ImportError:
                 if wanted == "numba":
                     raise
@@ -53,8 +53,8 @@ def reduce_rows(rows: np.ndarray, own: np.ndarray | None, me: int, out: np.ndarr
     DIVIDE or MULTIPLY applies ``scale`` to a sum in float32.
     """
     if implementation() == "numba":
-        _numba[(dtype, kind)](rows, rows[0] if own is None else own, -1 if own is None else me,
-                              out, mode, scale)
+        _numba(rows, rows[0] if own is None else own, -1 if own is None else me, out, mode,
+               scale, kind, dtype == "bfloat16")
         return
     bits = (lambda a: torch.from_numpy(a.view(np.int16)))
     reduce_rows_bits(bits(rows), None if own is None else bits(own), me, bits(out), dtype, kind, mode, scale)

@@ -5,14 +5,16 @@ MPI-4 libraries take 64-bit counts (mpi4py 4 calls their ``_c`` variants). On MP
 rewrites such calls: reductions run in pieces of at most :data:`MAX_COUNT` elements, moves
 describe each rank's part with one contiguous derived datatype (count 1), and ``alltoallv``
 becomes ``alltoallw`` with one placed datatype per peer. Results and error messages do not
-change; a non-blocking call returns one request over all its pieces.
+change; a non-blocking call returns one request over all its pieces (``requests.Requests``).
 """
 from __future__ import annotations
 
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator
 
 import mpi4py
 from mpi4py import MPI
+
+from .requests import Requests
 
 _INT_MAX = 2 ** 31 - 1
 _fromaddress = MPI.buffer.fromaddress
@@ -30,21 +32,6 @@ MAX_COUNT = (1 << 62) if native_large_counts() else _INT_MAX
 def too_big(*counts: int) -> bool:
     """Whether any count or displacement is beyond what one MPI call argument takes."""
     return max(counts, default=0) > MAX_COUNT
-
-
-class Requests:
-    """One request over several (mirrors ``MPI.Request``'s Wait/Test for mpicomm's Work)."""
-
-    def __init__(self, requests: Sequence[MPI.Request]) -> None:
-        self.requests = list(requests)
-
-    def Wait(self, status: MPI.Status | None = None) -> None:  # noqa: N802 - as MPI.Request
-        """Wait for every piece."""
-        MPI.Request.Waitall(self.requests)
-
-    def Test(self, status: MPI.Status | None = None) -> bool:  # noqa: N802
-        """Whether every piece has completed."""
-        return MPI.Request.Testall(self.requests)
 
 
 def _ranges(count: int) -> Iterator[tuple[int, int]]:
@@ -72,7 +59,7 @@ def in_pieces(blocking: Callable, nonblocking: Callable, count: int,
             blocking(*args(start, n))
 
     def run_nonblocking() -> Requests:
-        return Requests([nonblocking(*args(start, n)) for start, n in _ranges(count)])
+        return Requests.together([nonblocking(*args(start, n)) for start, n in _ranges(count)])
 
     return run_blocking, run_nonblocking
 
@@ -92,7 +79,7 @@ def reduce_scatter_pieces(comm: MPI.Intracomm, send: list, recv: list, per_rank:
             comm.Reduce(*args(*block))
 
     def run_nonblocking() -> Requests:
-        return Requests([comm.Ireduce(*args(*block)) for block in blocks])
+        return Requests.together([comm.Ireduce(*args(*block)) for block in blocks])
 
     return run_blocking, run_nonblocking
 

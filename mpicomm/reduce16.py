@@ -15,11 +15,11 @@ at call time (``all_reduce``: an allgather of every rank's buffer, ``reduce_scat
 all-to-all, ``reduce``: a gather to the root) and the same kernel over all rows.
 
 The point-to-point phases run on a private duplicate of the communicator, tagged with the
-call's sequence number, so that a non-blocking call (:class:`Steps`, completed by
-``Work.wait()``, ``is_completed()`` or the progress thread) may issue its later phases in
-any order relative to other calls without mismatching them. Tests force the pipelined path
-with small thresholds through ``MPICOMM_REDUCE16_SMALL`` and ``MPICOMM_REDUCE16_SEGMENT``
-(bytes) or by setting the module's attributes.
+call's sequence number, so that a non-blocking call (a ``mpicomm.requests.Requests`` over the
+phases, completed by ``Work.wait()``, ``is_completed()`` or the progress thread) may issue its
+later phases in any order relative to other calls without mismatching them. Tests force the
+pipelined path with small thresholds through ``MPICOMM_REDUCE16_SMALL`` and
+``MPICOMM_REDUCE16_SEGMENT`` (bytes) or by setting the module's attributes.
 
 Device buffers follow the communicator's device policy (:func:`device_policy`): when MPI takes
 device memory for every call made here, they go to MPI as they are, scratch memory is on the
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -40,6 +39,7 @@ from mpi4py import MPI
 from . import kernels16, large
 from .device_paths import DevicePolicy
 from .ops import ReduceOp
+from .requests import Requests
 
 #: The dtypes reduced here.
 DTYPES = (torch.bfloat16, torch.float16)
@@ -188,43 +188,6 @@ class State:
             self._comm = None
 
 
-class Steps:
-    """A request over a multi-phase reduction (mirrors ``MPI.Request``'s Wait/Test for Work).
-
-    ``steps`` yields lists of requests to complete before it continues; creating a Steps runs
-    it up to its first wait, so a call's first messages go out when the call is made.
-    """
-
-    def __init__(self, steps: Iterator[list], release=()) -> None:
-        self._steps = steps
-        self._release = list(release)
-        self._reqs: list | None = None
-        self._advance()
-
-    def _advance(self) -> None:
-        try:
-            self._reqs = next(self._steps)
-        except StopIteration:
-            self._reqs = None
-            for fn in self._release:
-                fn()
-            self._release = []
-
-    def Wait(self, status: MPI.Status | None = None) -> None:  # noqa: N802 - as MPI.Request
-        """Run every remaining phase."""
-        while self._reqs is not None:
-            MPI.Request.Waitall(self._reqs)
-            self._advance()
-
-    def Test(self, status: MPI.Status | None = None) -> bool:  # noqa: N802
-        """Advance as far as completed messages allow; whether everything is done."""
-        while self._reqs is not None:
-            if not MPI.Request.Testall(self._reqs):
-                return False
-            self._advance()
-        return True
-
-
 def _small(numel: int, p: int) -> bool:
     """Whether a buffer of ``numel`` elements takes the one-collective path."""
     return (numel * 2 < SMALL_BYTES or p == 1) and numel * p <= large.MAX_COUNT
@@ -240,7 +203,11 @@ def _scratch(state: State, mem, numel: int):
     return raw, (lambda: state.scratch.release(raw, mem.device))
 
 
-def all_reduce(state: State, x: torch.Tensor, plan: tuple[int, int, float]) -> Steps:
+# all_reduce, reduce_scatter and reduce open alike (the private communicator, the memory kind,
+# the bit views, the one-collective or pipelined choice); kept inline: each is a few lines that
+# read as the steps of its own call.
+
+def all_reduce(state: State, x: torch.Tensor, plan: tuple[int, int, float]) -> Requests:
     """Start reducing the contiguous 16-bit tensor ``x`` in place on every rank."""
     comm = state.comm()
     p, me = comm.Get_size(), comm.Get_rank()
@@ -249,7 +216,9 @@ def all_reduce(state: State, x: torch.Tensor, plan: tuple[int, int, float]) -> S
     n = xb.shape[0]
     if _small(n, p):
         raw, release = _scratch(state, mem, p * n)
-        return Steps(_small_all_reduce(mem, comm, xb, raw, dtype, plan), [release])
+        rows = raw[:p * n].reshape(p, n)
+        return Requests(_one_collective(lambda: comm.Iallgather(mem.buf(xb), mem.buf(rows)),
+                                        mem, rows, xb, dtype, plan), [release])
     blocks = _balanced(n, p)
     lo, n_me = blocks[me]
     return _pipelined(state, mem, comm, xb, blocks, xb[lo:lo + n_me], dtype, plan, gather="all",
@@ -257,22 +226,24 @@ def all_reduce(state: State, x: torch.Tensor, plan: tuple[int, int, float]) -> S
 
 
 def reduce_scatter(state: State, out: torch.Tensor, inp: torch.Tensor,
-                   plan: tuple[int, int, float]) -> Steps:
+                   plan: tuple[int, int, float]) -> Requests:
     """Start reducing ``inp`` (p equal chunks) into ``out`` (this rank's chunk), both contiguous
     and in the same memory."""
     comm = state.comm()
     p = comm.Get_size()
     mem = _memory(inp)
     ib, ob, dtype = mem.bits(inp), mem.bits(out), _NAMES[inp.dtype]
+    b = ob.shape[0]
     if _small(ib.shape[0], p):
         raw, release = _scratch(state, mem, ib.shape[0])
-        return Steps(_small_reduce_scatter(mem, comm, ib, ob, raw, dtype, plan), [release])
-    b = ob.shape[0]
+        rows = raw[:p * b].reshape(p, b)
+        return Requests(_one_collective(lambda: comm.Ialltoall(mem.buf(ib), mem.buf(rows)),
+                                        mem, rows, ob, dtype, plan), [release])
     return _pipelined(state, mem, comm, ib, [(j * b, b) for j in range(p)], ob, dtype, plan,
                       gather=None, dest=None)
 
 
-def reduce(state: State, x: torch.Tensor, dst: int, plan: tuple[int, int, float]) -> Steps:
+def reduce(state: State, x: torch.Tensor, dst: int, plan: tuple[int, int, float]) -> Requests:
     """Start reducing the contiguous ``x`` into ``x`` on rank ``dst`` (others keep theirs)."""
     comm = state.comm()
     p, me = comm.Get_size(), comm.Get_rank()
@@ -281,7 +252,10 @@ def reduce(state: State, x: torch.Tensor, dst: int, plan: tuple[int, int, float]
     n = xb.shape[0]
     if _small(n, p):
         raw, release = _scratch(state, mem, p * n if me == dst else 1)
-        return Steps(_small_reduce(mem, comm, xb, raw, dst, dtype, plan), [release])
+        rows = raw[:p * n].reshape(p, n) if me == dst else None
+        return Requests(_one_collective(
+            lambda: comm.Igather(mem.buf(xb), None if rows is None else mem.buf(rows), root=dst),
+            mem, rows, xb, dtype, plan), [release])
     blocks = _balanced(n, p)
     lo, n_me = blocks[me]
     if me == dst:
@@ -294,35 +268,19 @@ def reduce(state: State, x: torch.Tensor, dst: int, plan: tuple[int, int, float]
 
 # -- the one-collective path ----------------------------------------------------------------
 
-def _small_all_reduce(mem, comm, xb, raw, dtype, plan):
-    p, n = comm.Get_size(), xb.shape[0]
-    rows = raw[:p * n].reshape(p, n)
-    if n:
-        yield [comm.Iallgather(mem.buf(xb), mem.buf(rows))]
-        mem.combine(rows, None, -1, xb, dtype, plan)
-
-
-def _small_reduce_scatter(mem, comm, ib, ob, raw, dtype, plan):
-    p, b = comm.Get_size(), ob.shape[0]
-    rows = raw[:p * b].reshape(p, b)
-    if b:
-        yield [comm.Ialltoall(mem.buf(ib), mem.buf(rows))]
-        mem.combine(rows, None, -1, ob, dtype, plan)
-
-
-def _small_reduce(mem, comm, xb, raw, dst, dtype, plan):
-    p, n, root = comm.Get_size(), xb.shape[0], comm.Get_rank() == dst
-    if not n:
+def _one_collective(start, mem, rows, out, dtype, plan):
+    """The one-collective path: ``start()`` fills ``rows`` (p rows), then one combine writes
+    ``out`` (no combine where ``rows`` is None: reduce's other ranks; nothing for no elements)."""
+    if not out.shape[0]:
         return
-    rows = raw[:p * n].reshape(p, n) if root else None
-    yield [comm.Igather(mem.buf(xb), mem.buf(rows) if root else None, root=dst)]
-    if root:
-        mem.combine(rows, None, -1, xb, dtype, plan)
+    yield [start()]
+    if rows is not None:
+        mem.combine(rows, None, -1, out, dtype, plan)
 
 
 # -- the pipelined path ---------------------------------------------------------------------
 
-def _pipelined(state, mem, comm, src, blocks, res, dtype, plan, gather, dest, release=()) -> Steps:
+def _pipelined(state, mem, comm, src, blocks, res, dtype, plan, gather, dest, release=()) -> Requests:
     p = comm.Get_size()
     seg = max(1, min(SEGMENT_BYTES // 2, large.MAX_COUNT))
     longest = max(n for _, n in blocks)
@@ -331,7 +289,7 @@ def _pipelined(state, mem, comm, src, blocks, res, dtype, plan, gather, dest, re
     raw, free = _scratch(state, mem, max(1, width * p * min(seg, longest)))
     steps = _segments(mem, comm, state.next_tag(), src, blocks, res, dtype, plan, gather, dest,
                       seg, k_all, width, raw)
-    return Steps(steps, [free, *release])
+    return Requests(steps, [free, *release])
 
 
 def _segments(mem, comm, tag, src, blocks, res, dtype, plan, gather, dest, seg, k_all, width, raw):

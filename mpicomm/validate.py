@@ -54,6 +54,17 @@ def same_device(call: str, arg: str, t: torch.Tensor, ref: torch.Tensor) -> None
         fail_value(call, arg, f"a buffer on {ref.device} (where the input is)", str(t.device))
 
 
+def out_and_in(call: str, names: tuple[str, str], output,
+               input) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, input) of a two-buffer call as tensors, the output writable, both of one dtype
+    on one device (or raise, naming the output's argument ``names[0]``)."""
+    out = to_tensor(output, call, names[0], writable=True)
+    inp = to_tensor(input, call, names[1], writable=False)
+    same_dtype(call, names[0], out, inp)
+    same_device(call, names[0], out, inp)
+    return out, inp
+
+
 def splits(call: str, arg: str, sizes, t: torch.Tensor, n: int) -> tuple[list[int], list[int]]:
     """Element counts and displacements for split sizes along dim 0 (None: equal splits)."""
     rows = t.shape[0] if t.dim() else 1

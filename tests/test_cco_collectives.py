@@ -74,6 +74,33 @@ def test_reduce_to_root(comm, world, fw, dtype, op):
     assert_close_all(to_f64(x), expected, rtol=tolerance(dtype))
 
 
+@pytest.mark.parametrize("call", ["all_reduce", "reduce", "reduce_scatter_tensor"])
+@pytest.mark.parametrize("fw,dtype", [("torch", torch.float64), ("torch", torch.float32),
+                                      ("torch", torch.int32), ("numpy", np.float32)],
+                         ids=["torch-float64", "torch-float32", "torch-int32", "numpy-float32"])
+def test_factor_scales_each_rank_before_the_sum(comm, world, fw, dtype, call):
+    """PREMUL_SUM (``factor=``) of dtypes other than 16-bit: each rank's values times the factor
+    in their dtype, then summed (16-bit tensors: test_cco_reduce16); the inputs that are not
+    results keep their values (reduce's other ranks, reduce_scatter's input)."""
+    n, root = 6, comm.size - 1
+    factor = 3 if dtype == torch.int32 else torch.tensor(0.5)
+    x = make(fw, values(comm.rank, n * comm.size, dtype, seed=5), dtype)
+    before = to_f64(x)
+    scaled = np.stack(world.allgather(to_f64(x) * float(factor)))
+    out = make(fw, np.zeros(n), dtype)
+    if call == "all_reduce":
+        comm.all_reduce(x, factor=factor)
+        got, want = to_f64(x), scaled.sum(0)
+    elif call == "reduce":
+        comm.reduce(x, dst=root, factor=factor)
+        got, want = to_f64(x), scaled.sum(0) if comm.rank == root else before
+    else:
+        comm.reduce_scatter_tensor(out, x, factor=factor)
+        got, want = to_f64(out), scaled.sum(0)[comm.rank * n:(comm.rank + 1) * n]
+        assert_all(np.array_equal(to_f64(x), before), f"input changed: {x}")
+    assert_close_all(got, want, rtol=tolerance(dtype), what=f"{call} factor={factor}")
+
+
 @pytest.mark.parametrize("fw,dtype", CASES, ids=IDS)
 def test_broadcast(comm, world, fw, dtype):
     src = comm.size // 2

@@ -53,6 +53,15 @@ def test_local_errors_name_what_was_expected(comm):
         premul = torch.distributed._make_nccl_premul_sum(2.0)
         _raises(TypeError, r"got: ReduceOp.PREMUL_SUM\)$", lambda: comm.all_reduce(torch.ones(3), op=premul))
         _raises(TypeError, r"got: list \['sum'\]\)$", lambda: comm.reduce(torch.ones(3), op=["sum"]))
+        _raises(ValueError, r'"op" \(expected: ReduceOp.SUM with a factor.*got: ReduceOp.MAX\)$',
+                lambda: comm.all_reduce(torch.ones(3), op="max", factor=2.0))
+        _raises(ValueError, r"ReduceOp.SUM with a factor.*got: ReduceOp.AVG",
+                lambda: comm.reduce_scatter_tensor(torch.ones(1), torch.ones(comm.size), op="avg",
+                                                   factor=0.5))
+        _raises(TypeError, r'"factor" \(expected: None, a number or a one-element tensor, got: str',
+                lambda: comm.reduce(torch.ones(3), factor="2"))
+        _raises(TypeError, r'"factor".*got: torch float32 of shape \(2,\)',
+                lambda: comm.all_reduce(torch.ones(3, dtype=torch.bfloat16), factor=torch.ones(2)))
         _raises(ValueError, r"summing to dim 0", lambda: comm.all_to_all_single(torch.empty(4), torch.ones(4), [1] * comm.size, [5] * comm.size))
         _raises(ValueError, r"tag", lambda: comm.isend(torch.ones(1), dst=0, tag=-5))
         _raises(ValueError, r"byte order", lambda: comm.all_reduce(np.ones(3, dtype=">f8")))

@@ -68,8 +68,7 @@ def _run(comm, call, op, dtype, strided):
 
 def _spy_general_paths(comm, monkeypatch) -> list:
     """A list that gets, per call, whether it took the fast path (its general path not called:
-    all_reduce's fast path is inlined in Communicator.all_reduce, the others go through
-    fastpath.run)."""
+    each public method is its general path behind the rule of mpicomm.fastpath)."""
     taken = []
     cls = type(comm)
     for call in REDUCING + MOVING:

@@ -105,11 +105,11 @@ def test_reduce16_on_cuda_against_numpy(gpu_comm, world, monkeypatch, path, name
         want = reference(rows, name, op)
         ours, factor = ("sum", FACTOR) if op == "premul" else (op, None)
         x = host.cuda()
-        c._all_reduce(x, ours, False, factor=factor)
+        c.all_reduce(x, ours, factor=factor)
         out = torch.empty(n, dtype=host.dtype, device="cuda")
-        c._reduce_scatter_tensor(out, host.cuda(), ours, False, factor=factor)
+        c.reduce_scatter_tensor(out, host.cuda(), ours, factor=factor)
         r = host.cuda()
-        c._reduce(r, c.size - 1, ours, True, factor=factor).wait()
+        c.reduce(r, c.size - 1, ours, async_op=True, factor=factor).wait()
         checks = [("all_reduce", _bits(x.cpu()), want),
                   ("reduce_scatter", _bits(out.cpu()), want[c.rank * n:(c.rank + 1) * n]),
                   ("reduce", _bits(r.cpu()), want if c.rank == c.size - 1 else _bits(host))]

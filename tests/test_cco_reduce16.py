@@ -104,10 +104,10 @@ def _start(c, call: str, op: str, x, out, dst: int, async_op: bool):
     factor = FACTOR if op == "premul" else None
     ours = "sum" if op == "premul" else op
     if call == "all_reduce":
-        return c._all_reduce(x, ours, async_op, factor=factor)
+        return c.all_reduce(x, ours, async_op, factor=factor)
     if call == "reduce":
-        return c._reduce(x, dst, ours, async_op, factor=factor)
-    return c._reduce_scatter_tensor(out, x, ours, async_op, factor=factor)
+        return c.reduce(x, dst, ours, async_op, factor=factor)
+    return c.reduce_scatter_tensor(out, x, ours, async_op, factor=factor)
 
 
 @pytest.mark.parametrize("name", list(DTYPES))

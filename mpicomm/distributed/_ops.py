@@ -32,9 +32,3 @@ def to_mpicomm(red_op, call: str) -> tuple[ReduceOp, "float | torch.Tensor | Non
     factor = red_op.factor if kind == _RED.PREMUL_SUM else None
     return ours, factor
 
-
-def premultiplied(tensor: torch.Tensor, factor) -> torch.Tensor:
-    """``tensor * factor`` in a new tensor of the same dtype (PREMUL_SUM's local step)."""
-    if isinstance(factor, torch.Tensor):
-        factor = factor.to(device=tensor.device)
-    return torch.mul(tensor, factor).to(tensor.dtype)

@@ -7,10 +7,10 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from .. import observe, progress_thread, reduce16
+from .. import observe, progress_thread
 from ..communicator import Communicator
 from ..ops import ReduceOp
-from ._ops import op_name, premultiplied, to_mpicomm
+from ._ops import op_name, to_mpicomm
 from . import _monitored
 from ._work import MpicommWork
 
@@ -151,15 +151,7 @@ class MpicommProcessGroup(dist.ProcessGroup):
             return self._sparse_allreduce(tensors, opts, op)
 
         def start():
-            works = []
-            for t in tensors:
-                if factor is not None and t.dtype in reduce16.DTYPES:  # folded into the kernel
-                    works.append(self.comm._all_reduce(t, op, True, factor=_scalar(factor)))
-                    continue
-                if factor is not None:
-                    t.copy_(premultiplied(t, factor))
-                works.append(self.comm.all_reduce(t, op=op, async_op=True))
-            return works
+            return [self.comm.all_reduce(t, op=op, async_op=True, factor=factor) for t in tensors]
         return self._run("all_reduce", opts, start, tensors, tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
@@ -211,16 +203,8 @@ class MpicommProcessGroup(dist.ProcessGroup):
         op, factor = self._reduce_op(opts, "reduce")
 
         def start():
-            works = []
-            for t in tensors:
-                if factor is not None and t.dtype in reduce16.DTYPES:  # folded into the kernel
-                    works.append(self.comm._reduce(t, opts.rootRank, op, True,
-                                                   factor=_scalar(factor)))
-                    continue
-                if factor is not None:
-                    t.copy_(premultiplied(t, factor))
-                works.append(self.comm.reduce(t, dst=opts.rootRank, op=op, async_op=True))
-            return works
+            return [self.comm.reduce(t, dst=opts.rootRank, op=op, async_op=True, factor=factor)
+                    for t in tensors]
         return self._run("reduce", opts, start, tensors, tensors)
 
     def all_gather_single(self, output, input, opts=None):
@@ -295,15 +279,8 @@ class MpicommProcessGroup(dist.ProcessGroup):
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None,
                                         call="reduce_scatter_tensor_coalesced"):
         op, factor = self._reduce_op(opts, call)
-        folded = factor is not None and all(i.dtype in reduce16.DTYPES for i in inputs)
-        if factor is not None and not folded:
-            inputs = [premultiplied(i, factor) for i in inputs]
-        if folded:  # PREMUL_SUM of 16-bit tensors: the factor scales the float32 sum
-            return self._run(call, opts, lambda: [
-                self.comm._reduce_scatter_tensor(o, i, op, True, factor=_scalar(factor))
-                for o, i in zip(outputs, inputs)], outputs, inputs)
         return self._run(call, opts, lambda: [
-            self.comm.reduce_scatter_tensor(o, i, op=op, async_op=True)
+            self.comm.reduce_scatter_tensor(o, i, op=op, async_op=True, factor=factor)
             for o, i in zip(outputs, inputs)], outputs, inputs)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
@@ -354,11 +331,6 @@ class MpicommProcessGroup(dist.ProcessGroup):
 
     def recv_anysource(self, tensors, tag):
         return self.recv(tensors, None, tag, "recvAnySource")  # torch's profiler name
-
-
-def _scalar(factor) -> float:
-    """PREMUL_SUM's factor (a number or a one-element tensor) as a float."""
-    return float(factor.item() if isinstance(factor, torch.Tensor) else factor)
 
 
 class _Lazy:
