@@ -1,6 +1,6 @@
 """The fast-path rule: plain host tensors go straight to MPI, skipping the general path's no-op steps.
 
-A blocking, unchecked collective takes the fast path when every buffer is a contiguous host
+An unchecked collective, blocking or not, takes the fast path when every buffer is a contiguous host
 ``torch.Tensor`` of one dtype MPI takes as it is, the buffers do not overlap, their sizes are what
 the operation requires, the count fits the MPI library and (for reductions) MPI reduces that dtype
 with that op natively. That is exactly when the general path would hand the user's memory to MPI
@@ -32,6 +32,7 @@ from mpi4py import MPI
 from . import dtypes, large, observe
 from .observe import _DEBUG, _debug_cache, _profiler
 from .ops import BITWISE, MPI_OPS, ReduceOp
+from .work import Work
 
 #: Set to False to send every call through the general path (tests compare the two).
 ENABLED = True
@@ -114,18 +115,22 @@ def _reduce_op(dtype, op):
 
 # Each function below is the public method itself: the rule inline in front of the general
 # path (a Python frame per call costs about as much as the rest of the rule). The condition
-# opening each is the same: blocking, unchecked, fast paths on, no profiler or DEBUG log
-# observing (observed calls take the general path, which is traced).
+# opening each is the same: unchecked, fast paths on, no profiler or DEBUG log observing
+# (observed calls take the general path, which is traced). With ``async_op`` the same MPI call
+# starts non-blocking and a Work keeps the tensors until it completes (the process group's
+# calls, blocking ones included, all come this way).
 
 def broadcast(method: Callable) -> Callable:
     """``Communicator.broadcast``: the rule in front of ``method`` (its general path)."""
     @functools.wraps(method)
     def broadcast(self, tensor, src=0, async_op=False):
-        if (not async_op and not self.check and ENABLED and not _profiler._is_profiler_enabled
+        if (not self.check and ENABLED and not _profiler._is_profiler_enabled
                 and (_debug_cache.get(_DEBUG) is False or not observe.log.isEnabledFor(_DEBUG))):
             t = _plain(tensor)
             if (t is not None and t[3] <= large.MAX_COUNT and type(src) is int
                     and 0 <= src < self.size):
+                if async_op:
+                    return Work(self.mpi_comm.Ibcast(t[0], src), (), [tensor], (tensor,))
                 self.mpi_comm.Bcast(t[0], src)
                 return None
         return method(self, tensor, src, async_op)
@@ -137,10 +142,13 @@ def all_gather_into_tensor(method: Callable) -> Callable:
     """``Communicator.all_gather_into_tensor``: the rule in front of ``method``."""
     @functools.wraps(method)
     def all_gather_into_tensor(self, output_tensor, input_tensor, async_op=False):
-        if (not async_op and not self.check and ENABLED and not _profiler._is_profiler_enabled
+        if (not self.check and ENABLED and not _profiler._is_profiler_enabled
                 and (_debug_cache.get(_DEBUG) is False or not observe.log.isEnabledFor(_DEBUG))):
             pair = _pair(input_tensor, output_tensor, self.size, 1)
             if pair is not None:
+                if async_op:
+                    return Work(self.mpi_comm.Iallgather(pair[0][0], pair[1][0]), (),
+                                [output_tensor], (input_tensor, output_tensor))
                 self.mpi_comm.Allgather(pair[0][0], pair[1][0])
                 return None
         return method(self, output_tensor, input_tensor, async_op)
@@ -152,12 +160,16 @@ def reduce_scatter_tensor(method: Callable) -> Callable:
     """``Communicator.reduce_scatter_tensor``: the rule in front of ``method``."""
     @functools.wraps(method)
     def reduce_scatter_tensor(self, output, input, op=_SUM, async_op=False, factor=None):
-        if (factor is None and not async_op and not self.check and ENABLED
+        if (factor is None and not self.check and ENABLED
                 and not _profiler._is_profiler_enabled
                 and (_debug_cache.get(_DEBUG) is False or not observe.log.isEnabledFor(_DEBUG))):
             pair = _pair(output, input, self.size, 1)
             mpi_op = None if pair is None else _reduce_op(pair[0][4], op)
             if mpi_op is not None:
+                if async_op:
+                    return Work(self.mpi_comm.Ireduce_scatter_block(pair[1][0], pair[0][0],
+                                                                    mpi_op),
+                                (), [output], (input, output))
                 self.mpi_comm.Reduce_scatter_block(pair[1][0], pair[0][0], mpi_op)
                 return None
         return method(self, output, input, op, async_op, factor)
@@ -170,11 +182,14 @@ def all_to_all_single(method: Callable) -> Callable:
     @functools.wraps(method)
     def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None,
                           async_op=False):
-        if (output_split_sizes is None and input_split_sizes is None and not async_op
+        if (output_split_sizes is None and input_split_sizes is None
                 and not self.check and ENABLED and not _profiler._is_profiler_enabled
                 and (_debug_cache.get(_DEBUG) is False or not observe.log.isEnabledFor(_DEBUG))):
             pair = _pair(output, input, 1, self.size)
             if pair is not None and pair[1][3] % self.size == 0:
+                if async_op:
+                    return Work(self.mpi_comm.Ialltoall(pair[1][0], pair[0][0]), (), [output],
+                                (input, output))
                 self.mpi_comm.Alltoall(pair[1][0], pair[0][0])
                 return None
         return method(self, output, input, output_split_sizes, input_split_sizes, async_op)
@@ -186,9 +201,16 @@ def all_reduce(method: Callable) -> Callable:
     """``Communicator.all_reduce``: the rule inline in front of ``method`` (its general path)."""
     @functools.wraps(method)
     def all_reduce(self, tensor, op=_SUM, async_op=False, factor=None):
-        if (factor is None and not async_op and not self.check and ENABLED
+        if (factor is None and not self.check and ENABLED
                 and not _profiler._is_profiler_enabled
                 and (_debug_cache.get(_DEBUG) is False or not observe.log.isEnabledFor(_DEBUG))):
+            if async_op:
+                t = _plain(tensor)
+                mpi_op = None if t is None or t[3] > large.MAX_COUNT else _reduce_op(t[4], op)
+                if mpi_op is not None:
+                    return Work(self.mpi_comm.Iallreduce(_IN_PLACE, t[0], mpi_op), (), [tensor],
+                                (tensor,))
+                return method(self, tensor, op, async_op, factor)
             last = self._last_fast
             # The small tensor and op of the last fast call again (a flag, a metric, a bucket
             # reduced step after step): its MPI buffer is reused while the tensor keeps the

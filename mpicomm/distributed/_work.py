@@ -111,9 +111,16 @@ class MpicommWork(BaseWork, dist.Work):
         super()._launch_threaded()
 
     def _block(self) -> None:
-        """Test on this thread until done, keeping the deadline here (no other thread woken)."""
-        d = self._deadline
-        while not self._poll():
+        """Test on this thread until done, keeping the deadline here (no other thread woken).
+        Only this thread holds the inner works (the work is not the progress thread's): they
+        are tested directly, without their locks."""
+        d, inner = self._deadline, self._inner
+        while not self._done:
+            if all(w._done or w._test() for w in inner):
+                with self._lock:
+                    if not self._done:
+                        self._test()
+                return
             now = time.monotonic()
             if now >= d.notice and not d.noticed:
                 d.noticed = True
