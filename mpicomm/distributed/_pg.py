@@ -68,11 +68,12 @@ class MpicommProcessGroup(dist.ProcessGroup):
              finish=(), source=None, blocking: bool | None = None) -> MpicommWork:
         """Run ``start()`` (-> mpicomm Works of non-blocking calls) as one process-group work.
 
-        ``async_op=True`` (``opts.asyncOp``) hands the work to the progress thread and returns;
-        a blocking call tests it on this thread until done. Either way the deadline thread
-        fails it past the timeout (the caller's ``wait()`` raises). Below MPI_THREAD_MULTIPLE
-        every call completes before it returns. Under a profiler the call records one
-        ``mpicomm:<call>`` event, and completes on the progress thread (an async event).
+        ``async_op=True`` (``opts.asyncOp``) hands the work to the progress thread and returns
+        (the deadline thread keeps its deadline); a blocking call tests it on this thread until
+        done, keeping the deadline itself. Past the timeout the work fails and the caller's
+        ``wait()`` raises. Below MPI_THREAD_MULTIPLE every call completes before it returns.
+        Under a profiler the call records one ``mpicomm:<call>`` event, and completes on the
+        progress thread (an async event).
         """
         if self._broken is not None:
             raise RuntimeError(f"mpicomm process group: {call} refused, the group is unusable "
@@ -90,8 +91,12 @@ class MpicommProcessGroup(dist.ProcessGroup):
         if record is None:
             inner = [w for w in start() if w is not None]
         else:
-            with observe.quiet():  # the communicator's own events stay out: one per call
-                inner = [w for w in start() if w is not None]
+            try:
+                with observe.quiet():  # the communicator's own events stay out: one per call
+                    inner = [w for w in start() if w is not None]
+            except BaseException:
+                record.end()
+                raise
         work = MpicommWork(self, call, self._seq, inner, finish, result, described, timeout,
                            source=source, record=record)
         threaded = progress_thread.enabled() and (not blocking or record is not None)
