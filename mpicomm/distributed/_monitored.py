@@ -106,12 +106,10 @@ def monitored_barrier(group=None, timeout: datetime.timedelta | float | None = N
         group = c10d._get_default_group()
     if group is dist.GroupMember.NON_GROUP_MEMBER:
         return
-    from ._pg import MpicommProcessGroup
-
-    if isinstance(group, MpicommProcessGroup):
+    backend = dist.get_backend(group)
+    if backend == "mpicomm":  # the group is an MpicommProcessGroup
         group.monitored_barrier(timeout, wait_all_ranks)
         return
-    backend = dist.get_backend(group)
     if backend == dist.Backend.GLOO:
         dist.monitored_barrier(group, timeout, wait_all_ranks)
         return
