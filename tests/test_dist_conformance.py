@@ -89,7 +89,10 @@ def _embedding_run(backend: str, init_method: str | None, rank: int, n: int) -> 
             opt.zero_grad()
             loss.backward()
             opt.step()
-        return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        dist.barrier()
+        del model, opt  # DDP's reducer holds the group: gloo's must go before it is destroyed
+        return weights
     finally:
         dist.destroy_process_group()
 
