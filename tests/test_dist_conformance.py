@@ -4,6 +4,7 @@ gloo's words, one async profiler event per call; and the suite itself (tests/con
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import os
 import subprocess
@@ -92,6 +93,7 @@ def _embedding_run(backend: str, init_method: str | None, rank: int, n: int) -> 
         weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         dist.barrier()
         del model, opt  # DDP's reducer holds the group: gloo's must go before it is destroyed
+        gc.collect()  # DDP's hooks may hold it in a reference cycle
         return weights
     finally:
         dist.destroy_process_group()
