@@ -33,9 +33,11 @@ def _layout(data: np.ndarray, dtype, strided: bool) -> torch.Tensor:
     return wide[::2]  # same values, not contiguous
 
 
-def _run(comm, call, op, dtype, strided):
-    """Run ``call`` once; return (result tensor, float64 numpy reference)."""
+def _run(comm, call, op, dtype, strided, async_op=False):
+    """Run ``call`` once (waiting for it when ``async_op``); return (result tensor, float64
+    numpy reference)."""
     n, k = comm.size, 3
+    comm = _Waiting(comm) if async_op else comm
     world = comm.mpi_comm
     if call == "all_reduce":
         x = _layout(values(comm.rank, 9, dtype, positive=op == "prod"), dtype, strided)
@@ -66,6 +68,23 @@ def _run(comm, call, op, dtype, strided):
     return out, np.concatenate([e[comm.rank * k:(comm.rank + 1) * k] for e in everyone])
 
 
+class _Waiting:
+    """The communicator's calls with ``async_op=True``, each waited for at once."""
+
+    def __init__(self, comm) -> None:
+        self._comm = comm
+        self.size, self.rank, self.mpi_comm = comm.size, comm.rank, comm.mpi_comm
+
+    def __getattr__(self, name):
+        method = getattr(self._comm, name)
+
+        def call(*args, **kwargs):
+            work = method(*args, async_op=True, **kwargs)
+            assert isinstance(work, mpicomm.Work), f"{name}(async_op=True) gave {work!r}"
+            work.wait()
+        return call
+
+
 def _spy_general_paths(comm, monkeypatch) -> list:
     """A list that gets, per call, whether it took the fast path (its general path not called:
     each public method is its general path behind the rule of mpicomm.fastpath)."""
@@ -88,18 +107,19 @@ def _spy_general_paths(comm, monkeypatch) -> list:
     return taken
 
 
+@pytest.mark.parametrize("async_op", [False, True], ids=["blocking", "async"])
 @pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
 @pytest.mark.parametrize("call,op", CASES, ids=IDS)
 @pytest.mark.parametrize("dtype", TORCH_DTYPES, ids=[str(d)[6:] for d in TORCH_DTYPES])
-def test_fast_and_general_paths_agree(comm, monkeypatch, dtype, call, op, strided):
+def test_fast_and_general_paths_agree(comm, monkeypatch, dtype, call, op, strided, async_op):
     if op == "avg" and dtype not in FLOAT_TORCH:
         pytest.skip("AVG on integers is an error (test_cco_errors)")
     if op in BITWISE and dtype in FLOAT_TORCH:
         pytest.skip("bitwise ops on floating dtypes are an error (test_cco_errors)")
     taken = _spy_general_paths(comm, monkeypatch)
-    fast, ref = _run(comm, call, op, dtype, strided)
+    fast, ref = _run(comm, call, op, dtype, strided, async_op)
     monkeypatch.setattr(fastpath, "ENABLED", False)
-    general, _ = _run(comm, call, op, dtype, strided)
+    general, _ = _run(comm, call, op, dtype, strided, async_op)
 
     expect_fast = not strided and (dtype in NATIVE_REDUCE and op != "avg" if op else True)
     assert_all(taken == [expect_fast, False],
