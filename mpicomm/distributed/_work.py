@@ -5,7 +5,8 @@ A work wraps the mpicomm Work(s) of one process-group call; completion, futures 
 mpicomm's progress thread, which completes it (results in place, future set, ``.then``
 callbacks run) without the caller polling; a blocking call, and any call below
 MPI_THREAD_MULTIPLE, is tested on the caller's thread. The deadline thread (``_deadlines``)
-keeps every work's deadline: past the process group's timeout the work fails with
+keeps the deadline of a work on the progress thread, the waiting caller that of any other:
+past the process group's timeout the work fails with
 :class:`ProcessGroupTimeoutError` in the caller (``wait()``, the future), as gloo's does, and the
 group refuses further calls; ``destroy_process_group`` and a new group work. MPI cannot cancel a
 collective that a peer never joined: the operation stays pending in MPI, is reported at exit, and
