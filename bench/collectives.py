@@ -11,6 +11,9 @@ per rank). Each size is timed in ``--rounds`` rounds, the peers interleaved with
 and slowest round beside it. Correctness is checked once per measurement, outside the timed
 loops, against values computed in numpy (``bench.values``).
 
+Peers: ``mpicomm`` (the Communicator's methods), ``mpicomm-pg`` (torch.distributed's functions on
+a process group of the mpicomm backend: what a torch user calls), ``mpi4py`` and ``gloo``.
+
 The mpi4py peer is what a user would write by hand: numpy buffers (on memory allocated and
 written as the torch peers', so that all peers move the same kind of pages); for float16/bfloat16
 reductions an upcast to float32, MPI's float32 sum and one rounding back. gloo reduces 16-bit
@@ -30,7 +33,7 @@ from mpi4py import MPI
 from . import common, netsim, values
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
-PEERS = ("mpicomm", "mpi4py", "gloo")
+PEERS = ("mpicomm", "mpicomm-pg", "mpi4py", "gloo")
 DTYPES = values.DTYPES
 DEVICES = ("cpu", "cuda")
 REDUCTIONS = ("all_reduce", "reduce_scatter")
@@ -140,6 +143,8 @@ def _torch_case(peer, op, count, per_rank, name, device, n, mcomm) -> Case:
     tr = torch.zeros(_recv_len(op, count, per_rank), dtype=dt, device=device)
     if peer == "gloo":
         import torch.distributed as api
+    elif peer == "mpicomm-pg":
+        api = _GroupCalls(mcomm)
     else:
         api = mcomm  # the Communicator has torch.distributed's names and arguments
     calls = {
@@ -158,12 +163,25 @@ def _torch_case(peer, op, count, per_rank, name, device, n, mcomm) -> Case:
                 keep=[ts, tr])
 
 
+class _GroupCalls:
+    """torch.distributed's functions bound to one process group (``group=``)."""
+
+    def __init__(self, group) -> None:
+        import functools
+
+        import torch.distributed as dist
+
+        for name in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor",
+                     "all_to_all_single", "broadcast"):
+            setattr(self, name, functools.partial(getattr(dist, name), group=group))
+
+
 def make_case(peer: str, op: str, count: int, per_rank: int, name: str, device: str,
               mpi_comm: MPI.Comm, n: int, mcomm=None) -> Case:
     """Allocate zero-filled buffers of dtype ``name`` on ``device`` and bind ``peer``'s call."""
     if peer == "mpi4py":
         return _mpi4py_case(op, count, per_rank, name, mpi_comm)
-    if peer in ("mpicomm", "gloo"):
+    if peer in ("mpicomm", "mpicomm-pg", "gloo"):
         return _torch_case(peer, op, count, per_rank, name, device, n, mcomm)
     raise ValueError(f"unknown peer {peer!r}; expected one of {PEERS}")
 
@@ -182,7 +200,8 @@ def cuda_problem() -> str | None:
 def available_peers(wanted, mpi_comm: MPI.Comm) -> tuple[list[str], dict, list[str]]:
     """Collective: ``(peers, context, notes)``: the wanted peers that work here, each skip explained."""
     peers, notes, ctx = [], [], {}
-    for peer in wanted:
+    # gloo first: it becomes the default group, and an mpicomm process group is then a new one
+    for peer in sorted(wanted, key=lambda p: p != "gloo"):
         if peer == "mpicomm":
             import mpicomm
 
@@ -199,10 +218,28 @@ def available_peers(wanted, mpi_comm: MPI.Comm) -> tuple[list[str], dict, list[s
             if not all(mpi_comm.allgather(ok)):
                 notes.append(f"peer gloo skipped: torch.distributed gloo did not initialise{why}")
                 continue
+        elif peer == "mpicomm-pg":
+            ctx["mpicomm-pg"] = _mpicomm_group()
         elif peer != "mpi4py":
             raise ValueError(f"unknown peer {peer!r}; expected one of {PEERS}")
         peers.append(peer)
+    peers.sort(key=list(wanted).index)
     return peers, ctx, notes
+
+
+def _mpicomm_group():
+    """Collective: a torch.distributed process group of the mpicomm backend over all ranks (the
+    default group when none exists yet, else a new group beside it)."""
+    import torch.distributed as dist
+
+    import mpicomm  # noqa: F401 - registers the backend
+
+    if not dist.is_initialized():
+        dist.init_process_group("mpicomm")
+        return dist.group.WORLD
+    if dist.get_backend() == "mpicomm":
+        return dist.group.WORLD
+    return dist.new_group(backend="mpicomm")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,7 +276,7 @@ def measure_size(peers, op: str, size_bytes: int, name: str, device: str, mpi_co
         if peer == "mpi4py" and device != "cpu":
             notes.append(f"peer mpi4py skipped on {device}: it times numpy host buffers")
             continue
-        case = make_case(peer, op, count, per_rank, name, device, mpi_comm, n, ctx.get("mpicomm"))
+        case = make_case(peer, op, count, per_rank, name, device, mpi_comm, n, ctx.get(peer))
         problem = _probe(case, mpi_comm)
         if problem:
             notes.append(f"peer {peer} skipped for {op} {name} on {device}: {problem}")

@@ -153,12 +153,12 @@ def test_program_runs_and_json_validates(n, tmp_path):
     recs = doc["records"]
     assert doc["meta"]["ranks"] == n
     peers = {r["peer"] for r in recs}
-    assert peers == {"mpicomm", "mpi4py", "gloo"}
+    assert peers == set(collectives.PEERS) == {"mpicomm", "mpicomm-pg", "mpi4py", "gloo"}
     assert {r["op"] for r in recs} == set(collectives.OPS)
     assert {r["dtype"] for r in recs} == {"float32", "bfloat16", "int32"}
     devices = {"cpu", "cuda"} if torch.cuda.is_available() else {"cpu"}
     assert {r["device"] for r in recs} == devices
-    assert len(recs) == len(collectives.OPS) * 3 * len(devices) * 2 * 3 - (
+    assert len(recs) == len(collectives.OPS) * 3 * len(devices) * 2 * 4 - (
         len(collectives.OPS) * 3 * 2 if "cuda" in devices else 0)  # no mpi4py rows on cuda
     for rec in recs:
         assert common.validate_record(rec) == [], rec
