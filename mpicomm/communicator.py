@@ -79,6 +79,9 @@ class Communicator(Reductions, Moves, PointToPoint):
         self._tag_ub: int = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
         self._r16: reduce16.State | None = None
         self._last_fast: tuple = fastpath.NOTHING_REMEMBERED
+        self._last_bcast: tuple = fastpath.NOTHING_REMEMBERED
+        self._last_gather: tuple = fastpath.NOTHING_REMEMBERED
+        self._last_scatter: tuple = fastpath.NOTHING_REMEMBERED
 
     def __repr__(self) -> str:
         return f"<mpicomm.Communicator rank {self.rank} of {self.size}>"

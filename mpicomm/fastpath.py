@@ -15,7 +15,11 @@ CPU time per 8-byte call: 1.19 us for the same tensor again, 1.53 us for two ten
 (1.39 us for both before it remembered), against 0.83 us for mpi4py's ``Allreduce`` on numpy
 arrays. The other calls (broadcast, all_gather_into_tensor, reduce_scatter_tensor,
 all_to_all_single) get the rule the same way, one function each in front of their general
-path, and ask :func:`_plain` for the MPI spec of a tensor's memory they have seen before.
+path, and ask :func:`_plain` for the MPI spec of a tensor's memory they have seen before;
+broadcast, all_gather_into_tensor and reduce_scatter_tensor also remember their last fast call
+as all_reduce does. Thread CPU time per 8-byte call at one rank (``time.thread_time``, best of
+9 x 20000), against mpi4py on numpy arrays: broadcast +0.54 us, all_reduce +0.25,
+all_gather_into_tensor +0.75 (+1.7 before it remembered), reduce_scatter_tensor +0.75 (+1.5).
 MPI-4 persistent collectives
 (``Allreduce_init`` + ``Start``/``Wait``) were measured and not adopted: on MPICH 5.0.2 at one
 rank ``Start(); Wait()`` took 0.83 us of CPU time against 0.25 us for ``Allreduce`` on a
@@ -56,8 +60,10 @@ _IN_PLACE = MPI.IN_PLACE
 REMEMBER_BYTES = 1 << 16
 _NOTHING = object()  # no call remembered (never a caller's argument)
 #: A communicator's ``_last_fast`` before its first fast all_reduce: (tensor, op, address,
-#: nbytes, dtype, MPI buffer, MPI op) of that call.
-NOTHING_REMEMBERED = (_NOTHING,) * 7
+#: nbytes, dtype, MPI buffer, MPI op) of that call. ``_last_bcast``, ``_last_gather`` and
+#: ``_last_scatter`` remember broadcast's, all_gather_into_tensor's and reduce_scatter_tensor's
+#: last fast call the same way (and start as this too).
+NOTHING_REMEMBERED = (_NOTHING,) * 11
 # dtype -> MPI datatype that moves it unchanged.
 _MOVE = {dtype: dtypes.move_type(dtype) for dtype in dtypes.SUPPORTED}
 
@@ -125,17 +131,32 @@ def broadcast(method: Callable) -> Callable:
     @functools.wraps(method)
     def broadcast(self, tensor, src=0, async_op=False):
         if (not self.check and ENABLED and not _profiler._is_profiler_enabled
-                and (_debug_cache.get(_DEBUG) is False or not observe.log.isEnabledFor(_DEBUG))):
-            t = _plain(tensor)
-            if (t is not None and t[3] <= large.MAX_COUNT and type(src) is int
-                    and 0 <= src < self.size):
-                if async_op:
-                    return Work(self.mpi_comm.Ibcast(t[0], src), (), [tensor], (tensor,))
-                self.mpi_comm.Bcast(t[0], src)
-                return None
+                and (_debug_cache.get(_DEBUG) is False or not observe.log.isEnabledFor(_DEBUG))
+                and type(src) is int and 0 <= src < self.size):
+            last = self._last_bcast
+            if (tensor is last[0] and tensor.data_ptr() == last[1] and tensor.nbytes == last[2]
+                    and tensor.dtype is last[3] and tensor.is_contiguous() and tensor.is_cpu):
+                spec = last[4]
+            else:
+                t = _plain(tensor)
+                if t is None or t[3] > large.MAX_COUNT:
+                    return method(self, tensor, src, async_op)
+                spec = t[0]
+                if t[2] <= REMEMBER_BYTES:
+                    self._last_bcast = (tensor, t[1], t[2], t[4], spec)
+            if async_op:
+                return Work(self.mpi_comm.Ibcast(spec, src), (), [tensor], (tensor,))
+            self.mpi_comm.Bcast(spec, src)
+            return None
         return method(self, tensor, src, async_op)
 
     return broadcast
+
+
+def _remember_pair(small, big, pair, *more) -> tuple:
+    """What a pair call remembers: (small, big, their addresses, bytes, dtype, MPI specs, *more)."""
+    s, b = pair
+    return (small, big, s[1], b[1], s[2], b[2], s[4], s[0], b[0]) + more
 
 
 def all_gather_into_tensor(method: Callable) -> Callable:
@@ -144,13 +165,27 @@ def all_gather_into_tensor(method: Callable) -> Callable:
     def all_gather_into_tensor(self, output_tensor, input_tensor, async_op=False):
         if (not self.check and ENABLED and not _profiler._is_profiler_enabled
                 and (_debug_cache.get(_DEBUG) is False or not observe.log.isEnabledFor(_DEBUG))):
-            pair = _pair(input_tensor, output_tensor, self.size, 1)
-            if pair is not None:
-                if async_op:
-                    return Work(self.mpi_comm.Iallgather(pair[0][0], pair[1][0]), (),
-                                [output_tensor], (input_tensor, output_tensor))
-                self.mpi_comm.Allgather(pair[0][0], pair[1][0])
-                return None
+            last = self._last_gather
+            # the same two tensors as the last fast call (see all_reduce): each checked again
+            if (input_tensor is last[0] and output_tensor is last[1]
+                    and input_tensor.data_ptr() == last[2] and output_tensor.data_ptr() == last[3]
+                    and input_tensor.nbytes == last[4] and output_tensor.nbytes == last[5]
+                    and input_tensor.dtype is last[6] and output_tensor.dtype is last[6]
+                    and input_tensor.is_contiguous() and output_tensor.is_contiguous()
+                    and input_tensor.is_cpu and output_tensor.is_cpu):
+                send, recv = last[7], last[8]
+            else:
+                pair = _pair(input_tensor, output_tensor, self.size, 1)
+                if pair is None:
+                    return method(self, output_tensor, input_tensor, async_op)
+                send, recv = pair[0][0], pair[1][0]
+                if pair[1][2] <= REMEMBER_BYTES:
+                    self._last_gather = _remember_pair(input_tensor, output_tensor, pair)
+            if async_op:
+                return Work(self.mpi_comm.Iallgather(send, recv), (), [output_tensor],
+                            (input_tensor, output_tensor))
+            self.mpi_comm.Allgather(send, recv)
+            return None
         return method(self, output_tensor, input_tensor, async_op)
 
     return all_gather_into_tensor
@@ -163,15 +198,27 @@ def reduce_scatter_tensor(method: Callable) -> Callable:
         if (factor is None and not self.check and ENABLED
                 and not _profiler._is_profiler_enabled
                 and (_debug_cache.get(_DEBUG) is False or not observe.log.isEnabledFor(_DEBUG))):
-            pair = _pair(output, input, self.size, 1)
-            mpi_op = None if pair is None else _reduce_op(pair[0][4], op)
-            if mpi_op is not None:
-                if async_op:
-                    return Work(self.mpi_comm.Ireduce_scatter_block(pair[1][0], pair[0][0],
-                                                                    mpi_op),
-                                (), [output], (input, output))
-                self.mpi_comm.Reduce_scatter_block(pair[1][0], pair[0][0], mpi_op)
-                return None
+            last = self._last_scatter
+            if (output is last[0] and input is last[1] and op is last[9]
+                    and output.data_ptr() == last[2] and input.data_ptr() == last[3]
+                    and output.nbytes == last[4] and input.nbytes == last[5]
+                    and output.dtype is last[6] and input.dtype is last[6]
+                    and output.is_contiguous() and input.is_contiguous()
+                    and output.is_cpu and input.is_cpu):
+                recv, send, mpi_op = last[7], last[8], last[10]
+            else:
+                pair = _pair(output, input, self.size, 1)
+                mpi_op = None if pair is None else _reduce_op(pair[0][4], op)
+                if mpi_op is None:
+                    return method(self, output, input, op, async_op, factor)
+                recv, send = pair[0][0], pair[1][0]
+                if pair[1][2] <= REMEMBER_BYTES:
+                    self._last_scatter = _remember_pair(output, input, pair, op, mpi_op)
+            if async_op:
+                return Work(self.mpi_comm.Ireduce_scatter_block(send, recv, mpi_op),
+                            (), [output], (input, output))
+            self.mpi_comm.Reduce_scatter_block(send, recv, mpi_op)
+            return None
         return method(self, output, input, op, async_op, factor)
 
     return reduce_scatter_tensor

@@ -190,6 +190,54 @@ def test_all_reduce_remembers_a_tensor_only_while_it_is_the_same(comm, monkeypat
     assert_all(taken == [True] * 8 + [False, True, True], f"fast path taken {taken}")
 
 
+@pytest.mark.parametrize("async_op", [False, True], ids=["blocking", "async"])
+def test_pair_calls_remember_tensors_only_while_they_are_the_same(comm, monkeypatch, async_op):
+    """broadcast, all_gather_into_tensor and reduce_scatter_tensor reuse their last fast call's
+    MPI buffers for the same tensors; a change of either tensor's memory, size, dtype or layout,
+    or of the op, is seen (reference: numbers computed here from the ranks' values)."""
+    taken = _spy_general_paths(comm, monkeypatch)
+    c = _Waiting(comm) if async_op else comm
+    n, r = comm.size, comm.rank
+    out, x = torch.zeros(3 * n), torch.zeros(3)
+    gathered = [float(q + 1) for q in range(n) for _ in range(3)]
+    for _ in range(2):                                   # the same pair again: remembered
+        x.fill_(float(r + 1))
+        out.zero_()
+        c.all_gather_into_tensor(out, x)
+        assert_all(out.tolist() == gathered, f"gather {out}")
+    x.set_(torch.full((3,), float(r + 2)))               # input in other memory
+    c.all_gather_into_tensor(out, x)
+    assert_all(out.tolist() == [g + 1 for g in gathered], f"gather after set_ {out}")
+    out.data = out.view(torch.int32)                     # output: same bytes, another dtype
+    c.all_gather_into_tensor(torch.zeros(3 * n), torch.zeros(3))  # another pair in between
+    with pytest.raises(ValueError):                      # dtypes now differ: the general path
+        comm.all_gather_into_tensor(out, x)
+    sums = sum(range(1, n + 1))
+    big, part = torch.ones(2 * n), torch.zeros(2)
+    for op, want in (("sum", n), ("sum", n), ("max", 1)):  # remembered, then another op
+        big.fill_(1.0)
+        c.reduce_scatter_tensor(part, big, op=op)
+        assert_all(part.tolist() == [float(want)] * 2, f"{op} {part}")
+    big.resize_(4 * n)                                   # input grown (new memory): general
+    big.fill_(float(r + 1))
+    with pytest.raises(ValueError):
+        comm.reduce_scatter_tensor(part, big)
+    part.resize_(4)
+    c.reduce_scatter_tensor(part, big)
+    assert_all(part.tolist() == [float(sums)] * 4, f"resized {part}")
+    t = torch.full((5,), float(r))
+    for k in range(2):                                   # broadcast: the same tensor again
+        t.fill_(float(r + k))
+        c.broadcast(t, src=n - 1)
+        assert_all(t.tolist() == [float(n - 1 + k)] * 5, f"broadcast {t}")
+    t.as_strided_((2,), (2,))                            # same address, not contiguous
+    t.fill_(float(r))
+    c.broadcast(t, src=n - 1)
+    assert_all(t.tolist() == [float(n - 1)] * 2, f"strided broadcast {t}")
+    assert_all(taken == [True] * 4 + [False] + [True] * 3 + [False, True] + [True] * 2
+               + [False], f"fast path taken {taken}")
+
+
 def test_a_fresh_communicator_remembers_nothing(comm):
     """Before any fast call, nothing a caller passes looks remembered: None as tensor and op
     gets the general path's error, not an AttributeError."""
