@@ -6,7 +6,19 @@ import numpy as np
 import pytest
 import torch
 
-from compressed.fsdp.quantize import dequantize_rows, layout, quantize_rows
+from compressed.fsdp.quantize import dequantize_into, layout, quantize_rows, reduce_rows
+from compressed.kernels import ENV
+
+
+@pytest.fixture(autouse=True, params=["numba", "torch"])
+def impl(request, monkeypatch):
+    """Every test twice: the numba CPU kernels and the torch ones (what CUDA runs)."""
+    if request.param == "numba":
+        pytest.importorskip("numba")
+        monkeypatch.delenv(ENV, raising=False)
+    else:
+        monkeypatch.setenv(ENV, "numpy")
+    return request.param
 
 
 def simulate(x: np.ndarray, block: int, segments=None) -> np.ndarray:
@@ -39,7 +51,9 @@ def _roundtrip(x: torch.Tensor, block: int, segments=None) -> torch.Tensor:
     lay = layout(x.shape[1], block, segments)
     packed = quantize_rows(x, lay)
     assert packed.shape == (x.shape[0], lay.nbytes) and packed.dtype == torch.uint8
-    return dequantize_rows(packed, lay)
+    out = torch.empty(x.shape, dtype=torch.float32)
+    dequantize_into(packed, lay, out)
+    return out
 
 
 def _compare(got: torch.Tensor, x: torch.Tensor, block: int, segments=None) -> None:
@@ -126,3 +140,29 @@ def test_wire_size_and_bad_layouts():
         layout(19, 4, [5, 10, 3])
     with pytest.raises(ValueError, match="positive number"):
         layout(4, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantize_into_keeps_the_skipped_row(dtype):
+    lay = layout(19, 4, [5, 11, 3])
+    x = torch.randn(3, 19)
+    packed = quantize_rows(x, lay)
+    out = torch.full((3, 19), 7.0, dtype=dtype)
+    dequantize_into(packed, lay, out, skip=1)
+    assert bool((out[1] == 7.0).all())
+    ref = torch.from_numpy(simulate(x.double().numpy(), 4, [5, 11, 3])).float().to(dtype)
+    keep = torch.tensor([True, False, True])
+    near = (out[keep].double() - ref[keep].double()).abs() <= x[keep].abs().amax() / 127 * 1.001
+    assert bool(near.all()) and int((out[keep] == ref[keep]).sum()) >= 2 * 19 - 2
+
+
+@pytest.mark.parametrize("factor", [1.0, 0.25])
+def test_reduce_rows_sums_in_row_order(factor):
+    lay = layout(37, 8, [20, 17])
+    x = torch.randn(4, 37) * torch.tensor([1.0, 100.0, 0.01, 3.0]).unsqueeze(1)
+    own = torch.randn(37)
+    got = reduce_rows(quantize_rows(x, lay), lay, own, 2, factor)
+    sim = simulate(x.double().numpy(), 8, [20, 17])
+    sim[2] = own.double().numpy()
+    ref = sim.sum(axis=0) * factor
+    np.testing.assert_allclose(got.double().numpy(), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
-from .quantize import Layout, dequantize_rows, layout, quantize_rows
+from .quantize import Layout, dequantize_into, layout, quantize_rows, reduce_rows
 
 __all__ = ["QuantizedAllGather", "QuantizedReduceScatter", "check_bits", "DEFAULT_BLOCK"]
 
@@ -79,11 +79,11 @@ class _Done(dist.Work):
         return True
 
 
-def _finish(inner: dist.Work | None, then: Callable[[], None], async_op: bool):
+def _finish(start: Callable[[bool], dist.Work | None], then: Callable[[], None], async_op: bool):
+    """Start the transfer (blocking unless ``async_op``), then ``then`` now or in the work's wait."""
     if async_op:
-        return _ThenWork(inner, then) if inner is not None else _Done()
-    if inner is not None:
-        inner.wait()
+        return _ThenWork(start(True), then)
+    start(False)
     then()
     return None
 
@@ -146,14 +146,13 @@ class QuantizedAllGather(_Quantized, AllGather):
         lay = _row_layout(n, self.block, self.segments)
         row = quantize_rows(input_tensor.reshape(1, n), lay)
         gathered = torch.empty(world, lay.nbytes, dtype=torch.uint8, device=row.device)
-        inner = dist.all_gather_into_tensor(gathered, row, group=group, async_op=True)
+
+        def start(async_: bool):
+            return dist.all_gather_into_tensor(gathered, row, group=group, async_op=async_)
 
         def dequantize() -> None:
-            values = dequantize_rows(gathered, lay)
-            for r in range(world):
-                if r != rank:
-                    out[r].copy_(values[r])
-        return _finish(inner, dequantize, async_op)
+            dequantize_into(gathered, lay, out, skip=rank)
+        return _finish(start, dequantize, async_op)
 
 
 class QuantizedReduceScatter(_Quantized, ReduceScatter):
@@ -188,16 +187,15 @@ class QuantizedReduceScatter(_Quantized, ReduceScatter):
         lay = _row_layout(m, self.block, self.segments)
         send = quantize_rows(chunks, lay)
         recv = torch.empty_like(send)
-        inner = dist.all_to_all_single(recv, send, group=group, async_op=True)
-        own = chunks[rank].float()
+
+        def start(async_: bool):
+            return dist.all_to_all_single(recv, send, group=group, async_op=async_)
+        own = chunks[rank]
 
         def reduce() -> None:
-            values = dequantize_rows(recv, lay)
-            total = torch.zeros(m, dtype=torch.float32, device=values.device)
-            for r in range(world):
-                total += own if r == rank else values[r]
-            _write(output_tensor, total, factor)
-        return _finish(inner, reduce, async_op)
+            total = reduce_rows(recv, lay, own, rank, 1.0 if factor is None else factor)
+            output_tensor.view(-1).copy_(total)
+        return _finish(start, reduce, async_op)
 
 
 def _op_factor(op, world: int) -> float | None:

@@ -13,16 +13,24 @@ holding inf or NaN comes back all NaN (a non-finite value is never hidden).
 
 Wire format of a row: the fp32 scales of all blocks, then the ``n`` int8 values, zero padding to
 a multiple of 4 bytes (``packed_bytes``), so the rows of many ranks stack as one uint8 tensor.
+
+On the CPU the fused numba kernels of ``_numba_int8`` run when numba imports (unless
+``MPICOMM_COMPRESSED_KERNELS=numpy``); elsewhere (CUDA) the torch twins here, on the device.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+import numpy as np
 import torch
 
-__all__ = ["Layout", "layout", "packed_bytes", "quantize_rows", "dequantize_rows"]
+from ..kernels import ENV
+
+__all__ = ["Layout", "layout", "packed_bytes", "quantize_rows", "dequantize_rows",
+           "dequantize_into", "reduce_rows"]
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -41,6 +49,8 @@ class Layout:
     gather: torch.Tensor | None = field(repr=False, compare=False)
     # row position -> padded position; None as above
     scatter: torch.Tensor | None = field(repr=False, compare=False)
+    # block edges as element offsets in the row (nblocks + 1)
+    edges: np.ndarray = field(repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:
@@ -54,9 +64,14 @@ def packed_bytes(n: int, nblocks: int) -> int:
 
 @lru_cache(maxsize=256)
 def _layout(n: int, block: int, segments: tuple[int, ...]) -> Layout:
+    edges, pos = [0], 0
+    for s in segments:
+        edges.extend(min(pos + k, pos + s) for k in range(block, s + block, block))
+        pos += s
+    edges = np.asarray(edges, dtype=np.uint64)  # unsigned: numba indexes without wraparound
     if len(segments) <= 1 or all(s % block == 0 for s in segments[:-1]):
         # blocks of the whole row already respect the segment edges: only the row's tail is short
-        return Layout(n, block, segments, _ceil_div(n, block), None, None)
+        return Layout(n, block, segments, _ceil_div(n, block), None, None, edges)
     starts, pos = [], 0
     nblocks = 0
     for s in segments:
@@ -69,7 +84,7 @@ def _layout(n: int, block: int, segments: tuple[int, ...]) -> Layout:
         dst = blk * block
         gather[dst:dst + s] = torch.arange(src, src + s)
         scatter[src:src + s] = torch.arange(dst, dst + s)
-    return Layout(n, block, segments, nblocks, gather, scatter)
+    return Layout(n, block, segments, nblocks, gather, scatter, edges)
 
 
 def layout(n: int, block: int, segments: Sequence[int] | None = None) -> Layout:
@@ -97,12 +112,35 @@ def _blocks(x: torch.Tensor, lay: Layout) -> torch.Tensor:
     return x.view(rows, lay.nblocks, lay.block)
 
 
+def _numba(t: torch.Tensor):
+    """The numba kernels for a CPU tensor, or None (CUDA, no numba, or forced off)."""
+    if t.device.type != "cpu" or os.environ.get(ENV, "").strip().lower() == "numpy":
+        return None
+    try:
+        from . import _numba_int8
+    except ImportError:
+        return None
+    return _numba_int8
+
+
+def _split(packed: torch.Tensor, lay: Layout):
+    """(scales (rows, nblocks) fp32, values (rows, n) int8) views of packed rows."""
+    start = 4 * lay.nblocks
+    return packed[:, :start].view(torch.float32), packed[:, start:start + lay.n].view(torch.int8)
+
+
 def quantize_rows(x: torch.Tensor, lay: Layout, out: torch.Tensor | None = None) -> torch.Tensor:
     """Pack each row of ``x`` (rows, n; any float dtype) into uint8 rows (rows, lay.nbytes)."""
     rows = x.shape[0]
     if out is None:
         out = torch.empty(rows, lay.nbytes, dtype=torch.uint8, device=x.device)
     if lay.n == 0:
+        return out
+    nb = _numba(x)
+    if nb is not None:
+        scale, q = _split(out, lay)
+        nb.quantize(x.float().numpy(), lay.edges, scale.numpy(), q.numpy())
+        out[:, 4 * lay.nblocks + lay.n:].zero_()
         return out
     blocks = _blocks(x, lay)
     amax = blocks.abs().amax(dim=2)
@@ -120,6 +158,49 @@ def quantize_rows(x: torch.Tensor, lay: Layout, out: torch.Tensor | None = None)
     out[:, start:start + lay.n].view(torch.int8).copy_(q)
     out[:, start + lay.n:].zero_()
     return out
+
+
+def dequantize_into(packed: torch.Tensor, lay: Layout, out: torch.Tensor, skip: int = -1) -> None:
+    """Write the values of packed rows into ``out`` (rows, n; any float dtype), but row ``skip``."""
+    nb = _numba(packed)
+    if nb is not None and out.dtype in (torch.float32, torch.bfloat16):
+        scale, q = _split(packed, lay)
+        if out.dtype == torch.float32:
+            nb.dequantize(scale.numpy(), q.numpy(), lay.edges, out.numpy(), skip)
+        else:
+            nb.dequantize_bf16(scale.numpy(), q.numpy(), lay.edges,
+                               out.view(torch.uint16).numpy(), skip)
+        return
+    if nb is not None:
+        values = torch.empty(out.shape, dtype=torch.float32)
+        scale, q = _split(packed, lay)
+        nb.dequantize(scale.numpy(), q.numpy(), lay.edges, values.numpy(), skip)
+    else:
+        values = dequantize_rows(packed, lay)
+    if 0 <= skip < out.shape[0]:
+        kept = out[skip].clone()
+        out.copy_(values)
+        out[skip].copy_(kept)
+    else:
+        out.copy_(values)
+
+
+def reduce_rows(packed: torch.Tensor, lay: Layout, own: torch.Tensor, rank: int,
+                factor: float) -> torch.Tensor:
+    """fp32 ``factor * sum`` over the packed rows in row order, row ``rank`` replaced by ``own``
+    (exact), as a new (n,) tensor."""
+    nb = _numba(packed)
+    if nb is not None:
+        total = torch.empty(lay.n, dtype=torch.float32)
+        scale, q = _split(packed, lay)
+        nb.reduce_rows(scale.numpy(), q.numpy(), lay.edges, own.float().numpy(), rank,
+                       float(factor), total.numpy())
+        return total
+    values = dequantize_rows(packed, lay)
+    total = torch.zeros(lay.n, dtype=torch.float32, device=packed.device)
+    for r in range(packed.shape[0]):
+        total += own.float() if r == rank else values[r]
+    return total * factor if factor != 1.0 else total
 
 
 def dequantize_rows(packed: torch.Tensor, lay: Layout) -> torch.Tensor:
