@@ -193,6 +193,13 @@ def _steps_main(args, mpi_comm, mcomm, teacher, params, rep) -> int:
               and reference_of(r["peer"]) != r["peer"]]
     if ratios:
         rep.note("step time / gloo's (medians): " + ", ".join(ratios))
+    wire = [f"{r['peer']} {r['wire_bytes_per_step'] / 2**20:.2f} MiB"
+            + (f" ({r['wire_bytes_per_step'] / by_name[reference_of(r['peer'])]['wire_bytes_per_step']:.2f}x "
+               f"{reference_of(r['peer'])}'s)" if reference_of(r["peer"]) in by_name
+               and reference_of(r["peer"]) != r["peer"] else "")
+            for r in records if r["wire_bytes_per_step"] is not None]
+    if wire:
+        rep.note("bytes on the links per rank and step (median round): " + ", ".join(wire))
     _close()
     return rep.finish("all values correct (#wrong = 0: replicas agree across ranks; exact peers "
                       f"within {tolerance('', args.dtype):g} (FSDP2 peers "
@@ -235,7 +242,7 @@ def _step_record(rep, args, mpi_comm, params: int, name: str, peer, rounds: list
                 backward_ms=mid["backward"] * 1e3, comm_ms=mid["comm"] * 1e3,
                 backward_comm_ms=mid["backward_comm"] * 1e3,
                 overlap_ms=(mid["backward"] + mid["comm"] - mid["backward_comm"]) * 1e3,
-                wrong=wrong, trained_steps=peer.step)
+                wrong=wrong, trained_steps=peer.step, wire_bytes_per_step=mid["wire_bytes"])
 
 
 def _close() -> None:

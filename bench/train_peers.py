@@ -230,10 +230,16 @@ def _mean(mpi_comm, values: list[float]) -> float:
 
 
 def run_round(peer: Peer, args, mpi_comm, teacher) -> dict:
-    """Collective: one round of ``peer``: steps, backward alone, communication alone (seconds)."""
+    """Collective: one round of ``peer``: steps, backward alone, communication alone (seconds),
+    and under netsim the bytes one rank put on the links per step (else None)."""
+    from .netsim import LinkMeter
+
     rank = mpi_comm.Get_rank()
+    meter = LinkMeter(mpi_comm)  # bytes on the simulated links (under netsim only)
     mpi_comm.Barrier()
+    meter.start()
     steps = [_train_step(peer, args, rank, teacher) for _ in range(args.steps)]
+    wire = meter.stop(args.steps)
     mpi_comm.Barrier()
     alone = [_backward_alone(peer, args, rank, teacher) for _ in range(args.steps)]
     mpi_comm.Barrier()
@@ -244,7 +250,8 @@ def run_round(peer: Peer, args, mpi_comm, teacher) -> dict:
         comm.append(time.perf_counter() - t)
     return {"step": _mean(mpi_comm, [s[0] for s in steps]),
             "backward_comm": _mean(mpi_comm, [s[1] for s in steps]),
-            "backward": _mean(mpi_comm, alone), "comm": _mean(mpi_comm, comm)}
+            "backward": _mean(mpi_comm, alone), "comm": _mean(mpi_comm, comm),
+            "wire_bytes": wire}
 
 
 # ---------------------------------------------------------------------------------------------

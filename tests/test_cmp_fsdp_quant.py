@@ -121,13 +121,16 @@ def test_error_bound_per_block(dtype, rel):
         assert bool((err <= amax / 254 * (1 + rel)).all())
 
 
-def test_zero_and_nonfinite_blocks():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_zero_and_nonfinite_blocks(dtype):
     x = torch.zeros(2, 12)
     x[0, 5] = float("inf")
     x[1, 9] = float("nan")
     x[1, 0:4] = torch.tensor([1.0, -2.0, 0.5, 0.0])
+    x[0, 10] = -float("inf")
+    x = x.to(dtype)
     got = _roundtrip(x, 4)
-    assert bool(torch.isnan(got[0, 4:8]).all()) and bool((got[0, :4] == 0).all())
+    assert bool(torch.isnan(got[0, 4:12]).all()) and bool((got[0, :4] == 0).all())
     assert bool(torch.isnan(got[1, 8:12]).all()) and bool((got[1, 4:8] == 0).all())
     _compare(got, x, 4)
 

@@ -60,6 +60,49 @@ def quantize(x, edges, scale, q):
                 _quantize_block(xr, lo, hi, s, qr)
 
 
+_ABS16 = np.uint16(0x7FFF)
+_INF16 = np.uint16(0x7F80)
+
+
+@_jit
+def _abs_bits_max16(xu, lo, hi):
+    m = np.uint16(0)
+    for i in range(lo, hi):
+        m = max(m, xu[i] & _ABS16)
+    return m
+
+
+@_jit
+def quantize_bf16(x, edges, scale, q):
+    """``quantize`` for bf16 rows given as their uint16 bits (widened to fp32 exactly)."""
+    nb = edges.shape[0] - 1
+    width = 1
+    for b in range(nb):
+        width = max(width, np.int64(edges[b + 1] - edges[b]))
+    wide = np.empty(width, np.uint32)
+    values = wide.view(np.float32)
+    for r in range(x.shape[0]):
+        xr, qr, sr = x[r], q[r], scale[r]
+        for b in range(nb):
+            lo, hi = edges[b], edges[b + 1]
+            top = _abs_bits_max16(xr, lo, hi)
+            if top >= _INF16:
+                sr[b] = np.float32(np.nan)
+                qr[lo:hi] = 0
+                continue
+            wide[0] = np.uint32(top) << np.uint32(16)
+            s = values[0] / np.float32(127.0)
+            sr[b] = s
+            if s == 0.0:
+                qr[lo:hi] = 0
+                continue
+            for i in range(lo, hi):
+                wide[i - lo] = np.uint32(xr[i]) << np.uint32(16)
+            for i in range(lo, hi):
+                v = np.rint(values[i - lo] / s)
+                qr[i] = np.int8(min(max(v, np.float32(-127.0)), np.float32(127.0)))
+
+
 @_jit
 def _dequantize_block(q, lo, hi, s, out):
     for i in range(lo, hi):
@@ -107,22 +150,25 @@ def dequantize_bf16(scale, q, edges, out, skip):
 
 
 @_jit
+def _accumulate_block(q, lo, hi, s, total):
+    for i in range(lo, hi):
+        total[i] += np.float32(q[i]) * s
+
+
+@_jit
 def reduce_rows(scale, q, edges, own, rank, factor, total):
     """fp32 ``total`` (n) = factor * sum over rows in order (row ``rank``: ``own``, exact)."""
-    rows = q.shape[0]
     nb = edges.shape[0] - 1
     n = total.shape[0]
-    for i in range(n):
-        total[i] = np.float32(0.0)
-    for r in range(rows):
+    total[:] = 0.0
+    for r in range(q.shape[0]):
         if r == rank:
             for i in range(n):
                 total[i] += own[i]
             continue
+        qr, sr = q[r], scale[r]
         for b in range(nb):
-            s = scale[r, b]
-            for i in range(edges[b], edges[b + 1]):
-                total[i] += np.float32(q[r, i]) * s
+            _accumulate_block(qr, edges[b], edges[b + 1], sr[b], total)
     if factor != 1.0:
         f = np.float32(factor)
         for i in range(n):

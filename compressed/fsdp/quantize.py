@@ -139,7 +139,10 @@ def quantize_rows(x: torch.Tensor, lay: Layout, out: torch.Tensor | None = None)
     nb = _numba(x)
     if nb is not None:
         scale, q = _split(out, lay)
-        nb.quantize(x.float().numpy(), lay.edges, scale.numpy(), q.numpy())
+        if x.dtype == torch.bfloat16 and x.is_contiguous():
+            nb.quantize_bf16(x.view(torch.uint16).numpy(), lay.edges, scale.numpy(), q.numpy())
+        else:
+            nb.quantize(x.float().contiguous().numpy(), lay.edges, scale.numpy(), q.numpy())
         out[:, 4 * lay.nblocks + lay.n:].zero_()
         return out
     blocks = _blocks(x, lay)
