@@ -193,17 +193,23 @@ def _steps_main(args, mpi_comm, mcomm, teacher, params, rep) -> int:
               and reference_of(r["peer"]) != r["peer"]]
     if ratios:
         rep.note("step time / gloo's (medians): " + ", ".join(ratios))
-    wire = [f"{r['peer']} {r['wire_bytes_per_step'] / 2**20:.2f} MiB"
-            + (f" ({r['wire_bytes_per_step'] / by_name[reference_of(r['peer'])]['wire_bytes_per_step']:.2f}x "
-               f"{reference_of(r['peer'])}'s)" if reference_of(r["peer"]) in by_name
-               and reference_of(r["peer"]) != r["peer"] else "")
-            for r in records if r["wire_bytes_per_step"] is not None]
+    wire = [_wire_text(r, by_name) for r in records if r["wire_bytes_per_step"] is not None]
     if wire:
         rep.note("bytes on the links per rank and step (median round): " + ", ".join(wire))
     _close()
     return rep.finish("all values correct (#wrong = 0: replicas agree across ranks; exact peers "
                       f"within {tolerance('', args.dtype):g} (FSDP2 peers "
                       f"{tolerance('fsdp2-', args.dtype):g}) of their gloo twin's weights)")
+
+
+def _wire_text(rec: dict, by_name: dict) -> str:
+    """``peer N MiB (Rx reference's)``: one peer's bytes on the links per step (netsim)."""
+    text = f"{rec['peer']} {rec['wire_bytes_per_step'] / 2**20:.2f} MiB"
+    ref = by_name.get(reference_of(rec["peer"]))
+    if ref is not None and ref is not rec and ref["wire_bytes_per_step"]:
+        text += (f" ({rec['wire_bytes_per_step'] / ref['wire_bytes_per_step']:.2f}x "
+                 f"{ref['peer']}'s)")
+    return text
 
 
 def _measure(args, mpi_comm, mcomm, teacher) -> tuple[dict, dict[str, list[dict]]]:

@@ -18,7 +18,8 @@ QUANTIZED = ("fsdp2-mpicomm-q8",)
 PEERS = DDP_PEERS + FSDP_PEERS
 EXACT = ("mpicomm", "gloo", "mpicomm-hook")  # must match gloo's weights
 
-__all__ = ["PEERS", "DDP_PEERS", "FSDP_PEERS", "QUANTIZED", "EXACT", "grad_dtype_of", "build_model", "describe", "batch",
+__all__ = ["PEERS", "DDP_PEERS", "FSDP_PEERS", "QUANTIZED", "EXACT", "grad_dtype_of",
+           "build_model", "describe", "batch",
            "Peer", "reference_of", "make_peer", "warm_up", "run_round", "tolerance",
            "check_peers"]
 

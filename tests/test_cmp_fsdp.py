@@ -41,7 +41,8 @@ def _sim(row: np.ndarray, segments, dtype) -> np.ndarray:
 def _shard(rank: int, n: int, dtype, segments) -> torch.Tensor:
     """Rank ``rank``'s test row: segments of very different magnitudes (seeded by rank)."""
     g = torch.Generator().manual_seed(100 + rank)
-    parts = [torch.randn(s, generator=g) * (30.0 if i % 2 else 0.02) for i, s in enumerate(segments)]
+    parts = [torch.randn(s, generator=g) * (30.0 if i % 2 else 0.02)
+             for i, s in enumerate(segments)]
     return torch.cat(parts).to(dtype)
 
 

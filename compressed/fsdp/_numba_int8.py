@@ -145,8 +145,8 @@ def dequantize_bf16(scale, q, edges, out, skip):
                 continue
             for i in range(lo, hi):
                 u = bits[i - lo]
-                out[r, i] = np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1)))
-                                      >> np.uint32(16))
+                up = u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))
+                out[r, i] = np.uint16(up >> np.uint32(16))
 
 
 @_jit

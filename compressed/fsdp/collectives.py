@@ -80,7 +80,8 @@ class _Done(dist.Work):
 
 
 def _finish(start: Callable[[bool], dist.Work | None], then: Callable[[], None], async_op: bool):
-    """Start the transfer (blocking unless ``async_op``), then ``then`` now or in the work's wait."""
+    """Start the transfer (blocking unless ``async_op``); run ``then`` now or in the work's
+    ``wait()``."""
     if async_op:
         return _ThenWork(start(True), then)
     start(False)
@@ -103,7 +104,6 @@ class _Quantized:
                              "quantize_comms(..., None) to leave a side unquantized")
         self.block = _check_block(block, what)
         self.segments = tuple(int(s) for s in segments) if segments else None
-        self._what = what
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype,
                  device: torch.device) -> torch.Tensor:

@@ -88,7 +88,8 @@ def _layout(n: int, block: int, segments: tuple[int, ...]) -> Layout:
 
 
 def layout(n: int, block: int, segments: Sequence[int] | None = None) -> Layout:
-    """The block layout of rows of ``n`` values; ``segments`` (summing to ``n``) keep their edges."""
+    """The block layout of rows of ``n`` values; ``segments`` (summing to ``n``) keep their
+    edges."""
     if block < 1:
         raise ValueError(f"quantization block: expected a positive number of elements, got {block}")
     segs = tuple(int(s) for s in segments) if segments else (n,)
