@@ -12,7 +12,9 @@ Peers (each its own replica of the same model, same initial weights, same data):
 - ``fsdp2-mpicomm-r32``, ``fsdp2-gloo-r32``, ``fsdp2-mpicomm-r16``, ``fsdp2-gloo-r16``: FSDP2
   (``fully_shard`` on every layer and the model) on a DeviceMesh over the mpicomm or the gloo
   group, ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32 (r32) or bfloat16
-  (r16))``: bf16 compute, gradients reduce-scattered in the reduce dtype.
+  (r16))``: bf16 compute, gradients reduce-scattered in the reduce dtype;
+- ``fsdp2-mpicomm-q8``: ``fsdp2-mpicomm-r16`` with ``compressed.fsdp.quantize_comms`` (int8
+  weight all-gathers and gradient reduce-scatters); step time compared with r16's.
 
 ``--dtype bfloat16`` runs the DDP peers on a bfloat16 model (bf16 gradients in DDP's buckets);
 the FSDP2 peers always keep float32 master weights and compute in bfloat16.
@@ -43,8 +45,8 @@ from mpi4py import MPI
 
 from . import common, models
 from .train_curve import CURVE_COLUMNS, curve_main
-from .train_peers import (FSDP_PEERS, PEERS, build_model, check_peers, describe, make_peer,
-                          reference_of, run_round, tolerance, warm_up)
+from .train_peers import (FSDP_PEERS, PEERS, build_model, check_peers, describe, grad_dtype_of,
+                          make_peer, reference_of, run_round, tolerance, warm_up)
 
 DTYPES = ("float32", "bfloat16")
 BENCH = "train"
@@ -142,6 +144,9 @@ def _header(args, ranks: int, params: int) -> tuple[str, list[str]]:
         extra.append("fsdp2-X-rNN: fully_shard on group X, MixedPrecisionPolicy(param_dtype="
                      "bfloat16, reduce_dtype=float32 (r32) / bfloat16 (r16)); comm = one "
                      "reduce_scatter of all gradients in the reduce dtype")
+        extra.append("fsdp2-mpicomm-q8: fsdp2-mpicomm-r16 with compressed.fsdp.quantize_comms "
+                     "(int8 weight all-gathers and gradient reduce-scatters, one fp32 scale per "
+                     "512 elements); its weights are checked across ranks only")
     return what, extra
 
 
@@ -188,10 +193,23 @@ def _steps_main(args, mpi_comm, mcomm, teacher, params, rep) -> int:
               and reference_of(r["peer"]) != r["peer"]]
     if ratios:
         rep.note("step time / gloo's (medians): " + ", ".join(ratios))
+    wire = [_wire_text(r, by_name) for r in records if r["wire_bytes_per_step"] is not None]
+    if wire:
+        rep.note("bytes on the links per rank and step (median round): " + ", ".join(wire))
     _close()
     return rep.finish("all values correct (#wrong = 0: replicas agree across ranks; exact peers "
                       f"within {tolerance('', args.dtype):g} (FSDP2 peers "
                       f"{tolerance('fsdp2-', args.dtype):g}) of their gloo twin's weights)")
+
+
+def _wire_text(rec: dict, by_name: dict) -> str:
+    """``peer N MiB (Rx reference's)``: one peer's bytes on the links per step (netsim)."""
+    text = f"{rec['peer']} {rec['wire_bytes_per_step'] / 2**20:.2f} MiB"
+    ref = by_name.get(reference_of(rec["peer"]))
+    if ref is not None and ref is not rec and ref["wire_bytes_per_step"]:
+        text += (f" ({rec['wire_bytes_per_step'] / ref['wire_bytes_per_step']:.2f}x "
+                 f"{ref['peer']}'s)")
+    return text
 
 
 def _measure(args, mpi_comm, mcomm, teacher) -> tuple[dict, dict[str, list[dict]]]:
@@ -219,9 +237,9 @@ def _step_record(rep, args, mpi_comm, params: int, name: str, peer, rounds: list
     mid = rounds[means.index(times[1])]
     loss = mpi_comm.allreduce(peer.loss, op=MPI.SUM) / mpi_comm.Get_size()
     fsdp = name in FSDP_PEERS
-    grad_dtype = ("float32" if name.endswith("-r32") else "bfloat16") if fsdp else args.dtype
+    grad_dtype = grad_dtype_of(name, args.dtype)
     return dict(rep.base("step"), peer=name, model=describe(args), params=params,
-                grad_bytes=params * (4 if grad_dtype == "float32" else 2),
+                grad_bytes=params * {"float32": 4, "int8": 1}.get(grad_dtype, 2),
                 dtype="bfloat16" if fsdp else args.dtype, grad_dtype=grad_dtype,
                 batch=args.batch, steps=args.steps, rounds=args.rounds,
                 step_ms=mid["step"] * 1e3, step_ms_min=min(means) * 1e3,
@@ -230,7 +248,7 @@ def _step_record(rep, args, mpi_comm, params: int, name: str, peer, rounds: list
                 backward_ms=mid["backward"] * 1e3, comm_ms=mid["comm"] * 1e3,
                 backward_comm_ms=mid["backward_comm"] * 1e3,
                 overlap_ms=(mid["backward"] + mid["comm"] - mid["backward_comm"]) * 1e3,
-                wrong=wrong, trained_steps=peer.step)
+                wrong=wrong, trained_steps=peer.step, wire_bytes_per_step=mid["wire_bytes"])
 
 
 def _close() -> None:

@@ -11,11 +11,15 @@ from mpi4py import MPI
 from . import models
 
 DDP_PEERS = ("mpicomm", "gloo", "mpicomm-hook", "onebit-hook")
-FSDP_PEERS = ("fsdp2-mpicomm-r32", "fsdp2-gloo-r32", "fsdp2-mpicomm-r16", "fsdp2-gloo-r16")
+FSDP_PEERS = ("fsdp2-mpicomm-r32", "fsdp2-gloo-r32", "fsdp2-mpicomm-r16", "fsdp2-gloo-r16",
+              "fsdp2-mpicomm-q8")
+#: FSDP2 peers whose collectives quantize (compressed.fsdp): checked across ranks only
+QUANTIZED = ("fsdp2-mpicomm-q8",)
 PEERS = DDP_PEERS + FSDP_PEERS
 EXACT = ("mpicomm", "gloo", "mpicomm-hook")  # must match gloo's weights
 
-__all__ = ["PEERS", "DDP_PEERS", "FSDP_PEERS", "EXACT", "build_model", "describe", "batch",
+__all__ = ["PEERS", "DDP_PEERS", "FSDP_PEERS", "QUANTIZED", "EXACT", "grad_dtype_of",
+           "build_model", "describe", "batch",
            "Peer", "reference_of", "make_peer", "warm_up", "run_round", "tolerance",
            "check_peers"]
 
@@ -71,8 +75,20 @@ class Peer:
 
 
 def reference_of(name: str) -> str:
-    """The peer whose weights ``name``'s are checked against (gloo's twin)."""
+    """The peer whose weights ``name``'s are checked against (gloo's twin); a quantized peer's
+    reference is its unquantized twin (step times compared, weights not)."""
+    if name in QUANTIZED:
+        return name.rsplit("-", 1)[0] + "-r16"
     return name.replace("mpicomm", "gloo") if name.startswith("fsdp2-") else "gloo"
+
+
+def grad_dtype_of(name: str, ddp_dtype: str) -> str:
+    """The dtype gradients travel in: FSDP2's reduce dtype, int8 for a quantized peer."""
+    if name in QUANTIZED:
+        return "int8"
+    if name in FSDP_PEERS:
+        return "float32" if name.endswith("-r32") else "bfloat16"
+    return ddp_dtype
 
 
 @contextlib.contextmanager
@@ -85,7 +101,8 @@ def _fsdp_no_sync(model):
 
 
 def make_fsdp_peer(name: str, args, groups: dict) -> Peer:
-    """FSDP2 on the mpicomm or gloo group, bf16 parameters, reduce dtype float32 or bfloat16."""
+    """FSDP2 on the mpicomm or gloo group, bf16 parameters, reduce dtype float32 or bfloat16;
+    ``-q8``: reduce dtype bfloat16, int8 weight all-gathers and gradient reduce-scatters."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
@@ -104,6 +121,17 @@ def make_fsdp_peer(name: str, args, groups: dict) -> Peer:
     n = pg.size()
     flat = torch.zeros(-(-numel // n) * n, dtype=reduce_dtype)
     out = torch.zeros(flat.numel() // n, dtype=reduce_dtype)
+    if name in QUANTIZED:
+        from compressed.fsdp import QuantizedReduceScatter, quantize_comms
+
+        quantize_comms(model, weight_bits=8, grad_bits=8)
+        scatter = QuantizedReduceScatter(bits=8)
+
+        def comm_alone():
+            flat.zero_()
+            scatter(out, flat, pg, dist.ReduceOp.AVG)
+        opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+        return Peer(name, model, opt, comm_alone, flat, no_sync=lambda: _fsdp_no_sync(model))
 
     def comm_alone():
         flat.zero_()
@@ -203,10 +231,16 @@ def _mean(mpi_comm, values: list[float]) -> float:
 
 
 def run_round(peer: Peer, args, mpi_comm, teacher) -> dict:
-    """Collective: one round of ``peer``: steps, backward alone, communication alone (seconds)."""
+    """Collective: one round of ``peer``: steps, backward alone, communication alone (seconds),
+    and under netsim the bytes one rank put on the links per step (else None)."""
+    from .netsim import LinkMeter
+
     rank = mpi_comm.Get_rank()
+    meter = LinkMeter(mpi_comm)  # bytes on the simulated links (under netsim only)
     mpi_comm.Barrier()
+    meter.start()
     steps = [_train_step(peer, args, rank, teacher) for _ in range(args.steps)]
+    wire = meter.stop(args.steps)
     mpi_comm.Barrier()
     alone = [_backward_alone(peer, args, rank, teacher) for _ in range(args.steps)]
     mpi_comm.Barrier()
@@ -217,7 +251,8 @@ def run_round(peer: Peer, args, mpi_comm, teacher) -> dict:
         comm.append(time.perf_counter() - t)
     return {"step": _mean(mpi_comm, [s[0] for s in steps]),
             "backward_comm": _mean(mpi_comm, [s[1] for s in steps]),
-            "backward": _mean(mpi_comm, alone), "comm": _mean(mpi_comm, comm)}
+            "backward": _mean(mpi_comm, alone), "comm": _mean(mpi_comm, comm),
+            "wire_bytes": wire}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -247,7 +282,8 @@ def check_peers(peers: dict, mpi_comm, dtype: str = "float32") -> tuple[dict, li
     wrong, notes = {}, []
     weights = {name: _weights(peer).numpy() for name, peer in peers.items()}
     for name in peers:
-        if (name in EXACT or name in FSDP_PEERS) and reference_of(name) not in peers:
+        if (name in EXACT or name in FSDP_PEERS) and name not in QUANTIZED \
+                and reference_of(name) not in peers:
             notes.append(f"{reference_of(name)} not run: {name}'s weights are checked across "
                          "ranks only")
     for name, peer in peers.items():
@@ -257,7 +293,7 @@ def check_peers(peers: dict, mpi_comm, dtype: str = "float32") -> tuple[dict, li
         mpi_comm.Bcast(first, root=0)
         bad = int(np.count_nonzero(w != first)) + int(not np.isfinite(peer.loss))
         ref = weights.get(reference_of(name))
-        if ref is not None and (name in EXACT or name in FSDP_PEERS):
+        if ref is not None and (name in EXACT or name in FSDP_PEERS) and name not in QUANTIZED:
             bad += int(np.count_nonzero(np.abs(w - ref) > tolerance(name, dtype)))
         wrong[name] = mpi_comm.allreduce(bad, op=MPI.SUM)
     return wrong, notes

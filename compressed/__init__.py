@@ -22,6 +22,8 @@ Public API:
   ``allreduce_into(inp, out, worker_error, server_error)`` (the compressed mean of ``inp``
   written into ``out``) and ``compressed_reduce_scatter``, over caller buffers.
 - ``onebit_ddp_hook`` with ``OnebitDDPState``: DDP comm hook (warm-up and small buckets exact).
+- ``fsdp``: int8 FSDP2 collectives (``QuantizedAllGather``, ``QuantizedReduceScatter``,
+  ``quantize_comms``).
 
 The optimizers and ``OnebitAllreduce`` take ``comm=`` as an mpicomm Communicator (or what
 ``mpicomm.as_communicator`` takes) or a torch.distributed process group (``transport``).
@@ -40,6 +42,7 @@ public classes), ``errors``.
 """
 from __future__ import annotations
 
+from . import fsdp
 from .adam import OnebitAdam
 from .allreduce import OnebitAllreduce
 from .compressor import Compressor
@@ -53,4 +56,4 @@ from .zoadam import ZeroOneAdam
 
 __all__ = ["Compressor", "MpiBackend", "CompressedBackend", "GroupTransport", "OnebitAllreduce",
            "OnebitAdam", "ZeroOneAdam", "OnebitLamb", "OnebitDDPState", "onebit_ddp_hook",
-           "NonFiniteError", "SizeMismatchError", "padded_size"]
+           "NonFiniteError", "SizeMismatchError", "padded_size", "fsdp"]

@@ -1,0 +1,175 @@
+"""Fused single-thread CPU kernels (numba) for the int8 block quantization of ``quantize``.
+
+Same math as the torch twins there: fp32 ``scale = max|x| / 127``, ``q = rint(x / scale)``
+clamped to +-127, a non-finite block gets a NaN scale and zeros, a zero block zeros; values come
+back as ``float32(q) * scale``. Blocks are given by their edges (element offsets).
+Measured (1M fp32 elements, one core, a copy ~0.1 ms): max|x| as an integer max over the bits
+0.09 ms, against 0.7 ms for a float compare-select chain (it does not vectorise); block edges
+are uint64, since signed indices from an array cost numba's wraparound checks (40x slower).
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+_jit = numba.njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
+
+
+_ABS = np.uint32(0x7FFFFFFF)
+_INF = np.uint32(0x7F800000)
+
+
+@_jit
+def _abs_bits_max(xu, lo, hi):
+    """max over xu[lo:hi] of the bits of |x| (fp32 bits as uint32): for finite values the
+    order of |x|, at least _INF when inf or NaN is there (an integer max vectorises)."""
+    m = np.uint32(0)
+    for i in range(lo, hi):
+        m = max(m, xu[i] & _ABS)
+    return m
+
+
+@_jit
+def _quantize_block(x, lo, hi, s, q):
+    for i in range(lo, hi):
+        v = np.rint(x[i] / s)
+        q[i] = np.int8(min(max(v, np.float32(-127.0)), np.float32(127.0)))
+
+
+@_jit
+def quantize(x, edges, scale, q):
+    """Rows of fp32 ``x`` into fp32 ``scale`` (rows, blocks) and int8 ``q`` (rows, n)."""
+    nb = edges.shape[0] - 1
+    bits = np.empty(1, np.uint32)
+    amax = bits.view(np.float32)
+    for r in range(x.shape[0]):
+        xr, qr, sr = x[r], q[r], scale[r]
+        xu = xr.view(np.uint32)
+        for b in range(nb):
+            lo, hi = edges[b], edges[b + 1]
+            bits[0] = _abs_bits_max(xu, lo, hi)
+            if bits[0] >= _INF:
+                sr[b] = np.float32(np.nan)
+                qr[lo:hi] = 0
+                continue
+            s = amax[0] / np.float32(127.0)
+            sr[b] = s
+            if s == 0.0:
+                qr[lo:hi] = 0
+            else:
+                _quantize_block(xr, lo, hi, s, qr)
+
+
+_ABS16 = np.uint16(0x7FFF)
+_INF16 = np.uint16(0x7F80)
+
+
+@_jit
+def _abs_bits_max16(xu, lo, hi):
+    m = np.uint16(0)
+    for i in range(lo, hi):
+        m = max(m, xu[i] & _ABS16)
+    return m
+
+
+@_jit
+def quantize_bf16(x, edges, scale, q):
+    """``quantize`` for bf16 rows given as their uint16 bits (widened to fp32 exactly)."""
+    nb = edges.shape[0] - 1
+    width = 1
+    for b in range(nb):
+        width = max(width, np.int64(edges[b + 1] - edges[b]))
+    wide = np.empty(width, np.uint32)
+    values = wide.view(np.float32)
+    for r in range(x.shape[0]):
+        xr, qr, sr = x[r], q[r], scale[r]
+        for b in range(nb):
+            lo, hi = edges[b], edges[b + 1]
+            top = _abs_bits_max16(xr, lo, hi)
+            if top >= _INF16:
+                sr[b] = np.float32(np.nan)
+                qr[lo:hi] = 0
+                continue
+            wide[0] = np.uint32(top) << np.uint32(16)
+            s = values[0] / np.float32(127.0)
+            sr[b] = s
+            if s == 0.0:
+                qr[lo:hi] = 0
+                continue
+            for i in range(lo, hi):
+                wide[i - lo] = np.uint32(xr[i]) << np.uint32(16)
+            for i in range(lo, hi):
+                v = np.rint(values[i - lo] / s)
+                qr[i] = np.int8(min(max(v, np.float32(-127.0)), np.float32(127.0)))
+
+
+@_jit
+def _dequantize_block(q, lo, hi, s, out):
+    for i in range(lo, hi):
+        out[i] = np.float32(q[i]) * s
+
+
+@_jit
+def dequantize(scale, q, edges, out, skip):
+    """fp32 ``out`` (rows, n) = q * scale, every row but ``skip``."""
+    nb = edges.shape[0] - 1
+    for r in range(q.shape[0]):
+        if r == skip:
+            continue
+        qr, sr, outr = q[r], scale[r], out[r]
+        for b in range(nb):
+            _dequantize_block(qr, edges[b], edges[b + 1], sr[b], outr)
+
+
+@_jit
+def dequantize_bf16(scale, q, edges, out, skip):
+    """bf16 ``out`` (rows, n; its uint16 bits) = q * scale rounded to nearest even, but ``skip``."""
+    rows = q.shape[0]
+    nb = edges.shape[0] - 1
+    width = 0
+    for b in range(nb):
+        width = max(width, np.int64(edges[b + 1] - edges[b]))
+    tmp = np.empty(width, np.float32)
+    bits = tmp.view(np.uint32)
+    for r in range(rows):
+        if r == skip:
+            continue
+        for b in range(nb):
+            s = scale[r, b]
+            lo, hi = edges[b], edges[b + 1]
+            for i in range(lo, hi):
+                tmp[i - lo] = np.float32(q[r, i]) * s
+            if s != s:
+                for i in range(lo, hi):
+                    out[r, i] = np.uint16(0x7FC0)
+                continue
+            for i in range(lo, hi):
+                u = bits[i - lo]
+                up = u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))
+                out[r, i] = np.uint16(up >> np.uint32(16))
+
+
+@_jit
+def _accumulate_block(q, lo, hi, s, total):
+    for i in range(lo, hi):
+        total[i] += np.float32(q[i]) * s
+
+
+@_jit
+def reduce_rows(scale, q, edges, own, rank, factor, total):
+    """fp32 ``total`` (n) = factor * sum over rows in order (row ``rank``: ``own``, exact)."""
+    nb = edges.shape[0] - 1
+    n = total.shape[0]
+    total[:] = 0.0
+    for r in range(q.shape[0]):
+        if r == rank:
+            for i in range(n):
+                total[i] += own[i]
+            continue
+        qr, sr = q[r], scale[r]
+        for b in range(nb):
+            _accumulate_block(qr, edges[b], edges[b + 1], sr[b], total)
+    if factor != 1.0:
+        f = np.float32(factor)
+        for i in range(n):
+            total[i] *= f

@@ -1,0 +1,47 @@
+"""``quantize_comms``: install the quantized collectives on every FSDPModule under a module."""
+from __future__ import annotations
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+
+from .collectives import DEFAULT_BLOCK, QuantizedAllGather, QuantizedReduceScatter, check_bits
+
+__all__ = ["quantize_comms"]
+
+
+def _segments(module: FSDPModule) -> tuple[int, ...]:
+    """The per-rank shard sizes of the module's parameters, in FSDP2's all-gather order."""
+    group = module._get_fsdp_state()._fsdp_param_groups[0]
+    return tuple(p.padded_sharded_param_size.numel() for p in group.fsdp_params)
+
+
+def quantize_comms(module: torch.nn.Module, weight_bits: int | None = 8,
+                   grad_bits: int | None = 8, block: int = DEFAULT_BLOCK) -> list[str]:
+    """Install int8 weight all-gathers / gradient reduce-scatters on every FSDPModule under
+    ``module``; ``None`` leaves that side as FSDP2's own. Returns the modules' names."""
+    weight_bits = check_bits(weight_bits, (None, 8), "quantize_comms weight_bits")
+    grad_bits = check_bits(grad_bits, (None, 8), "quantize_comms grad_bits")
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"quantize_comms: expected a torch.nn.Module, got {type(module).__name__}")
+    found = [(name or "<root>", m) for name, m in module.named_modules()
+             if isinstance(m, FSDPModule)]
+    if not found:
+        raise ValueError(f"quantize_comms: no FSDPModule under {type(module).__name__}; call "
+                         "torch.distributed.fsdp.fully_shard on it (or its submodules) first")
+    targets = []
+    for name, m in found:
+        groups = m._get_fsdp_state()._fsdp_param_groups
+        if len(groups) > 1:
+            raise ValueError(f"quantize_comms: FSDPModule {name!r} ({type(m).__name__}) has "
+                             f"{len(groups)} parameter groups (a per-parameter mesh from "
+                             "shard_placement_fn); torch accepts custom collectives only on a "
+                             "module with one parameter group")
+        if groups:
+            targets.append((name, m))
+    for name, m in targets:
+        segments = _segments(m)
+        if weight_bits is not None:
+            m.set_custom_all_gather(QuantizedAllGather(weight_bits, block, segments))
+        if grad_bits is not None:
+            m.set_custom_reduce_scatter(QuantizedReduceScatter(grad_bits, block, segments))
+    return [name for name, _ in targets]
