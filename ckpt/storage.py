@@ -125,13 +125,12 @@ def write_latest(parent: str, name: str, sync: bool) -> None:
         fsync_path(parent, directory=True)
 
 
-def commit_save(tmp: str, path: str, manifest: Manifest, pieces: Sequence[PieceTuple], *, overwrite: bool,
+def commit_save(tmp: str, path: str, manifest: Manifest, block_crcs: Sequence[int], *, overwrite: bool,
                 sync: bool, update_latest: bool) -> Manifest:
-    """Finish a save whose data is written in ``tmp``: the block checksums from every rank's
-    ``pieces``, the manifest (durable before the INCOMPLETE marker goes), then publish ``tmp``
-    under ``path`` holding the parent's lock, and move ``latest``."""
-    f = manifest.files[DATA_NAME]
-    f["crc32"] = checksum.combine_blocks([checksum.Piece(*p) for p in pieces], f["nbytes"], manifest.block_size)
+    """Finish a save whose data is written in ``tmp``: the data file's ``block_crcs``, the
+    manifest (durable before the INCOMPLETE marker goes), then publish ``tmp`` under ``path``
+    holding the parent's lock, and move ``latest``."""
+    manifest.files[DATA_NAME]["crc32"] = list(block_crcs)
     manifest.validate()
     with open(os.path.join(tmp, MANIFEST_NAME), "w") as fh:
         fh.write(manifest.to_json())

@@ -6,6 +6,7 @@ import os
 import random
 import zlib
 
+import numpy as np
 import pytest
 
 from ckpt import checksum
@@ -30,14 +31,25 @@ def _pieces(data: bytes, cuts, block):
     return out
 
 
+def _combined(pieces, size, block, ranks=1):
+    """Block CRCs from ``pieces`` dealt round-robin to ``ranks`` writers, each reducing its own
+    share to fixed-size parts (what save does), XOR-ed and summed as the reduction does."""
+    shares = [checksum.block_parts(pieces[r::ranks], size, block) for r in range(ranks)]
+    parts = np.bitwise_xor.reduce([p for p, _ in shares])
+    counts = np.sum([c for _, c in shares], axis=0)
+    return checksum.blocks_from_parts(parts, counts, size, block)
+
+
 def test_block_checksums_do_not_depend_on_who_wrote_what():
     data = os.urandom(10_000)
     block = 1024
-    expected = [zlib.crc32(data[i:i + block]) for i in range(0, len(data), block)]
+    expected = [zlib.crc32(data[i:i + block]) for i in range(0, len(data), block)]  # zlib: the reference
     for cuts in ([], [1], [500, 1500, 1600, 7777], list(range(37, 10_000, 911))):
         pieces = _pieces(data, cuts, block)
         random.Random(1).shuffle(pieces)
-        assert checksum.combine_blocks(pieces, len(data), block) == expected
+        for ranks in (1, 2, 3, 7):
+            assert _combined(pieces, len(data), block, ranks) == expected
+    assert checksum.zeros_crc(0) == 0 and checksum.zeros_crc(4 << 20) == zlib.crc32(bytes(4 << 20))
 
 
 def test_verify_blocks_finds_bad_and_partial_blocks():
@@ -57,11 +69,14 @@ def test_verify_blocks_finds_bad_and_partial_blocks():
     assert bad == [1] and partial == []
 
 
-def test_combine_blocks_reports_a_gap():
+def test_block_checksums_report_a_gap_or_an_overlap():
     data = os.urandom(3000)
     pieces = [p for p in _pieces(data, [1000, 1500], 1000) if p.offset != 1000]
     with pytest.raises(ValueError, match="block 1"):
-        checksum.combine_blocks(pieces, len(data), 1000)
+        _combined(pieces, len(data), 1000, 2)
+    pieces = _pieces(data, [1000, 1500], 1000)
+    with pytest.raises(ValueError, match="block 2"):
+        _combined(pieces + [pieces[-1]], len(data), 1000, 2)
 
 
 def test_manifest_round_trip_and_validation():
