@@ -20,6 +20,7 @@ import gc
 import json
 import math
 import pickle
+import sys
 import time
 import tracemalloc
 from dataclasses import dataclass
@@ -151,6 +152,23 @@ class Measured:
     value: Any
 
 
+def count_calls(fn: Callable[[], Any]) -> int:
+    """How many Python and C function calls ``fn()`` makes: its work, counted, not timed."""
+    calls = 0
+
+    def prof(_frame, event, _arg):
+        nonlocal calls
+        if event in ("call", "c_call"):
+            calls += 1
+
+    sys.setprofile(prof)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
 def measure(fn: Callable[[], Any], memory_below_s: float = math.inf) -> Measured:
     """``fn()``'s wall time (a plain run), then, when that took under ``memory_below_s``, its peak
     Python heap growth (tracemalloc, which slows Python down, in a second run; else -1); the
@@ -176,8 +194,9 @@ def sample_ranks(n: int) -> list[int]:
 
 
 def ckpt_save_rank(rank: int, n: int, shapes, layout: str, shard_group: int, block_size: int,
-                   chunk_bytes: int) -> dict[str, Any]:
-    """Run ckpt.save's planning steps of ``rank`` of ``n``; return its figures and plans."""
+                   chunk_bytes: int, count: bool = False, memory: bool = True) -> dict[str, Any]:
+    """Run ckpt.save's planning steps of ``rank`` of ``n``; return its figures and plans (with
+    ``count``, also "calls": the function calls the planning makes; without ``memory``, no peak)."""
     from ckpt import api, io
     from ckpt.optimizers import planner_for
 
@@ -197,13 +216,14 @@ def ckpt_save_rank(rank: int, n: int, shapes, layout: str, shard_group: int, blo
             return summary, summaries, manifest, mine, rounds
 
         summaries = plan(None)[1]
-        got = measure(lambda: plan(summaries))
+        got = measure(lambda: plan(summaries), math.inf if memory else 0)
         summary, _s, manifest, mine, rounds = got.value
+        calls = count_calls(lambda: plan(summaries)) if count else None
         npieces = sum(len(range(c.offset // block_size, (c.offset + c.nbytes - 1) // block_size + 1))
                       for r in rounds for c in r)
         return {"rank": rank, "seconds": got.seconds, "peak_bytes": got.peak_bytes, "summary": summary, "manifest": manifest,
                 "items": mine, "rounds": len(rounds), "pieces": npieces,
-                "summary_bytes": len(pickle.dumps(summary))}
+                "summary_bytes": len(pickle.dumps(summary)), "calls": calls}
 
 
 def ckpt_root_commit(manifest: Any) -> Measured:
@@ -229,7 +249,7 @@ def ckpt_root_commit(manifest: Any) -> Measured:
 
 
 def ckpt_load_rank(rank: int, m: int, text: str, shapes, layout: str, shard_group: int, block_size: int,
-                   chunk_bytes: int) -> dict[str, Any]:
+                   chunk_bytes: int, memory: bool = True) -> dict[str, Any]:
     """Run ckpt.load's planning steps of ``rank`` of ``m`` on the manifest ``text``."""
     from ckpt import api, io
     from ckpt.manifest import Manifest
@@ -247,7 +267,7 @@ def ckpt_load_rank(rank: int, m: int, text: str, shapes, layout: str, shard_grou
             rounds = io._plan(rp.items, set(range(len(rp.dests))), chunk_bytes, block_size, itemsize)
             return rp, rounds
 
-        got = measure(plan)
+        got = measure(plan, math.inf if memory else 0)
         rp, rounds = got.value
         return {"rank": rank, "seconds": got.seconds, "peak_bytes": got.peak_bytes, "ranges": len(rp.items),
                 "rounds": len(rounds), "bytes": sum(it.nbytes for it in rp.items), "items": rp.items}
