@@ -229,11 +229,12 @@ def load(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.op
     pg_ranks = run.allgather(dtensor.pg_rank())
     rp, match, has_opt = run.everywhere("planning", lambda: _plan_load(
         comm, m, ckdir, model, opt, strict, state or {}, result, pg_ranks))
-    pieces = run.everywhere("reading data", lambda: read_items(
+    nbytes = int(m.files[DATA_NAME]["nbytes"])
+    parts, counts = run.everywhere("reading data", lambda: checksum.block_parts(read_items(
         comm.mpi_comm, os.path.join(ckdir, DATA_NAME), rp.items, rp.dests, rp.dtypes, block_size=m.block_size,
-        chunk_bytes=chunk_bytes))
-    gathered = run.gather([(p.offset, p.length, p.crc) for p in pieces])
-    run.on_root("verifying checksums", lambda: verify_data(ckdir, m, [p for lst in gathered for p in lst]))
+        chunk_bytes=chunk_bytes, unchecked=rp.unchecked), nbytes, m.block_size))
+    parts, counts = run.reduce_xor(parts), run.reduce_sum(counts)  # fixed-size, at the root
+    run.on_root("verifying checksums", lambda: verify_data(ckdir, m, parts, counts))
     run.everywhere("setting state", lambda: [fn() for fn in rp.apply])
     if opt is not None:
         opt.after_load()
@@ -251,7 +252,7 @@ def _plan_load(comm: mpicomm.Communicator, m: Manifest, ckdir: str, model: torch
     match = Match.of(model_state, m)
     if strict and not match.complete:
         raise StateMismatchError(match.message(ckdir))
-    rp = ReadPlan()
+    rp = ReadPlan(rank=comm.rank)
     has_opt = opt is not None and m.optimizer is not None
     if opt is not None:
         opt.check_load(match, ckdir, strict, comm.size)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import functools
 import zlib
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable
 
 import numpy as np
 
@@ -52,20 +52,6 @@ def _x8n_mod_p(nbytes: int) -> int:
     return p
 
 
-_ZEROS = memoryview(bytes(64 << 10))
-
-
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """CRC-32 of A+B from crc32(A), crc32(B) and len(B)."""
-    if len2 == 0:
-        return crc1
-    if len2 <= len(_ZEROS):
-        # CRC is affine in its start value: crc(B, c) = crc(B, 0) ^ crc(0^n, c) ^ crc(0^n, 0)
-        z = _ZEROS[:len2]
-        return (_CRC32(z, crc1) ^ _CRC32(z, 0) ^ crc2) & 0xFFFFFFFF
-    return _mult_mod_p(_x8n_mod_p(len2), crc1) ^ crc2
-
-
 def _fast_crc32():
     """ISA-L's CRC-32 (the same values as zlib's, several times faster) when installed."""
     try:
@@ -106,51 +92,6 @@ def block_ranges(offset: int, length: int, block_size: int) -> list[tuple[int, i
 
 def num_blocks(file_size: int, block_size: int) -> int:
     return -(-file_size // block_size)
-
-
-def _chain(pieces: Sequence[Piece], start: int, stop: int) -> list[Piece] | None:
-    """Pick pieces that tile [start, stop) exactly, or None if none do (depth-first over byte
-    positions, longest piece first, each position visited once)."""
-    by_start: dict[int, list[Piece]] = {}
-    for p in pieces:
-        by_start.setdefault(p.offset, []).append(p)
-    for lst in by_start.values():
-        lst.sort(key=lambda q: q.length)  # popped from the end: longest first
-    came_from: dict[int, tuple[int, Piece] | None] = {start: None}
-    stack = [start]
-    while stack:
-        pos = stack.pop()
-        if pos == stop:
-            chain = []
-            while came_from[pos] is not None:
-                prev, piece = came_from[pos]  # type: ignore[misc]
-                chain.append(piece)
-                pos = prev
-            return chain[::-1]
-        for p in by_start.get(pos, []):
-            end = p.offset + p.length
-            if end <= stop and end not in came_from:
-                came_from[end] = (pos, p)
-                stack.append(end)
-    return None
-
-
-def _group(pieces: Iterable[Piece], block_size: int) -> dict[int, list[Piece]]:
-    groups: dict[int, list[Piece]] = {}
-    for p in pieces:
-        b = p.offset // block_size
-        if (p.offset + p.length - 1) // block_size != b:
-            raise ValueError(f"piece [{p.offset}, {p.offset + p.length}) crosses a "
-                             f"{block_size}-byte block boundary")
-        groups.setdefault(b, []).append(p)
-    return groups
-
-
-def _combine(chain: Sequence[Piece]) -> int:
-    crc = chain[0].crc
-    for p in chain[1:]:
-        crc = crc32_combine(crc, p.crc, p.length)
-    return crc
 
 
 def zeros_crc(n: int) -> int:
@@ -231,22 +172,3 @@ def blocks_from_parts(parts: np.ndarray, counts: np.ndarray, file_size: int, blo
     if n and sizes[-1] != block_size:
         out[-1] = int(parts[-1]) ^ zeros_crc(int(sizes[-1]))
     return out
-
-
-def verify_blocks(pieces: Iterable[Piece], expected: Sequence[int], file_size: int,
-                  block_size: int) -> tuple[list[int], list[int]]:
-    """Check the blocks that pieces touch. Returns (bad blocks, blocks touched but not
-    covered whole by the pieces, which the caller must check another way)."""
-    groups = _group(pieces, block_size)
-    bad, partial = [], []
-    for b in sorted(groups):
-        if b >= len(expected):
-            bad.append(b)
-            continue
-        start, stop = b * block_size, min(file_size, (b + 1) * block_size)
-        chain = _chain(groups[b], start, stop)
-        if chain is None:
-            partial.append(b)
-        elif _combine(chain) != expected[b]:
-            bad.append(b)
-    return bad, partial

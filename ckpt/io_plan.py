@@ -91,6 +91,10 @@ class ReadPlan:
     dtypes: list[torch.dtype] = field(default_factory=list)
     apply: list[Callable[[], None]] = field(default_factory=list)
     sharded: list[tuple[str, dl.Sharding]] = field(default_factory=list)  # DTensors read: (what, layout)
+    rank: int = 0
+    # dests whose bytes another rank reads too and reports for the checksum check: a whole tensor
+    # every rank reads (rank 0 reports it), a DTensor shard held by several ranks (its first holder)
+    unchecked: set[int] = field(default_factory=set)
 
     def dest(self, t: torch.Tensor, dtype: str) -> int:
         self.dests.append(t)
@@ -116,4 +120,6 @@ class ReadPlan:
             self.apply.append(lambda d=dest, s=tmp: d.copy_(s))
             dest = tmp
         buf = self.dest(dest.view(-1), e.dtype)
+        if (s.replicas()[0] if s is not None else self.rank) != 0:
+            self.unchecked.add(buf)
         self.items += [byte_ranges.IOItem(e.offset, e.nbytes, buf, 0)] if s is None else shard_runs(e, s, buf)

@@ -1,4 +1,4 @@
-"""ckpt's checksums and manifest (pure): CRC-32 combining, per-block checksums whoever wrote
+"""ckpt's checksums and manifest (pure): per-block checksums whoever wrote
 which bytes, and the manifest's JSON round trip and validation."""
 from __future__ import annotations
 
@@ -9,16 +9,15 @@ import zlib
 import numpy as np
 import pytest
 
-from ckpt import checksum
+from ckpt import checksum, storage
+from ckpt.errors import ChecksumError
 from ckpt.manifest import FORMAT_VERSION, Manifest, ManifestError, Packer, ParamInfo, jsonable, like
 
 
-def test_crc32_combine_matches_zlib():
+def test_crc32_matches_zlib():
     rng = random.Random(5)
     for i in range(60):
-        a = os.urandom(rng.randrange(0, 3000))
-        b = os.urandom(rng.randrange(0, 3000) if i % 3 else rng.randrange(60_000, 140_000))
-        assert checksum.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+        a = os.urandom(rng.randrange(0, 3000) if i % 3 else rng.randrange(60_000, 140_000))
         assert checksum.crc32(a) == zlib.crc32(a)  # the fast path (ISA-L) when installed
 
 
@@ -52,21 +51,28 @@ def test_block_checksums_do_not_depend_on_who_wrote_what():
     assert checksum.zeros_crc(0) == 0 and checksum.zeros_crc(4 << 20) == zlib.crc32(bytes(4 << 20))
 
 
-def test_verify_blocks_finds_bad_and_partial_blocks():
+def test_verify_data_finds_bad_blocks_and_reads_partial_ones(tmp_path):
     data = bytearray(os.urandom(5000))
     block = 1000
     expected = [zlib.crc32(bytes(data[i:i + block])) for i in range(0, len(data), block)]
-    # two "ranks" read overlapping ranges; one duplicate piece; block 4 is touched but not covered
-    pieces = _pieces(bytes(data), [300, 2500], block)[:-1]
-    pieces += [checksum.Piece(off, ln, zlib.crc32(bytes(data[off:off + ln])))
-               for off, ln in checksum.block_ranges(0, 1700, block)]
-    pieces.append(checksum.Piece(4000, 10, zlib.crc32(bytes(data[4000:4010]))))
-    bad, partial = checksum.verify_blocks(pieces, expected, len(data), block)
-    assert bad == [] and partial == [4]
-    data[1234] ^= 1
-    pieces = _pieces(bytes(data), [300, 2500], block)
-    bad, partial = checksum.verify_blocks(pieces, expected, len(data), block)
-    assert bad == [1] and partial == []
+    (tmp_path / "data.bin").write_bytes(bytes(data))
+    m = Manifest(world_size=1, stage=None, step=None, params=[], tensors=[],
+                 files={"data.bin": {"nbytes": len(data), "crc32": expected}}, block_size=block)
+
+    def check(pieces, ranks=2):
+        shares = [checksum.block_parts(pieces[r::ranks], len(data), block) for r in range(ranks)]
+        storage.verify_data(str(tmp_path), m, np.bitwise_xor.reduce([p for p, _ in shares]),
+                            np.sum([c for _, c in shares], axis=0))
+
+    # blocks 0-3 read whole by two "ranks", block 4 only in part (checked from the file)
+    check(_pieces(bytes(data), [300, 2500], block)[:-1] + [checksum.Piece(4000, 10, zlib.crc32(bytes(data[4000:4010])))])
+    read = bytes(data)
+    data[1234] ^= 1  # what a rank read differs from the saved checksum
+    with pytest.raises(ChecksumError, match="block 1 "):
+        check(_pieces(bytes(data), [300, 2500], block))
+    (tmp_path / "data.bin").write_bytes(bytes(data))  # the file itself is damaged in a block read in part
+    with pytest.raises(ChecksumError, match="block 1 "):
+        check([checksum.Piece(1000, 10, zlib.crc32(read[1000:1010]))])
 
 
 def test_block_checksums_report_a_gap_or_an_overlap():
