@@ -57,6 +57,9 @@ def _parser() -> argparse.ArgumentParser:
                         "0 skips them)")
     p.add_argument("--fsdp2-reps", type=int, default=2, help="FSDP2 save/load repetitions, best kept (default 2)")
     p.add_argument("--json", default=None, help="write the records as JSON to this file")
+    p.add_argument("--simulate-ranks", type=int, default=None, metavar="N",
+                   help="instead: simulate the planning of an N-rank save and load in this one process, beside "
+                        "torch DCP's (--simulate-ranks N --help lists its options)")
     return p
 
 
@@ -375,6 +378,10 @@ def _start(args, world: MPI.Comm) -> _Run | None:
 
 
 def main(argv: list[str]) -> int:
+    if any(a == "--simulate-ranks" or a.startswith("--simulate-ranks=") for a in argv):
+        from bench import ckpt_simulate  # one process, no MPI job: planning for N simulated ranks
+
+        return ckpt_simulate.main(argv)
     args = _parser().parse_args(argv)
     from mpi4py import MPI
 

@@ -14,7 +14,7 @@ import torch
 import mpicomm
 
 from . import async_save as async_save_mod
-from . import dtensor, items, safetensors_header
+from . import checksum, dtensor, items, safetensors_header
 from .async_save import SaveHandle
 from .collective import Collective
 from .errors import IncompatibleStateError, StateMismatchError
@@ -112,21 +112,19 @@ def save(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.op
     if len({s["@table"] for s in summaries}) > 1:  # the same answer on every rank
         tables = run.allgather(sp.table())
         run.everywhere("checking tensor shapes", lambda: dtensor.check_tables(tables, "save"))
-    run.everywhere("planning state items", lambda: (
-        dtensor.check_meshes(sp.sharded, [s["@pg"] for s in summaries], "save"),
-        _plan_items_save(comm, manifest, sp, captured, summaries)))
-    mine = sp.items(comm.rank, comm.size, block_size)
+    mine = run.everywhere("planning state items", lambda: _plan_writes(comm, manifest, sp, captured, summaries))
 
     def finish(c: mpicomm.Communicator, buffers: list[torch.Tensor], manifest: Manifest) -> Manifest:
         run = Collective(c, "save")
         tmp = run.on_root("creating the working directory", lambda: create_workdir(path, c.size, overwrite))
-        pieces = run.everywhere("writing data", lambda: write_items(
-            c.mpi_comm, os.path.join(tmp, DATA_NAME), mine, buffers, file_size=manifest.files[DATA_NAME]["nbytes"],
-            block_size=block_size, chunk_bytes=chunk_bytes, sync=sync))
-        gathered = run.gather([(p.offset, p.length, p.crc) for p in pieces])
+        nbytes = manifest.files[DATA_NAME]["nbytes"]
+        parts, counts = run.everywhere("writing data", lambda: checksum.block_parts(write_items(
+            c.mpi_comm, os.path.join(tmp, DATA_NAME), mine, buffers, file_size=nbytes, block_size=block_size,
+            chunk_bytes=chunk_bytes, sync=sync), nbytes, block_size))
+        parts, counts = run.reduce_xor(parts), run.reduce_sum(counts)  # one fixed-size array each, at the root
         return run.on_root("committing", lambda: commit_save(
-            tmp, path, manifest, [p for lst in gathered for p in lst], overwrite=overwrite, sync=sync,
-            update_latest=update_latest))
+            tmp, path, manifest, checksum.blocks_from_parts(parts, counts, nbytes, block_size), overwrite=overwrite,
+            sync=sync, update_latest=update_latest))
 
     if async_save:
         later = (async_save_mod.updated_by_step(sp.buffers, model, opt)
@@ -170,6 +168,15 @@ def _plan_save(comm: mpicomm.Communicator, model: torch.nn.Module, opt: Optimize
     summary["@pg"] = dtensor.pg_rank()
     summary["@table"] = zlib.crc32(json.dumps(sp.table()).encode())
     return sp, manifest, captured, summary
+
+
+def _plan_writes(comm: mpicomm.Communicator, manifest: Manifest, sp: SavePlan,
+                 captured: dict[tuple[str, str], items.Captured], summaries: list[dict]) -> list:
+    """Given every rank's summary (in rank order): check the DTensor meshes, complete the manifest
+    with the state items, and return what this rank writes."""
+    dtensor.check_meshes(sp.sharded, [s["@pg"] for s in summaries], "save")
+    _plan_items_save(comm, manifest, sp, captured, summaries)
+    return sp.items(comm.rank, comm.size, manifest.block_size)
 
 
 def _parts(obj: Any, what: str) -> tuple[Any, str, bool, Any, bool]:
@@ -222,11 +229,12 @@ def load(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.op
     pg_ranks = run.allgather(dtensor.pg_rank())
     rp, match, has_opt = run.everywhere("planning", lambda: _plan_load(
         comm, m, ckdir, model, opt, strict, state or {}, result, pg_ranks))
-    pieces = run.everywhere("reading data", lambda: read_items(
+    nbytes = int(m.files[DATA_NAME]["nbytes"])
+    parts, counts = run.everywhere("reading data", lambda: checksum.block_parts(read_items(
         comm.mpi_comm, os.path.join(ckdir, DATA_NAME), rp.items, rp.dests, rp.dtypes, block_size=m.block_size,
-        chunk_bytes=chunk_bytes))
-    gathered = run.gather([(p.offset, p.length, p.crc) for p in pieces])
-    run.on_root("verifying checksums", lambda: verify_data(ckdir, m, [p for lst in gathered for p in lst]))
+        chunk_bytes=chunk_bytes, unchecked=rp.unchecked), nbytes, m.block_size))
+    parts, counts = run.reduce_xor(parts), run.reduce_sum(counts)  # fixed-size, at the root
+    run.on_root("verifying checksums", lambda: verify_data(ckdir, m, parts, counts))
     run.everywhere("setting state", lambda: [fn() for fn in rp.apply])
     if opt is not None:
         opt.after_load()
@@ -244,7 +252,7 @@ def _plan_load(comm: mpicomm.Communicator, m: Manifest, ckdir: str, model: torch
     match = Match.of(model_state, m)
     if strict and not match.complete:
         raise StateMismatchError(match.message(ckdir))
-    rp = ReadPlan()
+    rp = ReadPlan(rank=comm.rank)
     has_opt = opt is not None and m.optimizer is not None
     if opt is not None:
         opt.check_load(match, ckdir, strict, comm.size)

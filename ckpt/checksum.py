@@ -4,7 +4,9 @@ from __future__ import annotations
 import functools
 import zlib
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable
+
+import numpy as np
 
 ALGORITHM = "crc32"
 _POLY = 0xEDB88320  # reflected CRC-32 polynomial (the one zlib uses)
@@ -50,20 +52,6 @@ def _x8n_mod_p(nbytes: int) -> int:
     return p
 
 
-_ZEROS = memoryview(bytes(64 << 10))
-
-
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """CRC-32 of A+B from crc32(A), crc32(B) and len(B)."""
-    if len2 == 0:
-        return crc1
-    if len2 <= len(_ZEROS):
-        # CRC is affine in its start value: crc(B, c) = crc(B, 0) ^ crc(0^n, c) ^ crc(0^n, 0)
-        z = _ZEROS[:len2]
-        return (_CRC32(z, crc1) ^ _CRC32(z, 0) ^ crc2) & 0xFFFFFFFF
-    return _mult_mod_p(_x8n_mod_p(len2), crc1) ^ crc2
-
-
 def _fast_crc32():
     """ISA-L's CRC-32 (the same values as zlib's, several times faster) when installed."""
     try:
@@ -106,79 +94,81 @@ def num_blocks(file_size: int, block_size: int) -> int:
     return -(-file_size // block_size)
 
 
-def _chain(pieces: Sequence[Piece], start: int, stop: int) -> list[Piece] | None:
-    """Pick pieces that tile [start, stop) exactly, or None if none do (depth-first over byte
-    positions, longest piece first, each position visited once)."""
-    by_start: dict[int, list[Piece]] = {}
-    for p in pieces:
-        by_start.setdefault(p.offset, []).append(p)
-    for lst in by_start.values():
-        lst.sort(key=lambda q: q.length)  # popped from the end: longest first
-    came_from: dict[int, tuple[int, Piece] | None] = {start: None}
-    stack = [start]
-    while stack:
-        pos = stack.pop()
-        if pos == stop:
-            chain = []
-            while came_from[pos] is not None:
-                prev, piece = came_from[pos]  # type: ignore[misc]
-                chain.append(piece)
-                pos = prev
-            return chain[::-1]
-        for p in by_start.get(pos, []):
-            end = p.offset + p.length
-            if end <= stop and end not in came_from:
-                came_from[end] = (pos, p)
-                stack.append(end)
-    return None
+def zeros_crc(n: int) -> int:
+    """CRC-32 of ``n`` zero bytes (without touching n bytes)."""
+    return _mult_mod_p(_x8n_mod_p(n), 0xFFFFFFFF) ^ 0xFFFFFFFF
 
 
-def _group(pieces: Iterable[Piece], block_size: int) -> dict[int, list[Piece]]:
-    groups: dict[int, list[Piece]] = {}
-    for p in pieces:
-        b = p.offset // block_size
-        if (p.offset + p.length - 1) // block_size != b:
-            raise ValueError(f"piece [{p.offset}, {p.offset + p.length}) crosses a "
-                             f"{block_size}-byte block boundary")
-        groups.setdefault(b, []).append(p)
-    return groups
+def _mult_many(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``_mult_mod_p`` element-wise over uint64 arrays."""
+    p = np.zeros(np.broadcast(a, b).shape, np.uint64)
+    b = b.copy() if isinstance(b, np.ndarray) else np.full(p.shape, b, np.uint64)
+    poly = np.uint64(_POLY)
+    for i in range(31, -1, -1):
+        p ^= np.where(a & np.uint64(1 << i), b, np.uint64(0))
+        b = np.where(b & np.uint64(1), (b >> np.uint64(1)) ^ poly, b >> np.uint64(1))
+    return p
 
 
-def _combine(chain: Sequence[Piece]) -> int:
-    crc = chain[0].crc
-    for p in chain[1:]:
-        crc = crc32_combine(crc, p.crc, p.length)
-    return crc
+def _x8n_many(n: np.ndarray) -> np.ndarray:
+    """``_x8n_mod_p`` element-wise over a uint64 array."""
+    p = np.full(n.shape, 1 << 31, np.uint64)
+    k = 3
+    n = n.copy()
+    while n.any():
+        sel = (n & np.uint64(1)).astype(bool)
+        if sel.any():
+            p[sel] = _mult_many(np.uint64(_X2N[k & 31]), p[sel])
+        n >>= np.uint64(1)
+        k += 1
+    return p
 
 
-def combine_blocks(pieces: Iterable[Piece], file_size: int, block_size: int) -> list[int]:
-    """Per-block CRCs of a file whose bytes the pieces cover exactly (e.g. all ranks' writes)."""
-    groups = _group(pieces, block_size)
-    out = []
-    for b in range(num_blocks(file_size, block_size)):
-        start, stop = b * block_size, min(file_size, (b + 1) * block_size)
-        chain = _chain(groups.get(b, []), start, stop)
-        if chain is None:
-            raise ValueError(f"the written pieces do not cover block {b} "
-                             f"(bytes [{start}, {stop})) exactly")
-        out.append(_combine(chain))
+def block_parts(pieces: Iterable[Piece], file_size: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """This rank's share of every block's CRC, of a fixed size (one per block whatever the rank
+    count): per block, the XOR of its pieces' linear CRC parts (a piece's CRC as if the rest of
+    the block were zeros, less the CRC of zeros) and its byte count. XOR-ing every rank's parts
+    and summing their counts (``blocks_from_parts``) gives the block CRCs of pieces that tile
+    the file, written by any ranks."""
+    n = num_blocks(file_size, block_size)
+    parts = np.zeros(n, np.uint32)
+    counts = np.zeros(n, np.int64)
+    arr = np.array([(p.offset, p.length, p.crc) for p in pieces], np.int64).reshape(-1, 3)
+    if not len(arr):
+        return parts, counts
+    off, ln, crc = arr[:, 0], arr[:, 1], arr[:, 2].astype(np.uint64)
+    blk = off // block_size
+    stop = np.minimum(file_size, (blk + 1) * block_size)
+    bad = np.flatnonzero((ln <= 0) | (off < 0) | (off + ln > stop))
+    if len(bad):
+        i = int(bad[0])
+        raise ValueError(f"piece [{off[i]}, {off[i] + ln[i]}) is not inside one {block_size}-byte block of a "
+                         f"{file_size}-byte file")
+    ones = np.uint64(0xFFFFFFFF)
+    lin = crc ^ _mult_many(_x8n_many(ln.astype(np.uint64)), ones) ^ ones  # the piece's CRC less the CRC of zeros
+    tail = (stop - off - ln).astype(np.uint64)
+    shifted = np.flatnonzero(tail)
+    if len(shifted):
+        lin[shifted] = _mult_many(_x8n_many(tail[shifted]), lin[shifted])
+    np.bitwise_xor.at(parts, blk, lin.astype(np.uint32))
+    np.add.at(counts, blk, ln)
+    return parts, counts
+
+
+def blocks_from_parts(parts: np.ndarray, counts: np.ndarray, file_size: int, block_size: int) -> list[int]:
+    """Per-block CRCs from every rank's ``block_parts``, XOR-ed and summed; raises unless each
+    block's pieces hold exactly its bytes."""
+    n = num_blocks(file_size, block_size)
+    sizes = np.full(n, block_size, np.int64)
+    if n:
+        sizes[-1] = file_size - (n - 1) * block_size
+    if len(parts) != n or len(counts) != n or not np.array_equal(counts, sizes):
+        bad = [b for b in range(min(n, len(counts))) if counts[b] != sizes[b]][:1] or [min(n, len(counts))]
+        b = bad[0]
+        raise ValueError(f"the written pieces do not cover block {b} (bytes [{b * block_size}, "
+                         f"{min(file_size, (b + 1) * block_size)})) exactly")
+    full = zeros_crc(block_size)
+    out = (parts ^ np.uint32(full)).tolist()
+    if n and sizes[-1] != block_size:
+        out[-1] = int(parts[-1]) ^ zeros_crc(int(sizes[-1]))
     return out
-
-
-def verify_blocks(pieces: Iterable[Piece], expected: Sequence[int], file_size: int,
-                  block_size: int) -> tuple[list[int], list[int]]:
-    """Check the blocks that pieces touch. Returns (bad blocks, blocks touched but not
-    covered whole by the pieces, which the caller must check another way)."""
-    groups = _group(pieces, block_size)
-    bad, partial = [], []
-    for b in sorted(groups):
-        if b >= len(expected):
-            bad.append(b)
-            continue
-        start, stop = b * block_size, min(file_size, (b + 1) * block_size)
-        chain = _chain(groups[b], start, stop)
-        if chain is None:
-            partial.append(b)
-        elif _combine(chain) != expected[b]:
-            bad.append(b)
-    return bad, partial

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -17,7 +18,7 @@ from .collective import Collective
 from .errors import (EXIT_DAMAGED, EXIT_EXISTS, EXIT_FAILED, EXIT_INCOMPLETE, EXIT_OK, EXIT_PICKLE, EXIT_USAGE,
                      CheckpointError, CheckpointExistsError, StateMismatchError, StepFailedError)
 from .io import read_blocks
-from .manifest import DATA_NAME, FORMAT_VERSION, ITEMSIZE, ManifestError
+from .manifest import DATA_NAME, FORMAT_VERSION, ITEMSIZE, ManifestError, TensorEntry
 from .progress_bar import Bar
 from .storage import read_manifest, resolve
 
@@ -68,7 +69,7 @@ def _inspect(args: argparse.Namespace) -> int:
         for i, g in enumerate(m.optimizer["param_groups"]):
             hp = {k: v for k, v in g.items() if k != "params"}
             print(f"    group {i}: {len(g['params'])} params, {hp}")
-    sharded = [t for t in m.tensors if t.boxes is not None]
+    sharded = [t for t in m.tensors if t.boxes is not None or t.layout is not None]
     if sharded:
         print(f"  {len(sharded)} tensor(s) saved from DTensor shards (stored whole; --tensors lists the shards)")
     if m.extra is not None:
@@ -81,7 +82,7 @@ def _inspect(args: argparse.Namespace) -> int:
     if args.tensors:
         print(f"  {'kind':<8} {'key':<12} {'dtype':<9} {'offset':>14} {'nbytes':>12}  name shape")
         for t in m.tensors:
-            shards = f" from {len(t.boxes)} DTensor shard(s)" if isinstance(t.boxes, list) else ""
+            shards = f" from {_shards(t)} DTensor shard(s)" if t.boxes is not None or t.layout is not None else ""
             print(f"  {t.kind:<8} {t.key or '-':<12} {t.dtype:<9} {t.offset:>14} {t.nbytes:>12}  "
                   f"{t.name} {list(t.shape)}{shards}")
     else:
@@ -94,6 +95,13 @@ def _inspect(args: argparse.Namespace) -> int:
             print(f"  {r[0]:<{w}}  {r[1]:<{ws}}  {r[2]:<9} {r[3]:>10}")
         print("  (--tensors lists every stored tensor, optimizer state included; --json the manifest)")
     return EXIT_OK
+
+
+def _shards(t: TensorEntry) -> int:
+    """How many distinct DTensor shards a tensor was saved from (its layout rule, or an old manifest's boxes)."""
+    if t.layout is None:
+        return len(t.boxes) if isinstance(t.boxes, list) else 0
+    return math.prod(n for n, p in zip(t.layout["mesh"], t.layout["placements"]) if p[0] != "replicate")
 
 
 def _item_parts(entry: dict) -> str:

@@ -144,6 +144,25 @@ class Collective:
         """``value`` of every rank, in rank order, on rank 0 (None elsewhere)."""
         return self.mpi.gather(value, root=0)
 
+    def reduce_xor(self, arr: Any) -> Any:
+        """The element-wise XOR of every rank's numpy integer array ``arr`` (one shape everywhere),
+        on rank 0 (``arr`` itself elsewhere); a fixed-size reduction, whatever the rank count."""
+        return self._reduce(arr, "BXOR")
+
+    def reduce_sum(self, arr: Any) -> Any:
+        """The element-wise sum of every rank's numpy array ``arr``, on rank 0 (``arr`` elsewhere)."""
+        return self._reduce(arr, "SUM")
+
+    def _reduce(self, arr: Any, op: str) -> Any:
+        if self.size == 1:
+            return arr
+        from mpi4py import MPI
+
+        out = arr.copy() if self.rank == 0 else arr
+        self.mpi.Reduce(MPI.IN_PLACE if self.rank == 0 else arr, out if self.rank == 0 else None,
+                        op=getattr(MPI, op), root=0)
+        return out
+
     def allgather(self, value: Any) -> list[Any]:
         """``value`` of every rank, in rank order, on every rank."""
         return self.mpi.allgather(value)

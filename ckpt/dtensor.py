@@ -47,8 +47,8 @@ def sharding(t: torch.Tensor, what: str) -> dl.Sharding:
                 "not parts of the full tensor; redistribute it to Shard or Replicate placements first "
                 "(e.g. dtensor.redistribute(mesh, [Replicate()]))")
     coord = mesh.get_coordinate()
-    s = dl.Sharding(tuple(int(x) for x in t.shape), tuple(int(x) for x in mesh.mesh.shape),
-                    tuple(int(r) for r in mesh.mesh.reshape(-1).tolist()), placements,
+    mesh_shape, mesh_ranks = _mesh_ranks(mesh)
+    s = dl.Sharding(tuple(int(x) for x in t.shape), mesh_shape, mesh_ranks, placements,
                     None if coord is None else tuple(int(c) for c in coord))
     want = dl.local_shape(s.mine()) if coord is not None else None
     got = tuple(t._local_tensor.shape)
@@ -58,6 +58,24 @@ def sharding(t: torch.Tensor, what: str) -> dl.Sharding:
             f"should hold a local shard of shape {list(want)}, it holds {list(got)}: the global shape does not "
             "match the local shards (do the ranks agree on it?)")
     return s
+
+
+_MESHES: dict[int, tuple[Any, tuple[int, ...], tuple[int, ...]]] = {}
+
+
+def _mesh_ranks(mesh: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shape of ``mesh`` and its global ranks in coordinate order, read once per mesh object
+    (torch builds ``mesh.mesh`` anew on each access): a model's tensors on one mesh cost
+    O(mesh size) once, not once per tensor."""
+    hit = _MESHES.get(id(mesh))
+    if hit is not None and hit[0] is mesh:
+        return hit[1], hit[2]
+    if len(_MESHES) > 64:
+        _MESHES.clear()
+    grid = mesh.mesh
+    shape, ranks = tuple(int(x) for x in grid.shape), tuple(int(r) for r in grid.reshape(-1).tolist())
+    _MESHES[id(mesh)] = (mesh, shape, ranks)
+    return shape, ranks
 
 
 def like(template: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -96,7 +114,11 @@ def check_meshes(sharded: list[tuple[str, dl.Sharding]], pg_ranks: list[int | No
     process-group rank of each of its ranks): else ranks outside would hold shards that nobody
     saves or loads."""
     held = {r for r in pg_ranks if r is not None}
+    seen: set[int] = set()  # meshes checked (tensors on one mesh share its ranks tuple)
     for what, s in sharded:
+        if id(s.mesh_ranks) in seen:
+            continue
+        seen.add(id(s.mesh_ranks))
         outside = sorted(set(s.mesh_ranks) - held)
         if outside:
             raise IncompatibleStateError(

@@ -12,7 +12,9 @@ applied mesh dimension by mesh dimension, left to right.
 from __future__ import annotations
 
 import itertools
+import functools
 import math
+import zlib
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -26,12 +28,18 @@ class PlacementError(ValueError):
     """A placement that a checkpoint cannot store (``Partial``, unknown kinds)."""
 
 
-def placement_kind(p: Any) -> tuple[str, int | None, int | None]:
-    """("shard", dim, None), ("strided", dim, split_factor) or ("replicate", None, None);
-    ``Partial`` and other placements raise ``PlacementError``."""
+@functools.cache
+def _placement_classes() -> tuple[type, type, type]:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
+    return Replicate, Shard, _StridedShard
+
+
+def placement_kind(p: Any) -> tuple[str, int | None, int | None]:
+    """("shard", dim, None), ("strided", dim, split_factor) or ("replicate", None, None);
+    ``Partial`` and other placements raise ``PlacementError``."""
+    Replicate, Shard, _StridedShard = _placement_classes()
     if isinstance(p, _StridedShard):
         return "strided", int(p.dim), int(p._split_factor_int())
     if isinstance(p, Shard):
@@ -168,14 +176,31 @@ class Sharding:
         return f"mesh {list(self.mesh_shape)} placements ({', '.join(str(p) for p in self.placements)})"
 
     def key(self) -> tuple:
-        """What must agree across ranks."""
-        return (self.shape, self.mesh_shape, self.mesh_ranks, tuple(str(p) for p in self.placements))
+        """What must agree across ranks (the mesh's ranks by their digest)."""
+        return (self.shape, self.mesh_shape, ranks_digest(self.mesh_ranks), tuple(str(p) for p in self.placements))
 
-    def mine(self) -> Layout:
-        """This rank's layout (empty when the rank is not in the mesh)."""
+    def rule(self) -> dict[str, Any]:
+        """The layout as the manifest records it: mesh shape and placements, from which every
+        shard follows (``rule_layout``); its size does not depend on the mesh's size."""
+        places = []
+        for p in self.placements:
+            kind, dim, split = placement_kind(p)
+            places.append([kind] + ([] if dim is None else [dim]) + ([] if split is None else [split]))
+        return {"mesh": list(self.mesh_shape), "placements": places}
+
+    def shards(self) -> int:
+        """How many distinct shards the layout has (the product of the sharded mesh dimensions)."""
+        return math.prod(self.mesh_shape[i] for i in self.shard_dims())
+
+    @functools.cached_property
+    def _mine(self) -> Layout:
         if self.coord is None:
             return [[] for _ in self.shape]
         return layout(self.shape, self.mesh_shape, self.coord, self.placements)
+
+    def mine(self) -> Layout:
+        """This rank's layout (empty when the rank is not in the mesh); computed once."""
+        return self._mine
 
     def shard_dims(self) -> list[int]:
         return [i for i, p in enumerate(self.placements) if placement_kind(p)[0] != "replicate"]
@@ -203,6 +228,21 @@ class Sharding:
             if volume(lay):
                 out.append(lay)
         return out
+
+
+_DIGESTS: dict[int, tuple[tuple[int, ...], int]] = {}
+
+
+def ranks_digest(ranks: tuple[int, ...]) -> int:
+    """CRC-32 of a mesh's ranks, computed once per tuple object (every tensor on one mesh shares it)."""
+    hit = _DIGESTS.get(id(ranks))
+    if hit is not None and hit[0] is ranks:
+        return hit[1]
+    if len(_DIGESTS) > 64:
+        _DIGESTS.clear()
+    digest = zlib.crc32(np.asarray(ranks, dtype=np.int64).tobytes())
+    _DIGESTS[id(ranks)] = (ranks, digest)
+    return digest
 
 
 def check_cover(shape: Sequence[int], boxes: Sequence[Layout]) -> None:

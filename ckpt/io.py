@@ -186,9 +186,11 @@ def write_items(mpi_comm: MPI.Comm, filename: str, items: Sequence[IOItem],
 
 def read_items(mpi_comm: MPI.Comm, filename: str, items: Sequence[IOItem],
                dests: Sequence[torch.Tensor], file_dtypes: Sequence[torch.dtype], *,
-               block_size: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> list[Piece]:
+               block_size: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES, unchecked: set[int] = frozenset()
+               ) -> list[Piece]:
     """Collectively read this rank's items into ``dests`` (flat views, converting from
-    ``file_dtypes`` where they differ); return the CRC of every piece read within each block.
+    ``file_dtypes`` where they differ); return the CRC of every piece read within each block,
+    except those read into the dests numbered in ``unchecked`` (bytes another rank reports).
     Large ranges land in place, one collective call each (their checksums computed in a
     thread while the next round is read); small, converted or device ranges go through a file
     view into a staging buffer of at most ``chunk_bytes``."""
@@ -231,12 +233,14 @@ def read_items(mpi_comm: MPI.Comm, filename: str, items: Sequence[IOItem],
                     continue
                 try:
                     if raw is None:
-                        futures.append(pool.submit(_crc_pieces, batch[0].offset, mem, block_size))
+                        if batch[0].buf not in unchecked:
+                            futures.append(pool.submit(_crc_pieces, batch[0].offset, mem, block_size))
                         continue
                     pos = 0
                     for c in batch:
                         part = raw[pos:pos + c.nbytes]
-                        futures.append(_Done(_crc_pieces(c.offset, part.numpy(), block_size)))
+                        if c.buf not in unchecked:
+                            futures.append(_Done(_crc_pieces(c.offset, part.numpy(), block_size)))
                         if views[c.buf] is not None:
                             views[c.buf][c.buf_offset:c.buf_offset + c.nbytes].copy_(part)
                         else:

@@ -52,22 +52,25 @@ class SavePlan:
         """Pack tensor ``t`` whole: held by every rank, or a DTensor, of which this rank writes its
         local shard (a shard held by several ranks, ``Replicate``, split among them)."""
         if dtensor.is_dtensor(t):
-            what = _what(kind, name, key)
-            s = dtensor.sharding(t, f"save: {what}")
-            boxes = s.boxes()
-            dl.check_cover(s.shape, boxes)
-            e = self.packer.add(name, param, kind, s.shape, dtype_name(t.dtype), key,
-                                [dl.as_json(b) for b in boxes])
-            items = shard_runs(e, s, self.buffer(dtensor.local(t)))
-            index, count = s.replicas()
-            self.own += byte_ranges.share_items(items, count, index, REPLICA_ALIGN) if count > 1 else items
-            self.sharded.append((what, s))
+            s = dtensor.sharding(t, f"save: {_what(kind, name, key)}")
+            self.shard(name, param, kind, dtype_name(t.dtype), s, self.buffer(dtensor.local(t)), key)
             return
         e = self.packer.add(name, param, kind, t.shape, dtype_name(t.dtype), key)
         self.replicated.append(byte_ranges.IOItem(e.offset, e.nbytes, self.buffer(t), 0))
 
+    def shard(self, name: str, param: int, kind: str, dtype: str, s: dl.Sharding, buf: int,
+              key: str | None = None) -> None:
+        """Pack a tensor laid out by ``s`` (from metadata alone) and plan this rank's writes of its
+        shard from local buffer number ``buf``; the manifest records the layout by its rule."""
+        e = self.packer.add(name, param, kind, s.shape, dtype, key, layout=s.rule())
+        items = shard_runs(e, s, buf)
+        index, count = s.replicas()
+        self.own += byte_ranges.share_items(items, count, index, REPLICA_ALIGN) if count > 1 else items
+        self.sharded.append((_what(kind, name, key), s))
+
     def table(self) -> list[tuple]:
-        """What every rank must agree on: each entry's name, kind, key, shape, dtype and DTensor layout."""
+        """What every rank must agree on: each entry's name, kind, key, shape, dtype and DTensor
+        layout (its mesh's ranks by their digest: the table does not grow with the rank count)."""
         layouts = {what: s.key() for what, s in self.sharded}
         return [(e.name, e.kind, e.key, list(e.shape), e.dtype, layouts.get(_what(e.kind, e.name, e.key)))
                 for e in self.packer.entries]
@@ -88,6 +91,10 @@ class ReadPlan:
     dtypes: list[torch.dtype] = field(default_factory=list)
     apply: list[Callable[[], None]] = field(default_factory=list)
     sharded: list[tuple[str, dl.Sharding]] = field(default_factory=list)  # DTensors read: (what, layout)
+    rank: int = 0
+    # dests whose bytes another rank reads too and reports for the checksum check: a whole tensor
+    # every rank reads (rank 0 reports it), a DTensor shard held by several ranks (its first holder)
+    unchecked: set[int] = field(default_factory=set)
 
     def dest(self, t: torch.Tensor, dtype: str) -> int:
         self.dests.append(t)
@@ -113,4 +120,6 @@ class ReadPlan:
             self.apply.append(lambda d=dest, s=tmp: d.copy_(s))
             dest = tmp
         buf = self.dest(dest.view(-1), e.dtype)
+        if (s.replicas()[0] if s is not None else self.rank) != 0:
+            self.unchecked.add(buf)
         self.items += [byte_ranges.IOItem(e.offset, e.nbytes, buf, 0)] if s is None else shard_runs(e, s, buf)

@@ -65,9 +65,12 @@ class TensorEntry:
     offset: int
     nbytes: int
     key: str | None = None
-    # saved from a DTensor: every distinct shard written, as per-dimension [start, stop) ranges of
-    # the global tensor (dtensor_layout.as_json); the file holds the full tensor all the same
+    # saved from a DTensor by manifests before the layout rule: every distinct shard written, as
+    # per-dimension [start, stop) ranges of the global tensor; the file holds the full tensor all the same
     boxes: Any = field(default=None, compare=False)
+    # saved from a DTensor: its layout rule (dtensor_layout.Sharding.rule: mesh shape, placements),
+    # which gives every shard; the file holds the full tensor all the same
+    layout: Any = field(default=None, compare=False)
 
     @property
     def numel(self) -> int:
@@ -226,7 +229,8 @@ class Manifest:
                                _str(t["kind"], "tensors[].kind"), _shape(t["shape"], "tensors[].shape"),
                                _str(t["dtype"], "tensors[].dtype"), _str(t["file"], "tensors[].file"),
                                _int(t["offset"], "tensors[].offset"), _int(t["nbytes"], "tensors[].nbytes"),
-                               _opt_str(t.get("key"), "tensors[].key"), t.get("boxes"))
+                               _opt_str(t.get("key"), "tensors[].key"), t.get("boxes"),
+                               _layout_rule(t.get("layout"), "tensors[].layout"))
                    for t in _list(d["tensors"], "tensors")]
         stage = d["stage"]
         if stage is not None:
@@ -346,10 +350,10 @@ class Packer:
         self.entries: list[TensorEntry] = []
 
     def add(self, name: str, param: int, kind: str, shape: Sequence[int], dtype: str,
-            key: str | None = None, boxes: Any = None) -> TensorEntry:
+            key: str | None = None, layout: Any = None) -> TensorEntry:
         numel = math.prod(shape)
         e = TensorEntry(name, param, kind, tuple(int(s) for s in shape), dtype, self.file,
-                        self.size, numel * ITEMSIZE[dtype], key, boxes)
+                        self.size, numel * ITEMSIZE[dtype], key, layout=layout)
         self.size += e.nbytes
         self.entries.append(e)
         return e
@@ -361,16 +365,40 @@ class Packer:
 
     def alias(self, of: TensorEntry, kind: str, key: str | None = None) -> TensorEntry:
         """An entry sharing the bytes of ``of`` (e.g. fp32 model weights equal to the masters)."""
-        e = TensorEntry(of.name, of.param, kind, of.shape, of.dtype, of.file, of.offset, of.nbytes, key, of.boxes)
+        e = TensorEntry(of.name, of.param, kind, of.shape, of.dtype, of.file, of.offset, of.nbytes, key, of.boxes,
+                        of.layout)
         self.entries.append(e)
         return e
 
 
 def _entry_json(t: TensorEntry) -> dict[str, Any]:
     d = asdict(t)
-    if d["boxes"] is None:
-        del d["boxes"]
+    for k in ("boxes", "layout"):
+        if d[k] is None:
+            del d[k]
     return d
+
+
+def _layout_rule(v: Any, what: str) -> Any:
+    """A DTensor layout rule read from a manifest: {"mesh": [sizes], "placements": [[kind, ...]]},
+    one placement per mesh dimension ("shard" dim, "strided" dim split, or "replicate")."""
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise ManifestError(f"{what}: expected an object, got {type(v).__name__}")
+    mesh = [_int(x, f"{what}.mesh", 1) for x in _list(v.get("mesh"), f"{what}.mesh")]
+    places = _list(v.get("placements"), f"{what}.placements")
+    if len(places) != len(mesh):
+        raise ManifestError(f"{what}: expected one placement per mesh dimension ({len(mesh)}), got {len(places)}")
+    for p in places:
+        ok = isinstance(p, list) and p and (p == ["replicate"] or (p[0] == "shard" and len(p) == 2)
+                                             or (p[0] == "strided" and len(p) == 3))
+        if not ok:
+            raise ManifestError(f"{what}.placements: expected ['shard', dim], ['strided', dim, split] or "
+                                f"['replicate'], got {p!r}")
+        for x in p[1:]:
+            _int(x, f"{what}.placements[]", 0)
+    return v
 
 
 def canonical_bytes(d: dict[str, Any]) -> bytes:

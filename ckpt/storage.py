@@ -11,6 +11,8 @@ import time
 import uuid
 from typing import Sequence
 
+import numpy as np
+
 from . import checksum, commit
 from .errors import CheckpointExistsError, ChecksumError
 from .io import fsync_path, read_blocks
@@ -18,7 +20,6 @@ from .manifest import (DATA_NAME, INCOMPLETE_NAME, LATEST_NAME, MANIFEST_NAME, T
                        IncompleteCheckpointError, Manifest, ManifestError)
 
 MAX_MANIFEST_BYTES = 1 << 30
-PieceTuple = tuple[int, int, int]  # offset, length, crc of a checksummed piece
 
 
 def incomplete_reason(directory: str | os.PathLike) -> str | None:
@@ -125,13 +126,12 @@ def write_latest(parent: str, name: str, sync: bool) -> None:
         fsync_path(parent, directory=True)
 
 
-def commit_save(tmp: str, path: str, manifest: Manifest, pieces: Sequence[PieceTuple], *, overwrite: bool,
+def commit_save(tmp: str, path: str, manifest: Manifest, block_crcs: Sequence[int], *, overwrite: bool,
                 sync: bool, update_latest: bool) -> Manifest:
-    """Finish a save whose data is written in ``tmp``: the block checksums from every rank's
-    ``pieces``, the manifest (durable before the INCOMPLETE marker goes), then publish ``tmp``
-    under ``path`` holding the parent's lock, and move ``latest``."""
-    f = manifest.files[DATA_NAME]
-    f["crc32"] = checksum.combine_blocks([checksum.Piece(*p) for p in pieces], f["nbytes"], manifest.block_size)
+    """Finish a save whose data is written in ``tmp``: the data file's ``block_crcs``, the
+    manifest (durable before the INCOMPLETE marker goes), then publish ``tmp`` under ``path``
+    holding the parent's lock, and move ``latest``."""
+    manifest.files[DATA_NAME]["crc32"] = list(block_crcs)
     manifest.validate()
     with open(os.path.join(tmp, MANIFEST_NAME), "w") as fh:
         fh.write(manifest.to_json())
@@ -157,15 +157,23 @@ def commit_save(tmp: str, path: str, manifest: Manifest, pieces: Sequence[PieceT
     return manifest
 
 
-def verify_data(ckdir: str, m: Manifest, pieces: Sequence[PieceTuple]) -> None:
-    """Check the pieces every rank read against the manifest's block checksums; blocks read
-    only in part are read whole here. A mismatch names the blocks and the tensors in them."""
+def verify_data(ckdir: str, m: Manifest, parts: np.ndarray, counts: np.ndarray) -> None:
+    """Check what the ranks read against the manifest's block checksums, from every rank's
+    ``checksum.block_parts`` (XOR-ed, summed): a block read whole once is checked from them;
+    one read in part (or, against the plan, more than once) is read whole here. A mismatch
+    names the blocks and the tensors in them."""
     f = m.files[DATA_NAME]
     expected, fsize, block = f["crc32"], int(f["nbytes"]), m.block_size
-    bad, partial = checksum.verify_blocks([checksum.Piece(*p) for p in pieces], expected, fsize, block)
+    sizes = np.full(len(expected), block, np.int64)
+    if len(sizes):
+        sizes[-1] = fsize - (len(sizes) - 1) * block
+    whole = np.flatnonzero(counts == sizes)
+    bad = [int(b) for b in whole if int(parts[b]) ^ checksum.zeros_crc(int(sizes[b])) != expected[b]]
+    partial = [int(b) for b in np.flatnonzero((counts != sizes) & (counts != 0))]
     if partial:
         crcs = read_blocks(os.path.join(ckdir, DATA_NAME), partial, block, fsize)
         bad += [b for b, c in zip(partial, crcs) if c != expected[b]]
     if bad:
+        bad.sort()
         raise ChecksumError(f"load: {ckdir}/{DATA_NAME}: checksum mismatch in {len(bad)} "
                             f"block(s) of {block} bytes: {m.describe_blocks(bad)}")

@@ -283,7 +283,7 @@ def test_interrupted_save_never_looks_complete(comm, world, shared_tmp_path, mon
     def boom(*a, **k):
         raise OSError("disk full (simulated)")
 
-    monkeypatch.setattr(ckpt.checksum, "combine_blocks", boom)  # fails after the data is written
+    monkeypatch.setattr(ckpt.checksum, "blocks_from_parts", boom)  # fails after the data is written
     with pytest.raises(OSError, match="simulated"):
         ckpt.save(root / "step2", model=make_model(seed=5), step=2, comm=comm)
     monkeypatch.undo()

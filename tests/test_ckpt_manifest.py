@@ -1,4 +1,4 @@
-"""ckpt's checksums and manifest (pure): CRC-32 combining, per-block checksums whoever wrote
+"""ckpt's checksums and manifest (pure): per-block checksums whoever wrote
 which bytes, and the manifest's JSON round trip and validation."""
 from __future__ import annotations
 
@@ -6,18 +6,18 @@ import os
 import random
 import zlib
 
+import numpy as np
 import pytest
 
-from ckpt import checksum
+from ckpt import checksum, storage
+from ckpt.errors import ChecksumError
 from ckpt.manifest import FORMAT_VERSION, Manifest, ManifestError, Packer, ParamInfo, jsonable, like
 
 
-def test_crc32_combine_matches_zlib():
+def test_crc32_matches_zlib():
     rng = random.Random(5)
     for i in range(60):
-        a = os.urandom(rng.randrange(0, 3000))
-        b = os.urandom(rng.randrange(0, 3000) if i % 3 else rng.randrange(60_000, 140_000))
-        assert checksum.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+        a = os.urandom(rng.randrange(0, 3000) if i % 3 else rng.randrange(60_000, 140_000))
         assert checksum.crc32(a) == zlib.crc32(a)  # the fast path (ISA-L) when installed
 
 
@@ -30,38 +30,59 @@ def _pieces(data: bytes, cuts, block):
     return out
 
 
+def _combined(pieces, size, block, ranks=1):
+    """Block CRCs from ``pieces`` dealt round-robin to ``ranks`` writers, each reducing its own
+    share to fixed-size parts (what save does), XOR-ed and summed as the reduction does."""
+    shares = [checksum.block_parts(pieces[r::ranks], size, block) for r in range(ranks)]
+    parts = np.bitwise_xor.reduce([p for p, _ in shares])
+    counts = np.sum([c for _, c in shares], axis=0)
+    return checksum.blocks_from_parts(parts, counts, size, block)
+
+
 def test_block_checksums_do_not_depend_on_who_wrote_what():
     data = os.urandom(10_000)
     block = 1024
-    expected = [zlib.crc32(data[i:i + block]) for i in range(0, len(data), block)]
+    expected = [zlib.crc32(data[i:i + block]) for i in range(0, len(data), block)]  # zlib: the reference
     for cuts in ([], [1], [500, 1500, 1600, 7777], list(range(37, 10_000, 911))):
         pieces = _pieces(data, cuts, block)
         random.Random(1).shuffle(pieces)
-        assert checksum.combine_blocks(pieces, len(data), block) == expected
+        for ranks in (1, 2, 3, 7):
+            assert _combined(pieces, len(data), block, ranks) == expected
+    assert checksum.zeros_crc(0) == 0 and checksum.zeros_crc(4 << 20) == zlib.crc32(bytes(4 << 20))
 
 
-def test_verify_blocks_finds_bad_and_partial_blocks():
+def test_verify_data_finds_bad_blocks_and_reads_partial_ones(tmp_path):
     data = bytearray(os.urandom(5000))
     block = 1000
     expected = [zlib.crc32(bytes(data[i:i + block])) for i in range(0, len(data), block)]
-    # two "ranks" read overlapping ranges; one duplicate piece; block 4 is touched but not covered
-    pieces = _pieces(bytes(data), [300, 2500], block)[:-1]
-    pieces += [checksum.Piece(off, ln, zlib.crc32(bytes(data[off:off + ln])))
-               for off, ln in checksum.block_ranges(0, 1700, block)]
-    pieces.append(checksum.Piece(4000, 10, zlib.crc32(bytes(data[4000:4010]))))
-    bad, partial = checksum.verify_blocks(pieces, expected, len(data), block)
-    assert bad == [] and partial == [4]
-    data[1234] ^= 1
-    pieces = _pieces(bytes(data), [300, 2500], block)
-    bad, partial = checksum.verify_blocks(pieces, expected, len(data), block)
-    assert bad == [1] and partial == []
+    (tmp_path / "data.bin").write_bytes(bytes(data))
+    m = Manifest(world_size=1, stage=None, step=None, params=[], tensors=[],
+                 files={"data.bin": {"nbytes": len(data), "crc32": expected}}, block_size=block)
+
+    def check(pieces, ranks=2):
+        shares = [checksum.block_parts(pieces[r::ranks], len(data), block) for r in range(ranks)]
+        storage.verify_data(str(tmp_path), m, np.bitwise_xor.reduce([p for p, _ in shares]),
+                            np.sum([c for _, c in shares], axis=0))
+
+    # blocks 0-3 read whole by two "ranks", block 4 only in part (checked from the file)
+    check(_pieces(bytes(data), [300, 2500], block)[:-1] + [checksum.Piece(4000, 10, zlib.crc32(bytes(data[4000:4010])))])
+    read = bytes(data)
+    data[1234] ^= 1  # what a rank read differs from the saved checksum
+    with pytest.raises(ChecksumError, match="block 1 "):
+        check(_pieces(bytes(data), [300, 2500], block))
+    (tmp_path / "data.bin").write_bytes(bytes(data))  # the file itself is damaged in a block read in part
+    with pytest.raises(ChecksumError, match="block 1 "):
+        check([checksum.Piece(1000, 10, zlib.crc32(read[1000:1010]))])
 
 
-def test_combine_blocks_reports_a_gap():
+def test_block_checksums_report_a_gap_or_an_overlap():
     data = os.urandom(3000)
     pieces = [p for p in _pieces(data, [1000, 1500], 1000) if p.offset != 1000]
     with pytest.raises(ValueError, match="block 1"):
-        checksum.combine_blocks(pieces, len(data), 1000)
+        _combined(pieces, len(data), 1000, 2)
+    pieces = _pieces(data, [1000, 1500], 1000)
+    with pytest.raises(ValueError, match="block 2"):
+        _combined(pieces + [pieces[-1]], len(data), 1000, 2)
 
 
 def test_manifest_round_trip_and_validation():

@@ -108,7 +108,7 @@ if mode in ("kill-mid-write", "kill-before-publish", "kill-before-manifest"):
     if mode == "kill-before-publish" and rank == 0:
         commit.publish = lambda *a, **k: die()  # data and manifest written, not yet renamed
     if mode == "kill-before-manifest" and rank == 0:
-        checksum.combine_blocks = lambda *a, **k: die()
+        checksum.blocks_from_parts = lambda *a, **k: die()
     ckpt.save(os.path.join(root, "step2"), model=second, step=2, block_size=4096, chunk_bytes=4096)
     print("save returned", flush=True)  # never reached
 

@@ -52,10 +52,11 @@ class PlainPlanner(OptimizerPlanner):
         self.check_groups(m, by_id)
         params = self.params()
         state: dict[int, dict[str, Any]] = {}
+        keys = m.state_keys()
         for pos, p in enumerate(params):
             i = by_id[id(p)]
             st: dict[str, Any] = {}
-            for key in m.state_keys():
+            for key in keys:
                 e = m.find("state", i, key)
                 if e is not None:
                     # a DTensor parameter gets its state as DTensors laid out like it: only its shard is read
