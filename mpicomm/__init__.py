@@ -23,9 +23,9 @@ import os as _os
 # unless the user chose: it takes effect when mpicomm is imported before MPI starts.
 _os.environ.setdefault("OMPI_MCA_coll_libnbc_iallreduce_algorithm", "1")
 
-# Under `mpirun --with-ft ulfm` ranks on one node talk TCP unless the user chose the transports:
-# over shared memory a rank that exits with a non-zero status is never reported failed, and the
-# survivors hang (mpicomm.faults says what was measured).
+# Under `mpirun --with-ft ulfm` ranks on one node talk TCP and MPI-IO writes per rank, unless the
+# user chose: otherwise a rank's death hung its survivors (shared memory) or crashed them
+# (collective MPI-IO); mpicomm.ft_env and mpicomm.faults say what was measured.
 from .ft_env import set_launch_defaults as _set_launch_defaults
 
 _set_launch_defaults()

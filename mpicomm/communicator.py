@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+import weakref
 from typing import Callable, Sequence
 
 from mpi4py import MPI
@@ -95,6 +96,17 @@ class Communicator(Reductions, Moves, PointToPoint):
         self._tag_ub: int = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
         self._r16: reduce16.State | None = None
         self._last_fast: tuple = fastpath.NOTHING_REMEMBERED
+        # this communicator and those split or duplicated from it (or it from them): a failure
+        # seen on one revokes them all, so that no rank stays in a call on a relative (the
+        # hierarchical paths run on a node and a cross-node communicator of one parent)
+        self._family: weakref.WeakSet = weakref.WeakSet([self])
+
+    def _adopt(self, child: "Communicator | None") -> "Communicator | None":
+        """Make ``child`` (split or duplicated from this one) a member of this family."""
+        if child is not None:
+            self._family.add(child)
+            child._family = self._family
+        return child
 
     def __repr__(self) -> str:
         return f"<mpicomm.Communicator rank {self.rank} of {self.size}>"
@@ -140,18 +152,19 @@ class Communicator(Reductions, Moves, PointToPoint):
         sub = self.mpi_comm.Split(MPI.UNDEFINED if color is None else color, key)
         if sub == MPI.COMM_NULL:
             return None
-        return Communicator(sub, check=self.check)
+        return self._adopt(Communicator(sub, check=self.check))
 
     @faults_surfaced
     def split_node(self) -> "Communicator":
         """Sub-communicator of this communicator's ranks on this rank's node (shared memory,
         ``MPI_COMM_TYPE_SHARED``), in this communicator's rank order. Collective."""
-        return Communicator(self.mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, self.rank), check=self.check)
+        return self._adopt(Communicator(self.mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, self.rank),
+                                        check=self.check))
 
     @faults_surfaced
     def dup(self) -> "Communicator":
         """A communicator over the same ranks with its own message space."""
-        return Communicator(self.mpi_comm.Dup(), check=self.check)
+        return self._adopt(Communicator(self.mpi_comm.Dup(), check=self.check))
 
     # -- rank failures (ULFM) ---------------------------------------------------------------
 
@@ -171,22 +184,25 @@ class Communicator(Reductions, Moves, PointToPoint):
     def _surface(self, exc: BaseException, call: str) -> BaseException:
         """What to raise for ``exc`` from ``call``: a failure becomes RankFailedError, after this
         communicator is revoked (so that every survivor leaves its calls on it); else ``exc``."""
-        if not faults.is_failure(exc):
+        if not faults.is_failure(exc, self.mpi_comm):
             return exc
         self._revoke_quietly()
         return faults.describe_failure(call, repr(self), exc, self.mpi_comm)
 
     def _revoke_quietly(self) -> None:
-        for comm in self._mpi_comms():
-            try:
-                if not comm.Is_revoked():
-                    comm.Revoke()
-            except MPI.Exception:  # already revoked by a peer, or being revoked
-                pass
+        """Revoke this communicator and its family (see ``__init__``), as far as MPI lets."""
+        for member in list(self._family):
+            for comm in member._mpi_comms():
+                try:
+                    if comm != MPI.COMM_NULL and not comm.Is_revoked():
+                        comm.Revoke()
+                except MPI.Exception:  # already revoked by a peer, or being revoked
+                    pass
 
     def revoke(self) -> None:
         """Revoke the communicator (ULFM): every pending and later call on it, on every rank,
-        fails with :class:`mpicomm.RankFailedError`. Local; :meth:`shrink` still works."""
+        fails with :class:`mpicomm.RankFailedError`; so on the communicators split or
+        duplicated from it (or it from). Local; :meth:`shrink` still works."""
         faults.require("Communicator.revoke()")
         self._revoke_quietly()
 
@@ -227,6 +243,7 @@ class Communicator(Reductions, Moves, PointToPoint):
 
     def free(self) -> None:
         """Release the MPI communicator (not for the world communicator)."""
+        self._family.discard(self)
         if self._r16 is not None:
             self._r16.free()
         if self.mpi_comm not in (MPI.COMM_WORLD, MPI.COMM_SELF):

@@ -19,6 +19,7 @@ peer's process ends, however it ends.
 """
 from __future__ import annotations
 
+import atexit
 import time
 
 from mpi4py import MPI
@@ -83,9 +84,21 @@ def require(what: str) -> None:
     raise RuntimeError(f"mpicomm: {what} needs {need}; this MPI is {library!r}")
 
 
-def is_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` is an MPI error that means a process failed or the communicator was revoked."""
-    return isinstance(exc, MPI.Exception) and exc.Get_error_class() in _FAILURE_CLASSES
+def is_failure(exc: BaseException, mpi_comm: MPI.Comm | None = None) -> bool:
+    """Whether ``exc`` is an MPI error that means a process failed or the communicator was
+    revoked. With ``mpi_comm`` (where it was raised), under ULFM any MPI error there counts once
+    the communicator is revoked or has failed ranks (Open MPI's non-blocking collectives on a
+    revoked communicator fail with MPI_ERR_OTHER)."""
+    if not isinstance(exc, MPI.Exception):
+        return False
+    if exc.Get_error_class() in _FAILURE_CLASSES:
+        return True
+    if mpi_comm is None or not fault_tolerant():
+        return False
+    try:
+        return bool(mpi_comm.Is_revoked() or failed_ranks(mpi_comm))
+    except MPI.Exception:  # noqa: BLE001 - a communicator MPI no longer answers for
+        return False
 
 
 def failed_ranks(mpi_comm: MPI.Comm) -> tuple[int, ...]:
@@ -104,11 +117,34 @@ def failed_ranks(mpi_comm: MPI.Comm) -> tuple[int, ...]:
     return tuple(sorted(r for r in ranks if r != MPI.UNDEFINED))
 
 
+#: After a rank failure, how long this process may take to exit (MPI_Finalize included) before
+#: SIGALRM ends it: Open MPI 5.0.11's MPI_Finalize hung now and then (spinning in opal_progress)
+#: in survivors of a failure, keeping the job from ending.
+EXIT_GRACE_S = 20
+_exit_guarded = False
+
+
+def _guard_exit() -> None:
+    """After a failure: bound the exit (``EXIT_GRACE_S``), once per process."""
+    global _exit_guarded
+    if _exit_guarded:
+        return
+    _exit_guarded = True
+
+    def arm() -> None:
+        import signal
+
+        if hasattr(signal, "alarm") and signal.getsignal(signal.SIGALRM) in (signal.SIG_DFL, None):
+            signal.alarm(EXIT_GRACE_S)
+    atexit.register(arm)
+
+
 def describe_failure(call: str, where: str, exc: MPI.Exception, mpi_comm: MPI.Comm) -> RankFailedError:
     """The :class:`RankFailedError` for MPI failure ``exc`` raised by ``call`` on ``mpi_comm``."""
+    _guard_exit()
     cls = exc.Get_error_class()
     ranks = failed_ranks(mpi_comm)
-    if not ranks and cls == MPI.ERR_REVOKED:
+    if not ranks and cls != MPI.ERR_PROC_FAILED:
         until = time.monotonic() + LEARN_FAILED_S
         while not ranks and time.monotonic() < until:
             time.sleep(0.01)
@@ -118,7 +154,25 @@ def describe_failure(call: str, where: str, exc: MPI.Exception, mpi_comm: MPI.Co
     else:
         who = "a peer revoked the communicator (a failure or a timeout elsewhere; no failed rank known here)"
     name = {MPI.ERR_PROC_FAILED: "MPI_ERR_PROC_FAILED", MPI.ERR_REVOKED: "MPI_ERR_REVOKED",
-            MPI.ERR_PROC_FAILED_PENDING: "MPI_ERR_PROC_FAILED_PENDING"}.get(cls, str(cls))
+            MPI.ERR_PROC_FAILED_PENDING: "MPI_ERR_PROC_FAILED_PENDING"}.get(
+                cls, f"{exc.Get_error_string()} on a revoked communicator")
     return RankFailedError(
         f"mpicomm: {call} on {where}: {who} ({name}); the communicator is revoked: go on with "
         "comm.shrink() (the survivors) and mpicomm.distributed.reinit_process_group", ranks, cls)
+
+
+def surface(exc: BaseException, comm, call: str) -> BaseException:
+    """What to raise for ``exc`` raised by ``call`` on ``comm`` (an mpicomm Communicator or an
+    mpi4py communicator): a failure becomes RankFailedError after ``comm`` is revoked (so that
+    every survivor leaves its calls on it); anything else is ``exc`` itself."""
+    mpi_comm = getattr(comm, "mpi_comm", comm)
+    if not is_failure(exc, mpi_comm):
+        return exc
+    if hasattr(comm, "_surface"):
+        return comm._surface(exc, call)
+    try:
+        if not comm.Is_revoked():
+            comm.Revoke()
+    except MPI.Exception:  # already revoked by a peer
+        pass
+    return describe_failure(call, f"MPI communicator of {comm.Get_size()} ranks", exc, comm)

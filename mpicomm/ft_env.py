@@ -1,4 +1,4 @@
-"""Whether the launcher enabled fault tolerance (ULFM), and the transport default that needs.
+"""Whether the launcher enabled fault tolerance (ULFM), and the MCA defaults that needs.
 
 No MPI here: :func:`set_launch_defaults` runs when mpicomm is imported, before MPI starts.
 """
@@ -17,10 +17,20 @@ def launched_with_ft(environ=os.environ) -> bool:
     return environ.get(FT_VAR, "").strip().lower() in _TRUE
 
 
+#: What fault tolerance needs, unless the user chose otherwise (measured: ``mpicomm.faults``).
+FT_DEFAULTS = {
+    # over shared memory a rank that exits with a non-zero status is never reported failed,
+    # and its survivors hang; TCP notices the broken connection
+    "OMPI_MCA_btl": "tcp,self",
+    # collective MPI-IO (fcoll vulcan) crashed (SIGSEGV) the survivors of a rank that died in
+    # MPI_File_write_at_all; each rank's own writes raise the failure instead
+    "OMPI_MCA_fcoll": "individual",
+}
+
+
 def set_launch_defaults(environ=os.environ) -> None:
-    """Under ``mpirun --with-ft ulfm``, TCP between ranks on one node unless the user chose the
-    transports (``OMPI_MCA_btl``, e.g. ``--mca btl ...``): over shared memory a rank that exits
-    with a non-zero status is never reported failed and its survivors hang (see
-    ``mpicomm.faults``). Call before MPI starts; nothing happens otherwise."""
-    if launched_with_ft(environ) and "OMPI_MCA_btl" not in environ:
-        environ["OMPI_MCA_btl"] = "tcp,self"
+    """Under ``mpirun --with-ft ulfm``, :data:`FT_DEFAULTS` for what the user did not set (e.g.
+    with ``--mca btl ...``). Call before MPI starts; nothing happens otherwise."""
+    if launched_with_ft(environ):
+        for name, value in FT_DEFAULTS.items():
+            environ.setdefault(name, value)

@@ -59,7 +59,7 @@ class Requests:
         """Run every remaining phase."""
         try:
             while self._reqs is not None:
-                MPI.Request.Waitall(self._reqs)
+                _all(MPI.Request.Waitall, self._reqs)
                 self._advance()
         except MPI.Exception:
             self._abandon()
@@ -69,10 +69,26 @@ class Requests:
         """Advance as far as completed messages allow; whether everything is done."""
         try:
             while self._reqs is not None:
-                if not MPI.Request.Testall(self._reqs):
+                if not _all(MPI.Request.Testall, self._reqs):
                     return False
                 self._advance()
         except MPI.Exception:
             self._abandon()
             raise
         return True
+
+
+def _all(call, reqs: list):
+    """``call(reqs)`` (Waitall or Testall); MPI_ERR_IN_STATUS raised as the first request's
+    own error (e.g. MPI_ERR_PROC_FAILED), so that a failure is recognised."""
+    statuses = [MPI.Status() for _ in reqs]
+    try:
+        return call(reqs, statuses)
+    except MPI.Exception as exc:
+        if exc.Get_error_class() != MPI.ERR_IN_STATUS:
+            raise
+        codes = [st.Get_error() for st in statuses]
+        first = next((c for c in codes if c not in (MPI.SUCCESS, MPI.ERR_PENDING)), None)
+        if first is None:
+            raise
+        raise MPI.Exception(first) from exc

@@ -2,6 +2,8 @@
 
     mpirun --with-ft ulfm -n 3 python -m mpi4py tests/fault_job.py CASE VICTIM DIR
 
+(``hierarchical`` runs on 4 ranks with ``MPICOMM_NODE_SIZE=2``; ``stalled`` kills nobody.)
+
 CASE names the call the survivors are in when VICTIM dies (``os._exit(9)``, between two calls
 or inside one); DIR receives the victim's time of death. Each survivor checks that the call
 raised ``mpicomm.RankFailedError`` naming VICTIM (a ``DistBackendError`` through the process
@@ -12,6 +14,7 @@ raises (``-m mpi4py`` then aborts the job). A watchdog ends a stuck rank, naming
 """
 from __future__ import annotations
 
+import datetime
 import faulthandler
 import os
 import pathlib
@@ -24,7 +27,8 @@ import torch.distributed as dist
 import mpicomm
 from mpicomm.distributed import reinit_process_group
 
-WATCHDOG_S = 45.0
+WATCHDOG_S = 150.0
+DETECT_S = 2.0
 
 
 def die(out: pathlib.Path) -> None:
@@ -44,6 +48,13 @@ def death_time(out: pathlib.Path) -> float:
 
 # -- cases: each runs on every rank; the victim dies in it, the survivors return the error ---
 
+def arm(cls, name: str, out: pathlib.Path) -> None:
+    """Make this process die on its next call of ``cls.name`` (inside a multi-step call)."""
+    def dying(*args, **kwargs):
+        die(out)
+    setattr(cls, name, dying)
+
+
 def plain(comm, victim, out):
     """Blocking all_reduce on the fast path; the victim dies between two calls."""
     t = torch.ones(4)
@@ -53,25 +64,121 @@ def plain(comm, victim, out):
     comm.all_reduce(t)
 
 
-def plain_async(comm, victim, out):
-    """Async all_reduce (general path: a non-contiguous tensor), the victim dies before joining."""
-    t = torch.ones(8, 2).t()
-    comm.all_reduce(t)
+def half_async(comm, victim, out):
+    """Async 16-bit all_reduce, pipelined in segments (reduce16): the victim starts it and dies
+    in it; the survivors wait."""
+    x = torch.ones(3 << 21, dtype=torch.bfloat16)  # 12 MiB: several segments
+    comm.all_reduce(torch.ones(4, dtype=torch.bfloat16))
+    work = comm.all_reduce(x, async_op=True)
     if comm.rank == victim:
+        time.sleep(0.05)
         die(out)
-    comm.all_reduce(t, async_op=True).wait()
+    work.wait()
 
 
 def process_group(comm, victim, out):
-    """dist.all_reduce (blocking, through the mpicomm process group)."""
+    """dist.all_reduce through the mpicomm process group, async (the progress thread waits)."""
     t = torch.ones(16)
     dist.all_reduce(t)
     if comm.rank == victim:
         die(out)
+    dist.all_reduce(t, async_op=True).wait()
+
+
+def compressed(comm, victim, out):
+    """1-bit compressed allreduce: the victim dies entering its second phase (the gather)."""
+    from compressed import OnebitAllreduce
+
+    ar = OnebitAllreduce(comm, hierarchical=False)
+    x = torch.linspace(-1, 1, 4096)
+    ar(x)
+    if comm.rank == victim:
+        arm(mpicomm.Communicator, "all_gather_into_tensor", out)
+    ar(x)
+
+
+def hierarchical(comm, victim, out):
+    """Hierarchical 1-bit allreduce (MPICOMM_NODE_SIZE=2: 2 nodes of 2): the victim dies in its
+    node phase; ranks of the other node wait in the cross-node phase."""
+    from compressed import OnebitAllreduce
+
+    ar = OnebitAllreduce(comm, hierarchical=True)
+    x = torch.linspace(-1, 1, 4096)
+    ar(x)
+    if comm.rank == victim:
+        arm(mpicomm.Communicator, "all_gather_into_tensor", out)
+    ar(x)
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.Linear(16, 4))
+
+
+def checkpoint(comm, victim, out):
+    """ckpt.save: the victim dies in the first MPI-IO round of writing the data."""
+    import ckpt
+    import ckpt.io
+
+    model = _model()
+    ckpt.save(out / "before", model=model, step=0, comm=comm)
+    if comm.rank == victim:
+        ckpt.io._round = lambda *args: die(out)
+    ckpt.save(out / "after", model=model, step=1, comm=comm)
+
+
+def zero_step(comm, victim, out):
+    """A ZeroOptimizer (stage 2) step: the victim dies in its gradient reduce-scatter."""
+    from zero import ZeroOptimizer
+
+    model = _model()
+    opt = ZeroOptimizer(torch.optim.SGD, model.parameters(), stage=2, comm=comm, lr=0.1)
+    for step in range(2):
+        opt.zero_grad()
+        model(torch.ones(2, 32)).sum().backward()
+        if step == 1 and comm.rank == victim:
+            arm(mpicomm.Communicator, "reduce_scatter_tensor", out)
+            arm(mpicomm.Communicator, "all_reduce", out)
+        opt.step()
+
+
+CASES = {f.__name__: f for f in (plain, half_async, process_group, compressed, hierarchical,
+                                   checkpoint, zero_step)}
+
+
+def stalled(comm, out) -> None:
+    """No rank dies: rank 1 stalls past the process group's timeout. The ranks that waited get
+    ProcessGroupTimeoutError (or RankFailedError, when a peer's timeout revoked first); rank 1's
+    late call fails at once (the group's communicator is revoked); a new group works."""
+    from mpicomm.distributed import ProcessGroupTimeoutError
+
+    timeout = 2.0
+    dist.destroy_process_group()
+    mpicomm.distributed.init_process_group(timeout=datetime.timedelta(seconds=timeout))
+    t = torch.ones(8)
     dist.all_reduce(t)
-
-
-CASES = {f.__name__: f for f in (plain, plain_async, process_group)}
+    if comm.rank == 1:
+        time.sleep(timeout + 3)
+    began = time.monotonic()
+    try:
+        dist.all_reduce(t)
+    except ProcessGroupTimeoutError:
+        took, how = time.monotonic() - began, "timeout"
+        assert comm.rank != 1 and timeout - 0.1 <= took < timeout + 5, took
+    except mpicomm.RankFailedError as exc:
+        took, how = time.monotonic() - began, "revoked"
+        assert exc.failed_ranks == () and took < DETECT_S, (exc.failed_ranks, took)
+    else:
+        raise AssertionError(f"rank {comm.rank}: the stalled call did not fail")
+    hows = comm.mpi_comm.allgather(how)
+    assert hows[1] == "revoked" and "timeout" in hows, hows
+    dist.destroy_process_group()
+    mpicomm.distributed.init_process_group()
+    t = torch.full((3,), float(comm.rank))
+    dist.all_reduce(t)
+    assert t.tolist() == [float(sum(range(comm.size)))] * 3, t
+    dist.destroy_process_group()
+    print(f"OK stalled rank {comm.rank} {how} {took:.3f}", flush=True)
 
 
 def main() -> None:
@@ -81,6 +188,8 @@ def main() -> None:
     if not comm.fault_tolerant:
         raise SystemExit("fault_job.py: launch with `mpirun --with-ft ulfm` (Open MPI with ULFM)")
     mpicomm.distributed.init_process_group()
+    if case == "stalled":
+        return stalled(comm, out)
     try:
         CASES[case](comm, victim, out)
     except mpicomm.RankFailedError as exc:
