@@ -8,13 +8,19 @@ cannot be pickled cannot leave the other ranks waiting. The exception raised eve
 rebuilt from the lowest failing rank's report: the same ckpt class for a ``CheckpointError``
 (so its ``exit_code`` holds on every rank), else a ``StepFailedError`` that is also an instance
 of the built-in base (``OSError``, ``MemoryError``...). Its ``failures`` list every rank's
-report. In a one-rank job the step's own exception is raised unchanged.
+report. In a one-rank job the step's own exception is raised unchanged. A rank failure (ULFM)
+is no step failure: it raises ``mpicomm.RankFailedError`` at once, on every survivor (the
+communicator revoked), with no agreement among ranks that may be dead.
 """
 from __future__ import annotations
 
 import builtins
 import pickle
 from typing import Any, Callable, TypeVar
+
+from mpi4py import MPI
+
+from mpicomm.faults import RankFailedError, surface
 
 from .errors import CheckpointError, FailureReport, StepFailedError
 
@@ -92,10 +98,29 @@ class Collective:
     """Run the steps of one collective operation (``what``, e.g. "save") over ``comm``."""
 
     def __init__(self, comm: Any, what: str) -> None:
+        self.comm = comm
         self.mpi = getattr(comm, "mpi_comm", comm)
         self.what = what
         self.rank = self.mpi.Get_rank()
         self.size = self.mpi.Get_size()
+
+    def _failure(self, exc: BaseException, step: str) -> BaseException | None:
+        """A rank failure (ULFM) as the RankFailedError to raise at once (the communicator is
+        revoked: no rank waits in a later step); None for any other error."""
+        if isinstance(exc, RankFailedError):
+            return exc
+        err = surface(exc, self.comm, f"{self.what} ({step})")
+        return err if isinstance(err, RankFailedError) else None
+
+    def _mpi(self, step: str, call: Callable[[], T], local: BaseException | None = None) -> T:
+        """``call()`` (an MPI call on the communicator), a rank failure raised as RankFailedError."""
+        try:
+            return call()
+        except MPI.Exception as exc:
+            failed = self._failure(exc, step)
+            if failed is None:
+                raise
+            raise failed from (local or exc)
 
     def _report(self, exc: BaseException) -> _Report:
         return (self.rank, _type_name(type(exc)), _builtin_base(exc), _message(exc))
@@ -113,11 +138,15 @@ class Collective:
             value = fn()
         except Exception as exc:  # noqa: BLE001 - raised below, on every rank
             local, report = exc, self._report(exc)
+            failed = self._failure(exc, step)
+            if failed is not None:  # every survivor raises it too: nothing to agree on
+                raise failed from (None if failed is exc else exc)
         if self.size == 1:
             if local is not None:
                 raise local
             return value
-        reports = [r for r in self.mpi.allgather(report) if r is not None]
+        reports = [r for r in self._mpi(step, lambda: self.mpi.allgather(report), local)
+                   if r is not None]
         if reports:
             self._raise(step, reports, local)
         return value
@@ -133,16 +162,19 @@ class Collective:
             try:
                 payload = pickle.dumps((True, fn()))
             except Exception as exc:  # noqa: BLE001 - raised below, on every rank
+                failed = self._failure(exc, step)
+                if failed is not None:
+                    raise failed from (None if failed is exc else exc)
                 local = exc
                 payload = pickle.dumps((False, self._report(exc)))
-        ok, value = pickle.loads(self.mpi.bcast(payload, root=0))
+        ok, value = pickle.loads(self._mpi(step, lambda: self.mpi.bcast(payload, root=0), local))
         if not ok:
             self._raise(step, [value], local)
         return value
 
     def gather(self, value: Any) -> list[Any] | None:
         """``value`` of every rank, in rank order, on rank 0 (None elsewhere)."""
-        return self.mpi.gather(value, root=0)
+        return self._mpi("gather", lambda: self.mpi.gather(value, root=0))
 
     def reduce_xor(self, arr: Any) -> Any:
         """The element-wise XOR of every rank's numpy integer array ``arr`` (one shape everywhere),
@@ -165,4 +197,4 @@ class Collective:
 
     def allgather(self, value: Any) -> list[Any]:
         """``value`` of every rank, in rank order, on every rank."""
-        return self.mpi.allgather(value)
+        return self._mpi("allgather", lambda: self.mpi.allgather(value))

@@ -11,6 +11,8 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from mpicomm.faults import is_failure, surface
+
 from .checksum import Piece, block_ranges, crc32
 from .byte_ranges import IOItem, batches, chunk, coalesce
 
@@ -31,7 +33,23 @@ def _host(t: torch.Tensor) -> np.ndarray:
 
 
 def _rounds(mpi_comm: MPI.Comm, n: int) -> int:
-    return mpi_comm.allreduce(n, op=MPI.MAX)
+    try:
+        return mpi_comm.allreduce(n, op=MPI.MAX)
+    except MPI.Exception as exc:
+        err = surface(exc, mpi_comm, "ckpt I/O (rounds)")
+        if err is exc:
+            raise
+        raise err from exc
+
+
+def _open(mpi_comm: MPI.Comm, filename: str, mode: int, info=MPI.INFO_NULL) -> MPI.File:
+    try:
+        return MPI.File.Open(mpi_comm, filename, mode, info)
+    except MPI.Exception as exc:
+        err = surface(exc, mpi_comm, f"ckpt I/O (opening {filename})")
+        if err is exc:
+            raise
+        raise err from exc
 
 
 def _crc_pieces(offset: int, mem: np.ndarray, block_size: int) -> list[Piece]:
@@ -114,6 +132,15 @@ def _plan(items: Sequence[IOItem], direct: set[int], chunk_bytes: int, block_siz
                                                        chunk_bytes)
 
 
+def _close(fh: MPI.File, failed: BaseException | None) -> None:
+    """Close ``fh`` (collective); after a rank failure, as far as MPI still can."""
+    try:
+        fh.Close()
+    except MPI.Exception:
+        if failed is None:
+            raise
+
+
 def write_items(mpi_comm: MPI.Comm, filename: str, items: Sequence[IOItem],
                 buffers: Sequence[torch.Tensor], *, file_size: int, block_size: int,
                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, sync: bool = True) -> list[Piece]:
@@ -132,10 +159,11 @@ def write_items(mpi_comm: MPI.Comm, filename: str, items: Sequence[IOItem],
     futures = []
     error: BaseException | None = None  # after a local failure: keep joining the collective calls, empty
     pieces: list[Piece] = []
+    failed: BaseException | None = None  # a rank failure (ULFM): raised as RankFailedError
     write = MPI.File.Write_at_all
     info = _write_hints()
     try:
-        fh = MPI.File.Open(mpi_comm, filename, MPI.MODE_WRONLY | MPI.MODE_CREATE, info)
+        fh = _open(mpi_comm, filename, MPI.MODE_WRONLY | MPI.MODE_CREATE, info)
     finally:
         info.Free()
     fd = None
@@ -167,18 +195,27 @@ def write_items(mpi_comm: MPI.Comm, filename: str, items: Sequence[IOItem],
                     _round(fh, batch, mem, write)
                 except Exception as exc:  # noqa: BLE001
                     error = error or exc
+                    if is_failure(exc, mpi_comm):  # a rank died: no later collective call completes
+                        failed = exc
+                        break
                 if batch and error is None:
                     _start_writeback(fd, batch[0].offset, batch[-1].offset + batch[-1].nbytes - batch[0].offset)
             try:
                 pieces = [p for f in futures for p in f.result()]
             except Exception as exc:  # noqa: BLE001
                 error = error or exc
-        if sync:
+        if sync and failed is None:
             fh.Sync()
+    except MPI.Exception as exc:
+        failed = failed or (exc if is_failure(exc, mpi_comm) else None)
+        if failed is None:
+            raise
     finally:
         if fd is not None:
             os.close(fd)
-        fh.Close()
+        _close(fh, failed)
+    if failed is not None:
+        raise surface(failed, mpi_comm, "ckpt write") from error
     if error is not None:
         raise error
     return pieces
@@ -206,8 +243,9 @@ def read_items(mpi_comm: MPI.Comm, filename: str, items: Sequence[IOItem],
     futures = []
     error: BaseException | None = None  # after a local failure: keep joining the collective calls, empty
     pieces: list[Piece] = []
+    failed: BaseException | None = None  # a rank failure (ULFM): raised as RankFailedError
     read = MPI.File.Read_at_all
-    fh = MPI.File.Open(mpi_comm, filename, MPI.MODE_RDONLY)
+    fh = _open(mpi_comm, filename, MPI.MODE_RDONLY)
     try:
         with ThreadPoolExecutor(max_workers=1) as pool:
             for i in range(nrounds):
@@ -229,6 +267,9 @@ def read_items(mpi_comm: MPI.Comm, filename: str, items: Sequence[IOItem],
                     _round(fh, batch, mem, read)  # every rank joins every round, failed or not
                 except Exception as exc:  # noqa: BLE001
                     error = error or exc
+                    if is_failure(exc, mpi_comm):  # a rank died: no later collective call completes
+                        failed = exc
+                        break
                 if error is not None or not batch:
                     continue
                 try:
@@ -256,7 +297,9 @@ def read_items(mpi_comm: MPI.Comm, filename: str, items: Sequence[IOItem],
             except Exception as exc:  # noqa: BLE001
                 error = error or exc
     finally:
-        fh.Close()
+        _close(fh, failed)
+    if failed is not None:
+        raise surface(failed, mpi_comm, "ckpt read") from error
     if error is not None:
         raise error
     return pieces

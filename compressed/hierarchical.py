@@ -95,6 +95,7 @@ class Hierarchy:
     def __init__(self, comm: mpicomm.Communicator, hierarchical: bool | None,
                  max_pieces: int | None = None) -> None:
         self.enabled = False
+        self.parent = comm
         self.max_pieces = max_pieces
         self.node: mpicomm.Communicator | None = None
         self.cross: mpicomm.Communicator | None = None
@@ -194,7 +195,21 @@ class Hierarchy:
                   deferred: engine.Deferred | None = None) -> tuple[float, float]:
         """The hierarchical call (module doc): ``g``/``out`` of ``numel`` elements (may alias),
         ``e`` (padded), ``s`` (chunk) flat float32 arrays of ``fam``'s kind; ``scratch(name, k)``
-        gives kept float32 buffers. Returns this rank's (worker, server) scales."""
+        gives kept float32 buffers. Returns this rank's (worker, server) scales. A rank failure
+        (ULFM) raises RankFailedError naming the ranks of the whole communicator (the node and
+        cross-node communicators are revoked with it: no rank waits in a later phase)."""
+        try:
+            return self._allreduce(fam, numel, g, out, e, s, ws, scratch, deferred)
+        except mpicomm.RankFailedError as exc:
+            parent = self.parent
+            ranks = parent.failed_ranks() if parent.fault_tolerant else exc.failed_ranks
+            raise mpicomm.RankFailedError(
+                f"compressed allreduce (hierarchical) on {parent!r}: "
+                f"{'ranks ' + ', '.join(map(str, ranks)) + ' failed' if ranks else 'a peer revoked it'}"
+                f" (seen on its node or cross-node communicator: {exc})", ranks,
+                exc.error_class) from exc
+
+    def _allreduce(self, fam, numel, g, out, e, s, ws, scratch, deferred):
         L = self.per_node
         lay = self.layout(numel)
         sub, padded = lay.numel, lay.numel * L

@@ -1,0 +1,36 @@
+"""Whether the launcher enabled fault tolerance (ULFM), and the MCA defaults that needs.
+
+No MPI here: :func:`set_launch_defaults` runs when mpicomm is imported, before MPI starts.
+"""
+from __future__ import annotations
+
+import os
+
+#: The variable ``mpirun --with-ft ulfm`` (Open MPI's prterun) sets in every process it starts.
+FT_VAR = "OMPI_MCA_mpi_ft_enable"
+_TRUE = ("1", "true", "t", "yes", "y", "on", "enabled")
+
+
+def launched_with_ft(environ=os.environ) -> bool:
+    """Whether the launcher enabled fault tolerance (``mpirun --with-ft ulfm`` sets
+    ``OMPI_MCA_mpi_ft_enable=1``)."""
+    return environ.get(FT_VAR, "").strip().lower() in _TRUE
+
+
+#: What fault tolerance needs, unless the user chose otherwise (measured: ``mpicomm.faults``).
+FT_DEFAULTS = {
+    # over shared memory a rank that exits with a non-zero status is never reported failed,
+    # and its survivors hang; TCP notices the broken connection
+    "OMPI_MCA_btl": "tcp,self",
+    # collective MPI-IO (fcoll vulcan) crashed (SIGSEGV) the survivors of a rank that died in
+    # MPI_File_write_at_all; each rank's own writes raise the failure instead
+    "OMPI_MCA_fcoll": "individual",
+}
+
+
+def set_launch_defaults(environ=os.environ) -> None:
+    """Under ``mpirun --with-ft ulfm``, :data:`FT_DEFAULTS` for what the user did not set (e.g.
+    with ``--mca btl ...``). Call before MPI starts; nothing happens otherwise."""
+    if launched_with_ft(environ):
+        for name, value in FT_DEFAULTS.items():
+            environ.setdefault(name, value)
