@@ -101,7 +101,10 @@ def recover(state: TorchState, err: BaseException, min_world_size: int = 1) -> d
             f"{min_world_size}") from err
     gen = torch.tensor([state.generation], dtype=torch.int64)
     new.all_reduce(gen, op=mpicomm.ReduceOp.MIN)
-    mdist.reinit_process_group(new)
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        mdist.reinit_process_group(new)
     state._rollback(int(gen), new, survivors, old_world)
     failed: str | None = None
     for fn in state._callbacks:
