@@ -130,19 +130,23 @@ class TorchState:
         """Keep the current state as what a recovery rolls back to (collective with a ZeroOptimizer)."""
         t0 = time.perf_counter()
         c = Commit(self.generation + 1)
+        # the shard pieces leave for the buddy first; the local copies are made while they travel
+        works = self._send_shards(c) if self.sharded else []
         for name in self._names:
             c.attrs[name] = values.save(getattr(self, name))
         if self.model is not None:
             c.model = values.state_dict_copy(self.model)
-        if self.sharded:
-            self._commit_shards(c)
-        elif self.optimizer is not None:
+        if not self.sharded and self.optimizer is not None:
             c.optimizer = values.state_dict_copy(self.optimizer)
+        for w in works:
+            w.wait()
         self._commits.append(c)
         del self._commits[:-2]
         object.__setattr__(self, "commit_seconds", self.commit_seconds + time.perf_counter() - t0)
 
-    def _commit_shards(self, c: Commit) -> None:
+    def _send_shards(self, c: Commit) -> list[Any]:
+        """Copy this rank's shard pieces into ``c`` and start exchanging them with the buddies;
+        return the transfers to wait for."""
         opt = self.optimizer
         for gi, g in enumerate(opt.groups):
             elementwise, other = reshard.split_state(opt.shard_state(gi), g.master)
@@ -153,15 +157,14 @@ class TorchState:
             c.own.extend(elementwise[k].detach().clone() for k in names)
         comm, world = opt.comm, int(opt.comm.size)
         if world == 1:
-            return
+            return []
         c.ward = [torch.empty_like(t) for t in c.own]
         me = int(comm.rank)
         works = []
         for i, (mine, theirs) in enumerate(zip(c.own, c.ward)):
             works.append(comm.irecv(theirs, replicas.ward(me, world), tag=_TAG + i))
             works.append(comm.isend(mine, replicas.buddy(me, world), tag=_TAG + i))
-        for w in works:
-            w.wait()
+        return works
 
     # -- rollback (run by elastic.run on every survivor) ----------------------------------------
 
