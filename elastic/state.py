@@ -59,6 +59,10 @@ class TorchState:
         if checkpoint_dir is not None or checkpoint_every is not None:
             raise NotImplementedError("elastic.TorchState: checkpoint_dir/checkpoint_every (disk checkpoints "
                                       "every K commits) are not provided yet; save with ckpt.save in train()")
+        if model is not None and any(type(p).__name__ == "DTensor" for p in model.parameters()):
+            raise NotImplementedError("elastic.TorchState: a model with DTensor parameters (FSDP2, tensor "
+                                      "parallel) is not provided: its shards have no replica; use DDP or "
+                                      "zero.ZeroOptimizer")
         object.__setattr__(self, "_names", [])
         object.__setattr__(self, "model", model)
         object.__setattr__(self, "optimizer", optimizer)
