@@ -76,7 +76,7 @@ def recover(state: TorchState, err: BaseException, min_world_size: int = 1) -> d
     import mpicomm
     from mpicomm import distributed as mdist
 
-    t0 = time.monotonic()
+    t0, wall0 = time.monotonic(), time.time()
     old = state.comm
     old_world, old_rank = state.world_size, state.rank
     comms = [old, _default_group_comm()]
@@ -117,7 +117,7 @@ def recover(state: TorchState, err: BaseException, min_world_size: int = 1) -> d
         raise ResetCallbackError(f"elastic: a reset callback raised after the recovery "
                                  f"({failed or 'on another rank'}); the job ends")
     info = {"lost": lost, "survivors": survivors, "old_world": old_world, "generation": int(gen),
-            "shrink_s": t_shrink - t0, "recover_s": time.monotonic() - t0}
+            "started_at": wall0, "shrink_s": t_shrink - t0, "recover_s": time.monotonic() - t0}
     state.recoveries.append(info)
     if new.rank == 0:
         log.warning("elastic: recovered in %.2f s, rolled back to commit %d", info["recover_s"], int(gen))

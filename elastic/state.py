@@ -133,36 +133,50 @@ class TorchState:
     def commit(self) -> None:
         """Keep the current state as what a recovery rolls back to (collective with a ZeroOptimizer)."""
         t0 = time.perf_counter()
+        # the oldest commit is dropped now and its memory reused (no fresh pages to fault in)
+        old = self._commits.pop(0) if len(self._commits) == 2 else Commit(0)
         c = Commit(self.generation + 1)
         # the shard pieces leave for the buddy first; the local copies are made while they travel
-        works = self._send_shards(c) if self.sharded else []
+        works = self._send_shards(c, old) if self.sharded else []
         for name in self._names:
-            c.attrs[name] = values.save(getattr(self, name))
+            c.attrs[name] = values.save(getattr(self, name), old.attrs.get(name))
         if self.model is not None:
-            c.model = values.state_dict_copy(self.model)
+            c.model = values.tree_copy(self._model_entries(), old.model)
         if not self.sharded and self.optimizer is not None:
-            c.optimizer = values.state_dict_copy(self.optimizer)
+            c.optimizer = values.state_dict_copy(self.optimizer, old.optimizer)
         for w in works:
             w.wait()
         self._commits.append(c)
-        del self._commits[:-2]
         object.__setattr__(self, "commit_seconds", self.commit_seconds + time.perf_counter() - t0)
 
-    def _send_shards(self, c: Commit) -> list[Any]:
+    def _model_entries(self) -> dict[str, Any]:
+        """The model's state to copy: all of it, except the weights a ZeroOptimizer holds (its
+        fp32 masters are copied and replicated instead, and gathered back into the model)."""
+        sd = self.model.state_dict(keep_vars=True)
+        if not self.sharded:
+            return sd
+        held = {id(p) for g in self.optimizer.groups for p in g.params}
+        return {k: v for k, v in sd.items() if id(v) not in held}
+
+    def _send_shards(self, c: Commit, old: Commit) -> list[Any]:
         """Copy this rank's shard pieces into ``c`` and start exchanging them with the buddies;
         return the transfers to wait for."""
         opt = self.optimizer
+        pieces = []
         for gi, g in enumerate(opt.groups):
             elementwise, other = reshard.split_state(opt.shard_state(gi), g.master)
             names = sorted(elementwise)
             c.keys.append(names)
             c.other.append(values.save(other)[1])
-            c.own.append(g.master.detach().clone())
-            c.own.extend(elementwise[k].detach().clone() for k in names)
+            pieces.append(g.master)
+            pieces.extend(elementwise[k] for k in names)
+        c.own = values.tree_copy(pieces, old.own)
         comm, world = opt.comm, int(opt.comm.size)
         if world == 1:
             return []
-        c.ward = [torch.empty_like(t) for t in c.own]
+        olds = old.ward if len(old.ward) == len(c.own) else [None] * len(c.own)
+        c.ward = [o if o is not None and o.shape == t.shape and o.dtype == t.dtype else torch.empty_like(t)
+                  for t, o in zip(c.own, olds)]
         me = int(comm.rank)
         works = []
         for i, (mine, theirs) in enumerate(zip(c.own, c.ward)):
@@ -185,11 +199,12 @@ class TorchState:
         for name in self._names:
             object.__setattr__(self, name, values.restore(getattr(self, name), c.attrs[name]))
         if self.model is not None:
-            self.model.load_state_dict(c.model)
+            self.model.load_state_dict(values.tree_copy(c.model), strict=not self.sharded)
         if self.sharded:
             self._rebuild_shards(c, new_comm, survivors, old_world)
+            self.optimizer.gather_params()          # the model's weights from the masters
         elif self.optimizer is not None:
-            self.optimizer.load_state_dict(values.state_dict_copy(_Holder(c.optimizer)))
+            self.optimizer.load_state_dict(values.tree_copy(c.optimizer))
         object.__setattr__(self, "_comm", new_comm)
         # commits of the old world cannot be rebuilt from in the new one: start afresh
         self._commits.clear()
@@ -227,13 +242,3 @@ class TorchState:
                 i += 1
             full.append((master, elementwise, values.restore(None, ("value", c.other[gi]))))
         opt.rebind(new_comm, full)
-
-
-class _Holder:
-    """Gives ``values.state_dict_copy`` a saved state dict to copy."""
-
-    def __init__(self, sd: Any) -> None:
-        self._sd = sd
-
-    def state_dict(self) -> Any:
-        return self._sd

@@ -38,25 +38,34 @@ def check(name: str, value: Any) -> None:
         "torch.Generator, random.Random, or an object with state_dict()/load_state_dict()")
 
 
-def _clone(value: Any) -> Any:
+def _clone(value: Any, reuse: Any = None) -> Any:
+    """A detached deep copy of ``value``; tensors of ``reuse`` (an older copy of the same
+    structure) are overwritten in place where shape, dtype and device match, sparing fresh memory."""
     if isinstance(value, torch.Tensor):
+        if (isinstance(reuse, torch.Tensor) and reuse.shape == value.shape and reuse.dtype == value.dtype
+                and reuse.device == value.device and reuse.layout == value.layout == torch.strided):
+            return reuse.copy_(value.detach())
         return value.detach().clone()
     if isinstance(value, dict):
-        return {k: _clone(v) for k, v in value.items()}
+        old = reuse if isinstance(reuse, dict) else {}
+        return {k: _clone(v, old.get(k)) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_clone(v) for v in value)
+        old = reuse if isinstance(reuse, (list, tuple)) and len(reuse) == len(value) else [None] * len(value)
+        return type(value)(_clone(v, o) for v, o in zip(value, old))
     return copy.deepcopy(value)
 
 
-def save(value: Any) -> tuple[str, Any]:
-    """A copy of ``value`` that ``restore`` turns back into it (or loads into it)."""
+def save(value: Any, reuse: tuple[str, Any] | None = None) -> tuple[str, Any]:
+    """A copy of ``value`` that ``restore`` turns back into it (or loads into it); ``reuse``: an
+    older copy whose tensors may be overwritten."""
+    old = reuse[1] if reuse is not None else None
     if isinstance(value, torch.Generator):
         return "generator", value.get_state()
     if isinstance(value, random.Random):
         return "random", value.getstate()
     if not _copyable(value):
-        return "stateful", _clone(value.state_dict())
-    return "value", _clone(value)
+        return "stateful", _clone(value.state_dict(), old)
+    return "value", _clone(value, old)
 
 
 def restore(current: Any, saved: tuple[str, Any]) -> Any:
@@ -74,9 +83,14 @@ def restore(current: Any, saved: tuple[str, Any]) -> Any:
     return _clone(data)
 
 
-def state_dict_copy(module_or_opt: Any) -> Any:
-    """A detached deep copy of ``module_or_opt.state_dict()``."""
-    return _clone(module_or_opt.state_dict())
+def state_dict_copy(module_or_opt: Any, reuse: Any = None) -> Any:
+    """A detached deep copy of ``module_or_opt.state_dict()`` (``reuse``: an older copy)."""
+    return _clone(module_or_opt.state_dict(), reuse)
+
+
+def tree_copy(value: Any, reuse: Any = None) -> Any:
+    """A detached deep copy of a tree of tensors and plain values (``reuse``: an older copy)."""
+    return _clone(value, reuse)
 
 
 def nbytes(value: Any) -> int:

@@ -154,19 +154,19 @@ def test_rollback_over_fewer_ranks_matches_the_reference(opt_kind, drop):
                 c.all_reduce(p.grad, op=mpicomm.ReduceOp.AVG)
 
     state = elastic.TorchState(model=model, optimizer=opt, comm=comm, step=0)
-    while state.step < 3:
+    while state.step < 4:
         opt.zero_grad()
         local_loss(model, state.step, state.rank, state.world_size).backward()
         allreduce_grads(comm)
         opt.step()
         state.step += 1
-        if state.step < 3:
-            state.commit()            # step 3 is done but not committed: the rollback undoes it
+        if state.step < 4:
+            state.commit()            # step 4 is done but not committed: the rollback undoes it
     new, survivors = _drop(world, dropped)
     if new is not None:
         def check():
-            state._rollback(2, new, survivors, n)
-            assert state.step == 2 and state.world_size == n - len(dropped)
+            state._rollback(3, new, survivors, n)     # the third commit reused the first's memory
+            assert state.step == 3 and state.world_size == n - len(dropped)
             if opt_kind != "adam":
                 assert opt.comm is new and opt.world_size == new.size and opt.rank == new.rank
             while state.step < 5:
