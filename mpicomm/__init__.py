@@ -9,7 +9,8 @@ reductions with 16 bits on the wire), ``world`` (the same calls as module functi
 ``device_paths`` (direct or staged device buffers), ``large`` (counts beyond 2^31 on MPI-3
 libraries), ``checking`` (checking mode), ``work``, ``requests`` and ``progress_thread``
 (async handles, one handle over several MPI requests, and the thread that completes them),
-``observe`` (profiler events and logging), ``byte_sizes`` (``format_bytes``), ``launch_env`` (``clean_env``: the environment for launching a fresh job),
+``observe`` (profiler events and logging), ``faults`` and ``ft_env`` (rank failures as
+``RankFailedError`` under ULFM; the launch default they need), ``byte_sizes`` (``format_bytes``), ``launch_env`` (``clean_env``: the environment for launching a fresh job),
 and ``distributed/`` (the torch.distributed backend and DDP hook).
 """
 from __future__ import annotations
@@ -22,10 +23,18 @@ import os as _os
 # unless the user chose: it takes effect when mpicomm is imported before MPI starts.
 _os.environ.setdefault("OMPI_MCA_coll_libnbc_iallreduce_algorithm", "1")
 
+# Under `mpirun --with-ft ulfm` ranks on one node talk TCP unless the user chose the transports:
+# over shared memory a rank that exits with a non-zero status is never reported failed, and the
+# survivors hang (mpicomm.faults says what was measured).
+from .ft_env import set_launch_defaults as _set_launch_defaults
+
+_set_launch_defaults()
+
 from . import distributed  # registers the "mpicomm" torch.distributed backend
 from .communicator import Communicator, as_communicator, get_world, init, is_initialized
 from .byte_sizes import format_bytes
 from .errors import CollectiveMismatchError
+from .faults import RankFailedError
 from .launch_env import clean_env
 from .ops import ReduceOp
 from .work import WaitTimeoutError, Work
@@ -35,6 +44,7 @@ from .world import (all_gather, all_gather_into_tensor, all_reduce, all_to_all_s
 
 __all__ = [
     "Communicator", "ReduceOp", "Work", "WaitTimeoutError", "CollectiveMismatchError",
+    "RankFailedError",
     "init", "as_communicator", "get_world", "is_initialized", "get_rank", "get_world_size",
     "all_reduce", "reduce", "reduce_scatter_tensor", "broadcast", "all_gather_into_tensor",
     "all_gather", "all_to_all_single", "gather", "scatter", "send", "recv", "isend", "irecv",

@@ -10,12 +10,13 @@ gathers, scatter, all-to-all) and ``p2p`` (send and receive), mixins on the laun
 """
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Callable, Sequence
 
 from mpi4py import MPI
 
-from . import fastpath, reduce16
+from . import fastpath, faults, reduce16
 from accelerators.flags import env_flag
 from .buffers import IN, Slot
 from .device_paths import DevicePolicy
@@ -27,6 +28,20 @@ from .reductions import Reductions
 from .work import Work
 
 _world: "Communicator | None" = None
+
+
+def faults_surfaced(method: Callable) -> Callable:
+    """Raise a rank failure inside ``method`` as RankFailedError (see Communicator._surface)."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except MPI.Exception as exc:
+            err = self._surface(exc, method.__name__)
+            if err is exc:
+                raise
+            raise err from exc
+    return call
 
 
 def _node_rank(mpi_comm: MPI.Intracomm) -> tuple[int, int]:
@@ -71,6 +86,7 @@ class Communicator(Reductions, Moves, PointToPoint):
         check_type("Communicator", "mpi_comm", mpi_comm, "an mpi4py intracommunicator",
                    ok=isinstance(mpi_comm, MPI.Intracomm) and mpi_comm != MPI.COMM_NULL)
         self.mpi_comm = mpi_comm
+        mpi_comm.Set_errhandler(MPI.ERRORS_RETURN)  # failures come back as errors, never abort
         self.rank: int = mpi_comm.Get_rank()
         self.size: int = mpi_comm.Get_size()
         self.local_rank, self.local_size = _node_rank(mpi_comm)
@@ -98,7 +114,7 @@ class Communicator(Reductions, Moves, PointToPoint):
         finish.extend(extra)
         try:
             if async_op:
-                return Work(nonblocking(*args), finish, result, keep=slots)
+                return Work(nonblocking(*args), finish, result, keep=slots, comm=self)
             blocking(*args)
         except BaseException:
             for s in slots:
@@ -116,6 +132,7 @@ class Communicator(Reductions, Moves, PointToPoint):
         """Wait until every rank has entered the barrier."""
         return self._launch(self.mpi_comm.Barrier, self.mpi_comm.Ibarrier, (), [], async_op, [])
 
+    @faults_surfaced
     def split(self, color: int | None, key: int = 0) -> "Communicator | None":
         """Sub-communicator of the ranks passing the same ``color`` (None: not a member), ordered by ``key``."""
         if color is not None and (not isinstance(color, int) or color < 0):
@@ -125,14 +142,88 @@ class Communicator(Reductions, Moves, PointToPoint):
             return None
         return Communicator(sub, check=self.check)
 
+    @faults_surfaced
     def split_node(self) -> "Communicator":
         """Sub-communicator of this communicator's ranks on this rank's node (shared memory,
         ``MPI_COMM_TYPE_SHARED``), in this communicator's rank order. Collective."""
         return Communicator(self.mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, self.rank), check=self.check)
 
+    @faults_surfaced
     def dup(self) -> "Communicator":
         """A communicator over the same ranks with its own message space."""
         return Communicator(self.mpi_comm.Dup(), check=self.check)
+
+    # -- rank failures (ULFM) ---------------------------------------------------------------
+
+    @property
+    def fault_tolerant(self) -> bool:
+        """Whether a peer's death raises :class:`mpicomm.RankFailedError` here instead of ending
+        the job (Open MPI with ULFM, launched with ``mpirun --with-ft ulfm``)."""
+        return faults.fault_tolerant()
+
+    def _mpi_comms(self) -> list:
+        """This communicator's MPI communicators: its own, then the private ones of its calls."""
+        comms = [self.mpi_comm]
+        if self._r16 is not None and self._r16._comm is not None:
+            comms.append(self._r16._comm)
+        return comms
+
+    def _surface(self, exc: BaseException, call: str) -> BaseException:
+        """What to raise for ``exc`` from ``call``: a failure becomes RankFailedError, after this
+        communicator is revoked (so that every survivor leaves its calls on it); else ``exc``."""
+        if not faults.is_failure(exc):
+            return exc
+        self._revoke_quietly()
+        return faults.describe_failure(call, repr(self), exc, self.mpi_comm)
+
+    def _revoke_quietly(self) -> None:
+        for comm in self._mpi_comms():
+            try:
+                if not comm.Is_revoked():
+                    comm.Revoke()
+            except MPI.Exception:  # already revoked by a peer, or being revoked
+                pass
+
+    def revoke(self) -> None:
+        """Revoke the communicator (ULFM): every pending and later call on it, on every rank,
+        fails with :class:`mpicomm.RankFailedError`. Local; :meth:`shrink` still works."""
+        faults.require("Communicator.revoke()")
+        self._revoke_quietly()
+
+    @property
+    def revoked(self) -> bool:
+        """Whether this communicator was revoked (here or by a peer); False without ULFM."""
+        return faults.fault_tolerant() and self.mpi_comm.Is_revoked()
+
+    def failed_ranks(self) -> tuple[int, ...]:
+        """The ranks of this communicator known here to have failed, sorted (local)."""
+        faults.require("Communicator.failed_ranks()")
+        return faults.failed_ranks(self.mpi_comm)
+
+    def shrink(self) -> "Communicator":
+        """A new Communicator of the surviving ranks, renumbered in this communicator's order
+        (ULFM's MPI_Comm_shrink; collective over the survivors, works on a revoked one)."""
+        faults.require("Communicator.shrink()")
+        try:
+            new = self.mpi_comm.Shrink()
+        except MPI.Exception as exc:
+            raise RuntimeError(f"mpicomm: shrink() of {self!r} failed: {exc}") from exc
+        return Communicator(new, check=self.check)
+
+    def agree(self, flag: bool) -> bool:
+        """The AND of ``flag`` over the surviving ranks, the same on every survivor, even when
+        ranks fail during the call (ULFM's MPI_Comm_agree; collective over the survivors)."""
+        faults.require("Communicator.agree()")
+        for _ in range(self.size + 1):
+            self.mpi_comm.Ack_failed()  # failures known here do not fail the agreement
+            try:
+                return bool(self.mpi_comm.Agree(1 if flag else 0) & 1)
+            except MPI.Exception as exc:
+                if exc.Get_error_class() != MPI.ERR_PROC_FAILED:
+                    raise RuntimeError(f"mpicomm: agree() on {self!r} failed: {exc}") from exc
+                # a rank failed during the agreement: every survivor sees it, acknowledges it
+                # and agrees again
+        raise RuntimeError(f"mpicomm: agree() on {self!r} did not settle after {self.size + 1} tries")
 
     def free(self) -> None:
         """Release the MPI communicator (not for the world communicator)."""

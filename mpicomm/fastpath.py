@@ -118,22 +118,30 @@ def _reduce_op(dtype, op):
 # opening each is the same: unchecked, fast paths on, no profiler or DEBUG log observing
 # (observed calls take the general path, which is traced). With ``async_op`` the same MPI call
 # starts non-blocking and a Work keeps the tensors until it completes (the process group's
-# calls, blocking ones included, all come this way).
+# calls, blocking ones included, all come this way). An MPI error passes through
+# ``Communicator._surface`` (a rank failure raises RankFailedError); the try costs nothing until
+# something raises.
 
 def broadcast(method: Callable) -> Callable:
     """``Communicator.broadcast``: the rule in front of ``method`` (its general path)."""
     @functools.wraps(method)
     def broadcast(self, tensor, src=0, async_op=False):
-        if (not self.check and ENABLED and not _profiler._is_profiler_enabled
-                and (_debug_cache.get(_DEBUG) is False or not observe.log.isEnabledFor(_DEBUG))):
-            t = _plain(tensor)
-            if (t is not None and t[3] <= large.MAX_COUNT and type(src) is int
-                    and 0 <= src < self.size):
-                if async_op:
-                    return Work(self.mpi_comm.Ibcast(t[0], src), (), [tensor], (tensor,))
-                self.mpi_comm.Bcast(t[0], src)
-                return None
-        return method(self, tensor, src, async_op)
+        try:
+            if (not self.check and ENABLED and not _profiler._is_profiler_enabled
+                    and (_debug_cache.get(_DEBUG) is False or not observe.log.isEnabledFor(_DEBUG))):
+                t = _plain(tensor)
+                if (t is not None and t[3] <= large.MAX_COUNT and type(src) is int
+                        and 0 <= src < self.size):
+                    if async_op:
+                        return Work(self.mpi_comm.Ibcast(t[0], src), (), [tensor], (tensor,), self)
+                    self.mpi_comm.Bcast(t[0], src)
+                    return None
+            return method(self, tensor, src, async_op)
+        except MPI.Exception as exc:  # a rank failure: RankFailedError
+            err = self._surface(exc, 'broadcast')
+            if err is exc:
+                raise
+            raise err from exc
 
     return broadcast
 
@@ -142,16 +150,22 @@ def all_gather_into_tensor(method: Callable) -> Callable:
     """``Communicator.all_gather_into_tensor``: the rule in front of ``method``."""
     @functools.wraps(method)
     def all_gather_into_tensor(self, output_tensor, input_tensor, async_op=False):
-        if (not self.check and ENABLED and not _profiler._is_profiler_enabled
-                and (_debug_cache.get(_DEBUG) is False or not observe.log.isEnabledFor(_DEBUG))):
-            pair = _pair(input_tensor, output_tensor, self.size, 1)
-            if pair is not None:
-                if async_op:
-                    return Work(self.mpi_comm.Iallgather(pair[0][0], pair[1][0]), (),
-                                [output_tensor], (input_tensor, output_tensor))
-                self.mpi_comm.Allgather(pair[0][0], pair[1][0])
-                return None
-        return method(self, output_tensor, input_tensor, async_op)
+        try:
+            if (not self.check and ENABLED and not _profiler._is_profiler_enabled
+                    and (_debug_cache.get(_DEBUG) is False or not observe.log.isEnabledFor(_DEBUG))):
+                pair = _pair(input_tensor, output_tensor, self.size, 1)
+                if pair is not None:
+                    if async_op:
+                        return Work(self.mpi_comm.Iallgather(pair[0][0], pair[1][0]), (),
+                                    [output_tensor], (input_tensor, output_tensor), self)
+                    self.mpi_comm.Allgather(pair[0][0], pair[1][0])
+                    return None
+            return method(self, output_tensor, input_tensor, async_op)
+        except MPI.Exception as exc:  # a rank failure: RankFailedError
+            err = self._surface(exc, 'all_gather_into_tensor')
+            if err is exc:
+                raise
+            raise err from exc
 
     return all_gather_into_tensor
 
@@ -160,19 +174,25 @@ def reduce_scatter_tensor(method: Callable) -> Callable:
     """``Communicator.reduce_scatter_tensor``: the rule in front of ``method``."""
     @functools.wraps(method)
     def reduce_scatter_tensor(self, output, input, op=_SUM, async_op=False, factor=None):
-        if (factor is None and not self.check and ENABLED
-                and not _profiler._is_profiler_enabled
-                and (_debug_cache.get(_DEBUG) is False or not observe.log.isEnabledFor(_DEBUG))):
-            pair = _pair(output, input, self.size, 1)
-            mpi_op = None if pair is None else _reduce_op(pair[0][4], op)
-            if mpi_op is not None:
-                if async_op:
-                    return Work(self.mpi_comm.Ireduce_scatter_block(pair[1][0], pair[0][0],
-                                                                    mpi_op),
-                                (), [output], (input, output))
-                self.mpi_comm.Reduce_scatter_block(pair[1][0], pair[0][0], mpi_op)
-                return None
-        return method(self, output, input, op, async_op, factor)
+        try:
+            if (factor is None and not self.check and ENABLED
+                    and not _profiler._is_profiler_enabled
+                    and (_debug_cache.get(_DEBUG) is False or not observe.log.isEnabledFor(_DEBUG))):
+                pair = _pair(output, input, self.size, 1)
+                mpi_op = None if pair is None else _reduce_op(pair[0][4], op)
+                if mpi_op is not None:
+                    if async_op:
+                        return Work(self.mpi_comm.Ireduce_scatter_block(pair[1][0], pair[0][0],
+                                                                        mpi_op),
+                                    (), [output], (input, output), self)
+                    self.mpi_comm.Reduce_scatter_block(pair[1][0], pair[0][0], mpi_op)
+                    return None
+            return method(self, output, input, op, async_op, factor)
+        except MPI.Exception as exc:  # a rank failure: RankFailedError
+            err = self._surface(exc, 'reduce_scatter_tensor')
+            if err is exc:
+                raise
+            raise err from exc
 
     return reduce_scatter_tensor
 
@@ -182,17 +202,23 @@ def all_to_all_single(method: Callable) -> Callable:
     @functools.wraps(method)
     def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None,
                           async_op=False):
-        if (output_split_sizes is None and input_split_sizes is None
-                and not self.check and ENABLED and not _profiler._is_profiler_enabled
-                and (_debug_cache.get(_DEBUG) is False or not observe.log.isEnabledFor(_DEBUG))):
-            pair = _pair(output, input, 1, self.size)
-            if pair is not None and pair[1][3] % self.size == 0:
-                if async_op:
-                    return Work(self.mpi_comm.Ialltoall(pair[1][0], pair[0][0]), (), [output],
-                                (input, output))
-                self.mpi_comm.Alltoall(pair[1][0], pair[0][0])
-                return None
-        return method(self, output, input, output_split_sizes, input_split_sizes, async_op)
+        try:
+            if (output_split_sizes is None and input_split_sizes is None
+                    and not self.check and ENABLED and not _profiler._is_profiler_enabled
+                    and (_debug_cache.get(_DEBUG) is False or not observe.log.isEnabledFor(_DEBUG))):
+                pair = _pair(output, input, 1, self.size)
+                if pair is not None and pair[1][3] % self.size == 0:
+                    if async_op:
+                        return Work(self.mpi_comm.Ialltoall(pair[1][0], pair[0][0]), (), [output],
+                                    (input, output), self)
+                    self.mpi_comm.Alltoall(pair[1][0], pair[0][0])
+                    return None
+            return method(self, output, input, output_split_sizes, input_split_sizes, async_op)
+        except MPI.Exception as exc:  # a rank failure: RankFailedError
+            err = self._surface(exc, 'all_to_all_single')
+            if err is exc:
+                raise
+            raise err from exc
 
     return all_to_all_single
 
@@ -201,32 +227,38 @@ def all_reduce(method: Callable) -> Callable:
     """``Communicator.all_reduce``: the rule inline in front of ``method`` (its general path)."""
     @functools.wraps(method)
     def all_reduce(self, tensor, op=_SUM, async_op=False, factor=None):
-        if (factor is None and not self.check and ENABLED
-                and not _profiler._is_profiler_enabled
-                and (_debug_cache.get(_DEBUG) is False or not observe.log.isEnabledFor(_DEBUG))):
-            if async_op:
+        try:
+            if (factor is None and not self.check and ENABLED
+                    and not _profiler._is_profiler_enabled
+                    and (_debug_cache.get(_DEBUG) is False or not observe.log.isEnabledFor(_DEBUG))):
+                if async_op:
+                    t = _plain(tensor)
+                    mpi_op = None if t is None or t[3] > large.MAX_COUNT else _reduce_op(t[4], op)
+                    if mpi_op is not None:
+                        return Work(self.mpi_comm.Iallreduce(_IN_PLACE, t[0], mpi_op), (), [tensor],
+                                    (tensor,), self)
+                    return method(self, tensor, op, async_op, factor)
+                last = self._last_fast
+                # The small tensor and op of the last fast call again (a flag, a metric, a bucket
+                # reduced step after step): its MPI buffer is reused while the tensor keeps the
+                # same memory, size, dtype and layout, which is checked on every call.
+                if (tensor is last[0] and op is last[1] and tensor.data_ptr() == last[2]
+                        and tensor.nbytes == last[3] and tensor.dtype is last[4]
+                        and tensor.is_contiguous() and tensor.is_cpu):
+                    self.mpi_comm.Allreduce(_IN_PLACE, last[5], last[6])
+                    return None
                 t = _plain(tensor)
                 mpi_op = None if t is None or t[3] > large.MAX_COUNT else _reduce_op(t[4], op)
                 if mpi_op is not None:
-                    return Work(self.mpi_comm.Iallreduce(_IN_PLACE, t[0], mpi_op), (), [tensor],
-                                (tensor,))
-                return method(self, tensor, op, async_op, factor)
-            last = self._last_fast
-            # The small tensor and op of the last fast call again (a flag, a metric, a bucket
-            # reduced step after step): its MPI buffer is reused while the tensor keeps the
-            # same memory, size, dtype and layout, which is checked on every call.
-            if (tensor is last[0] and op is last[1] and tensor.data_ptr() == last[2]
-                    and tensor.nbytes == last[3] and tensor.dtype is last[4]
-                    and tensor.is_contiguous() and tensor.is_cpu):
-                self.mpi_comm.Allreduce(_IN_PLACE, last[5], last[6])
-                return None
-            t = _plain(tensor)
-            mpi_op = None if t is None or t[3] > large.MAX_COUNT else _reduce_op(t[4], op)
-            if mpi_op is not None:
-                self.mpi_comm.Allreduce(_IN_PLACE, t[0], mpi_op)
-                if t[2] <= REMEMBER_BYTES:
-                    self._last_fast = (tensor, op, t[1], t[2], t[4], t[0], mpi_op)
-                return None
-        return method(self, tensor, op, async_op, factor)
+                    self.mpi_comm.Allreduce(_IN_PLACE, t[0], mpi_op)
+                    if t[2] <= REMEMBER_BYTES:
+                        self._last_fast = (tensor, op, t[1], t[2], t[4], t[0], mpi_op)
+                    return None
+            return method(self, tensor, op, async_op, factor)
+        except MPI.Exception as exc:  # a rank failure: RankFailedError
+            err = self._surface(exc, 'all_reduce')
+            if err is exc:
+                raise
+            raise err from exc
 
     return all_reduce

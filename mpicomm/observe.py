@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import torch
 import torch.autograd.profiler as _profiler
+from mpi4py import MPI
 
 from . import dtypes
 from .byte_sizes import format_bytes
@@ -130,16 +131,23 @@ def observed_as(op: str) -> Callable[[Callable], Callable]:
 
 
 def observed(method: Callable, op: str | None = None) -> Callable:
-    """Wrap a Communicator method so that profilers and DEBUG logs see each call."""
+    """Wrap a Communicator method so that profilers and DEBUG logs see each call (and its MPI
+    errors pass through ``Communicator._surface``: a rank failure raises RankFailedError)."""
     op = op or method.__name__
     label = f"mpicomm:{op}"
 
     @functools.wraps(method)
     def call(self, *args, **kwargs):
-        if _profiler._is_profiler_enabled or (_debug_cache.get(_DEBUG) is not False
-                                              and log.isEnabledFor(_DEBUG)):
-            return _traced(method, op, label, self, args, kwargs)
-        return method(self, *args, **kwargs)
+        try:
+            if _profiler._is_profiler_enabled or (_debug_cache.get(_DEBUG) is not False
+                                                  and log.isEnabledFor(_DEBUG)):
+                return _traced(method, op, label, self, args, kwargs)
+            return method(self, *args, **kwargs)
+        except MPI.Exception as exc:  # a rank failure becomes RankFailedError (Communicator._surface)
+            err = self._surface(exc, op)
+            if err is exc:
+                raise
+            raise err from exc
 
     return call
 

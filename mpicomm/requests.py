@@ -10,6 +10,10 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 from mpi4py import MPI
 
+#: What calls that failed midway left behind (their phases, requests and buffers): MPI may still
+#: read or write that memory, so it is never freed (one entry per failed call).
+ABANDONED: list = []
+
 
 class Requests:
     """MPI requests completed phase by phase (mirrors ``MPI.Request``'s Wait/Test for Work).
@@ -23,7 +27,11 @@ class Requests:
         self._phases = phases
         self._release = list(release)
         self._reqs: list | None = None
-        self._advance()
+        try:
+            self._advance()
+        except MPI.Exception:
+            self._abandon()
+            raise
 
     @classmethod
     def together(cls, requests: Sequence[MPI.Request]) -> "Requests":
@@ -39,16 +47,32 @@ class Requests:
                 fn()
             self._release = []
 
+    def _abandon(self) -> None:
+        """An MPI call failed (e.g. a rank died): no later phase runs, and nothing is handed
+        back: requests of this phase may still be pending in MPI over its memory, so the phases
+        (and the memory they hold) are kept for the life of the process."""
+        ABANDONED.append((self._phases, self._reqs, self._release))
+        self._reqs = None
+        self._release = []
+
     def Wait(self, status: MPI.Status | None = None) -> None:  # noqa: N802 - as MPI.Request
         """Run every remaining phase."""
-        while self._reqs is not None:
-            MPI.Request.Waitall(self._reqs)
-            self._advance()
+        try:
+            while self._reqs is not None:
+                MPI.Request.Waitall(self._reqs)
+                self._advance()
+        except MPI.Exception:
+            self._abandon()
+            raise
 
     def Test(self, status: MPI.Status | None = None) -> bool:  # noqa: N802
         """Advance as far as completed messages allow; whether everything is done."""
-        while self._reqs is not None:
-            if not MPI.Request.Testall(self._reqs):
-                return False
-            self._advance()
+        try:
+            while self._reqs is not None:
+                if not MPI.Request.Testall(self._reqs):
+                    return False
+                self._advance()
+        except MPI.Exception:
+            self._abandon()
+            raise
         return True

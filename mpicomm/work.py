@@ -15,7 +15,8 @@ from typing import Callable, Sequence
 import torch
 from mpi4py import MPI
 
-from . import progress_thread
+from . import progress_thread, requests
+from .buffers import IN, Slot
 
 
 class WaitTimeoutError(TimeoutError):
@@ -166,12 +167,13 @@ class Work(BaseWork):
     """An mpicomm call in flight: one MPI request, the steps that put results in place."""
 
     def __init__(self, request: MPI.Request | None, finish: Sequence[Callable[[], None]] = (),
-                 result: Sequence = (), keep: Sequence = ()) -> None:
+                 result: Sequence = (), keep: Sequence = (), comm=None) -> None:
         super().__init__(result)
         self._request = request
         self._keep = list(keep)  # buffers MPI reads or writes until completion (e.g. temporaries)
         self._finish = list(finish)
         self._status = MPI.Status()
+        self._comm = comm  # the Communicator that started it: its failures become RankFailedError
         if request is None:
             self._complete()
 
@@ -186,15 +188,40 @@ class Work(BaseWork):
         self._keep = []
         self._settle(error)
 
+    def _fail(self, exc: BaseException) -> None:
+        """The operation ended with an MPI error: nothing is written back, the error is kept
+        (a rank failure as RankFailedError, the communicator revoked)."""
+        if self._comm is not None:
+            exc = self._comm._surface(exc, "wait")
+        if isinstance(self._request, MPI.Request):  # done (with its error): MPI holds no buffer
+            for slot in self._keep:
+                if isinstance(slot, Slot):
+                    slot.role = IN  # release staging memory without writing anything back
+                    slot.finish()
+        else:  # several requests, some maybe still pending in MPI: keep their buffers
+            requests.ABANDONED.append(self._keep)
+        self._finish = []
+        self._keep = []
+        self._settle(exc)
+
     def _test(self) -> bool:
-        if self._request.Test(self._status):
+        try:
+            done = self._request.Test(self._status)
+        except MPI.Exception as exc:
+            self._fail(exc)
+            return True
+        if done:
             self._complete()
         return self._done
 
     def _block(self) -> None:
         with self._lock:
             if not self._done:
-                self._request.Wait(self._status)
+                try:
+                    self._request.Wait(self._status)
+                except MPI.Exception as exc:
+                    self._fail(exc)
+                    return
                 self._complete()
 
     def _on_future(self) -> None:

@@ -15,7 +15,8 @@ registration and constructor),
 ``_pg`` (the process group), ``_work`` (work handles, timeouts), ``_deadlines`` (the one
 thread that keeps every call's deadline), ``_ops`` (ReduceOp mapping), ``_monitored``
 (``monitored_barrier``),
-``_ddp_hook`` (the DDP comm hook).
+``_ddp_hook`` (the DDP comm hook), ``_reinit`` (``reinit_process_group``: the default group
+again on the survivors of a rank failure).
 """
 from __future__ import annotations
 
@@ -23,9 +24,11 @@ from ._ddp_hook import allreduce_ddp_hook
 from ._monitored import monitored_barrier
 from ._registration import init_process_group, register
 from ._pg import BACKEND_NAME, MpicommProcessGroup
+from ._reinit import reinit_process_group
 from ._work import MpicommWork, ProcessGroupTimeoutError
 
 __all__ = ["BACKEND_NAME", "MpicommProcessGroup", "MpicommWork", "ProcessGroupTimeoutError",
-           "allreduce_ddp_hook", "init_process_group", "monitored_barrier", "register"]
+           "allreduce_ddp_hook", "init_process_group", "monitored_barrier", "register",
+           "reinit_process_group"]
 
 register()

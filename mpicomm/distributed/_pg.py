@@ -62,6 +62,13 @@ class MpicommProcessGroup(dist.ProcessGroup):
             self.comm.free()
         self.comm = None
 
+    def abandon(self, why: str) -> None:
+        """Refuse further calls (``why``: "after ..."), and keep the MPI communicator from being
+        freed (it may hold failed ranks): what ``reinit_process_group`` does to the groups it
+        drops. Local."""
+        if self._broken is None:
+            self._broken = why
+
     # -- plumbing ---------------------------------------------------------------------------
 
     def _run(self, call: str, opts, start: Callable[[], list], result: list, described,
@@ -77,7 +84,7 @@ class MpicommProcessGroup(dist.ProcessGroup):
         """
         if self._broken is not None:
             raise RuntimeError(f"mpicomm process group: {call} refused, the group is unusable "
-                               f"after an earlier timeout: {self._broken}")
+                               f"{self._broken}")
         if self.comm is None:
             raise RuntimeError(f"mpicomm process group: {call} on a group that was destroyed")
         self._seq += 1
@@ -315,7 +322,7 @@ class MpicommProcessGroup(dist.ProcessGroup):
         did not arrive within ``timeout`` (the first, or all with ``wait_all_ranks``)."""
         if self._broken is not None:
             raise RuntimeError("mpicomm process group: monitored_barrier refused, the group is "
-                               f"unusable after an earlier timeout: {self._broken}")
+                               f"unusable {self._broken}")
         if self.comm is None:
             raise RuntimeError("mpicomm process group: monitored_barrier on a group that was "
                                "destroyed")

@@ -15,25 +15,37 @@ from ._rendezvous import install, launcher_hint, under_torchrun
 _log = logging.getLogger("mpicomm")
 
 
+#: The communicator torch.distributed's world spans: None for MPI.COMM_WORLD; after
+#: ``reinit_process_group`` the survivors' communicator it was given.
+_world: Communicator | None = None
+
+
+def set_world(comm: Communicator | None) -> None:
+    """Make ``comm`` (None: MPI.COMM_WORLD) the MPI side of torch.distributed's next world."""
+    global _world
+    _world = comm
+
+
 def _create(backend_opts, pg_options=None) -> MpicommProcessGroup:
     """torch.distributed backend constructor (extended API): the MPI ranks of the new group."""
-    world = MPI.COMM_WORLD
+    world = MPI.COMM_WORLD if _world is None else _world.mpi_comm
     size, me = world.Get_size(), world.Get_rank()
     ranks = list(backend_opts.global_ranks_in_group) or list(range(size))
     default = not dist.is_initialized()
     torch_rank = backend_opts.group_rank if default else dist.get_rank()
     torch_size = backend_opts.group_size if default else dist.get_world_size()
     if torch_rank != me or torch_size != size:
+        where = "" if _world is None else " of the communicator given to reinit_process_group"
         hint = f"; {launcher_hint(torch_size)}" if under_torchrun() else (
             "; call dist.init_process_group('mpicomm') without rank/world_size, or "
             "mpicomm.distributed.init_process_group()")
         raise RuntimeError(
             f"mpicomm process group: torch.distributed rank {torch_rank} of {torch_size} does "
-            f"not match the MPI world (rank {me} of {size}){hint}")
+            f"not match the MPI world (rank {me} of {size}{where}){hint}")
     if me not in ranks or ranks.index(me) != backend_opts.group_rank:
         raise RuntimeError(f"mpicomm process group: rank {me} expected at group rank "
                            f"{backend_opts.group_rank} of ranks {ranks}")
-    base = init()
+    base = init() if _world is None else _world
     if ranks == list(range(size)):
         mpi_comm = world.Dup()
     else:

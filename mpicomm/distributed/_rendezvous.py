@@ -70,9 +70,10 @@ def check_agrees(rank: int, size: int, given: dict | None = None) -> None:
                 "that they agree")
 
 
-def _store_host(comm: MPI.Intracomm) -> str:
-    """The address the other ranks use to reach rank 0's store (collective)."""
-    if os.environ.get("MASTER_ADDR"):
+def _store_host(comm: MPI.Intracomm, from_env: bool = True) -> str:
+    """The address the other ranks use to reach rank 0's store (collective; ``MASTER_ADDR``
+    first when ``from_env``)."""
+    if from_env and os.environ.get("MASTER_ADDR"):
         return os.environ["MASTER_ADDR"]
     nodes = comm.allgather(MPI.Get_processor_name())
     if len(set(nodes)) == 1:
@@ -86,13 +87,15 @@ def _store_host(comm: MPI.Intracomm) -> str:
     return comm.bcast(host, root=0)
 
 
-def mpi_store(timeout: datetime.timedelta, comm: MPI.Intracomm = MPI.COMM_WORLD):
-    """A TCPStore hosted by rank 0 of ``comm`` and reachable from every rank (collective)."""
+def mpi_store(timeout: datetime.timedelta, comm: MPI.Intracomm = MPI.COMM_WORLD,
+              from_env: bool = True):
+    """A TCPStore hosted by rank 0 of ``comm`` and reachable from every rank (collective).
+    ``from_env``: ``MASTER_ADDR``/``MASTER_PORT`` first (else rank 0's address, a free port)."""
     from torch.distributed import TCPStore
 
     rank, size = comm.Get_rank(), comm.Get_size()
-    host = _store_host(comm)
-    port = int(os.environ.get("MASTER_PORT") or 0)
+    host = _store_host(comm, from_env)
+    port = int((os.environ.get("MASTER_PORT") if from_env else None) or 0)
     store, error = None, ""
     if rank == 0:
         try:

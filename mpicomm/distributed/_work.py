@@ -174,7 +174,10 @@ class MpicommWork(BaseWork, dist.Work):
                        f"{pg._peers_report(self._seq, self._call)} The process group refuses "
                        "further calls: destroy it and create a new one.")
             _log.error(message)
-            pg._broken = message
+            pg._broken = f"after an earlier timeout: {message}"
+            if pg.comm is not None and pg.comm.fault_tolerant:
+                # ULFM: end the operation on every rank (theirs fail with RankFailedError)
+                pg.comm._revoke_quietly()
             _left_pending.append((where, self._inner))
             self._settle(ProcessGroupTimeoutError(message))
 
