@@ -34,13 +34,21 @@ y = x.sum(1, keepdim=True)
 sampler = elastic.ElasticSampler(len(x), global_batch_size=32, seed=2)   # the same batch at any size
 
 state = elastic.TorchState(model=model, optimizer=opt, step=0)
-ddp = DDP(model)
+
+
+def make_ddp() -> DDP:
+    ddp = DDP(model)
+    ddp.register_comm_hook(None, elastic.allreduce_hook)   # a failure raises (see elastic/ddp.py)
+    return ddp
+
+
+ddp = make_ddp()
 
 
 def rebuild_ddp() -> None:
     """After a recovery: DDP again, on the new default process group (the survivors)."""
     global ddp
-    ddp = DDP(model)
+    ddp = make_ddp()
 
 
 state.register_reset_callbacks([rebuild_ddp])

@@ -37,7 +37,7 @@ def _ulfm() -> None:
         pytest.skip("this Open MPI was built without ULFM (ompi_info: FT MPI support)")
 
 
-def _launch(n: int, args: list[str], timeout: float = 90) -> subprocess.CompletedProcess:
+def _launch(n: int, args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
     env = clean_env()
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env["PYTHONWARNINGS"] = "ignore::FutureWarning"
@@ -45,14 +45,15 @@ def _launch(n: int, args: list[str], timeout: float = 90) -> subprocess.Complete
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
-# (ranks, optimizer, where, victim, step): rank 0 and a non-zero rank, every place, 3 and 4 ranks
+# (ranks, optimizer, where, victim, step): rank 0 (the store's host) and non-zero ranks, between
+# steps, inside backward (DDP bucket all-reduce, ZeroOptimizer gradient reduction), inside a
+# ZeroOptimizer step, inside commit(); 3 and 4 ranks. Each job takes 15-40 s here.
 CASES = [
     (3, "ddp", "between", 0, 2),
     (4, "ddp", "backward", 2, 1),
     (3, "zero1", "zstep", 1, 2),
     (4, "zero2", "backward", 0, 3),
     (3, "zero2", "commit", 2, 1),
-    (4, "zero1", "commit", 0, 2),
 ]
 
 
@@ -84,10 +85,9 @@ def test_below_min_world_size_every_survivor_fails_clearly(tmp_path):
     assert "fewer than min_world_size=3" in proc.stderr
 
 
-@pytest.mark.parametrize("example", ["elastic_ddp.py", "elastic_zero.py"])
-def test_example_survives_a_killed_rank(example):
+def test_zero_example_survives_a_killed_rank():
     _ulfm()
-    proc = _launch(3, [os.path.join(EXAMPLES, example), "--kill-rank", "1", "--kill-step", "3"])
+    proc = _launch(3, [os.path.join(EXAMPLES, "elastic_zero.py"), "--kill-rank", "0", "--kill-step", "3"])
     log = f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
-    assert "trained 8 steps on 2 ranks" in proc.stdout, log
-    assert "recovered" in proc.stdout, log
+    assert "recovered from the loss of world ranks [0]" in proc.stdout, log
+    assert "trained 8 steps on 2 ranks (ZeroOptimizer over 2 ranks, stage 2)" in proc.stdout, log
