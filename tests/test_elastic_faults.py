@@ -41,8 +41,14 @@ def _launch(n: int, args: list[str], timeout: float = 240) -> subprocess.Complet
     env = clean_env()
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env["PYTHONWARNINGS"] = "ignore::FutureWarning"
-    cmd = [*mpiexec_cmd(n), "--with-ft", "ulfm", sys.executable, *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    cmd = [*mpiexec_cmd(n), "--with-ft", "ulfm", sys.executable, "-m", "mpi4py", *args]
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+        raise AssertionError(f"the job hung (killed after {timeout} s): {' '.join(cmd)}\n"
+                             f"{out[-2000:]}\n{err[-4000:]}") from None
 
 
 # (ranks, optimizer, where, victim, step): rank 0 (the store's host) and non-zero ranks, between
