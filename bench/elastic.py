@@ -122,7 +122,7 @@ def part_failure(args, comm, stamp: str) -> dict:
     with open(stamp) as f:
         death = float(f.read())
     r = state.recoveries[0]
-    return {"ranks": f"{comm.size + 1}->{state.world_size}", "detect_s": r["started_at"] - death,
+    return {"ranks": f"{comm.size}->{state.world_size}", "detect_s": r["started_at"] - death,
             "recover_s": marks["first_commit"] - death, "in_recovery_s": r["recover_s"],
             "total_s": total, "state": state}
 
