@@ -93,6 +93,11 @@ def main() -> None:
                        "recoveries": state.recoveries,
                        "zero_world": getattr(opt, "world_size", None)}, f)
     dist.destroy_process_group()
+    state.comm.barrier()
+    # Workaround: after a rank failure, leaving through MPI_Finalize sometimes hung here (Open MPI
+    # 5.0.11, ULFM; the results were written): the survivors end without it once all are done.
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
