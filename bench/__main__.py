@@ -13,6 +13,7 @@ PROGRAMS = {
     "train": ("bench.train", "data-parallel training: DDP on mpicomm, gloo, mpicomm and 1-bit hooks"),
     "plot": ("bench.plot", "draw saved JSON runs: log-log, one panel per op, min-max bands"),
     "zero": ("bench.zero", "ZeroOptimizer vs DDP and FSDP2: step time, overlap, memory, bytes per step"),
+    "elastic": ("bench.elastic", "a rank killed mid-training: detection, recovery, commit cost, replica memory"),
     "netsim": ("bench.netsim", "run a benchmark on simulated hosts with a rate-limited network"),
 }
 

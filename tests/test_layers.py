@@ -18,7 +18,8 @@ ALLOWED = {
     "compressed": {"accelerators", "mpicomm"},
     "zero": {"accelerators", "mpicomm", "compressed"},
     "ckpt": {"accelerators", "mpicomm", "zero"},
-    "bench": {"accelerators", "mpicomm", "compressed", "zero", "ckpt"},
+    "elastic": {"accelerators", "mpicomm", "compressed", "zero", "ckpt"},
+    "bench": {"accelerators", "mpicomm", "compressed", "zero", "ckpt", "elastic"},
 }
 
 

@@ -408,6 +408,64 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if isinstance(self.optimizer, ShardedOnebitAdam):
             self.optimizer.restart_local()
 
+    @torch.no_grad()
+    def rebind(self, comm: Any, full_state: list[tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, Any]]]) -> None:
+        """Carry on over ``comm`` (e.g. the survivors of a failure), re-partitioned from every
+        group's full state.
+
+        ``full_state[gi]`` is ``(master, elementwise, other)``: group ``gi``'s fp32 masters
+        flattened in parameter order (``layout.total_numel`` elements), the wrapped optimizer's
+        per-element state in that order (name -> tensor of the same size) and its other state
+        (name -> value, e.g. ``step``). Nothing is sent over the old communicator (it may hold
+        dead ranks): its gradient communicator is dropped, not freed. The model's weights are
+        left as they are."""
+        import mpicomm
+
+        if isinstance(self.optimizer, ShardedOnebitAdam):
+            raise NotImplementedError("ZeroOptimizer.rebind: 1-bit Adam keeps per-rank momenta that "
+                                      "cannot be re-partitioned; use a plain torch optimizer")
+        if len(full_state) != len(self._groups):
+            raise ValueError(f"ZeroOptimizer.rebind: expected {len(self._groups)} groups, got {len(full_state)}")
+        comm = mpicomm.as_communicator(comm)
+        world, rank = int(comm.size), int(comm.rank)
+        new_groups: list[ShardGroup] = []
+        new_states = []
+        for gi, (g, (master, elementwise, other)) in enumerate(zip(self._groups, full_state)):
+            for name, t in [("master", master), *elementwise.items()]:
+                if t.numel() != g.layout.total_numel:
+                    raise ValueError(f"ZeroOptimizer.rebind: group {gi} {name!r}: expected "
+                                     f"{g.layout.total_numel} elements, got {t.numel()}")
+            layout = ShardLayout(g.layout.numels, world, self.stage, g.layout.param_ids)
+            offsets = [0]
+            for n in layout.numels:
+                offsets.append(offsets[-1] + n)
+
+            def local(full: torch.Tensor) -> torch.Tensor:
+                out = torch.zeros(layout.local_numel, dtype=full.dtype, device=g.master.device)
+                flat = full.reshape(-1)
+                for s in layout.segments(rank):
+                    lo = offsets[layout.param_ids.index(s.param)] + s.start
+                    out[s.local:s.local + s.length].copy_(flat[lo:lo + s.length])
+                return out
+
+            new_master = local(master.to(torch.float32))
+            state = {k: local(v) for k, v in elementwise.items()}
+            state.update({k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in other.items()})
+            new_groups.append(ShardGroup(g.params, layout, new_master, g.dtype))
+            new_states.append(state)
+        self.optimizer.state.clear()
+        for inner, g, state in zip(self.optimizer.param_groups, new_groups, new_states):
+            inner["params"] = [g.master]
+            if state:
+                self.optimizer.state[g.master] = state
+        self._groups = new_groups
+        self.comm = comm
+        self.world_size, self.rank = world, rank
+        self._scratch_bufs.clear()
+        self._grad_comm = comm.dup() if world > 1 else comm
+        self._reducer = GradReducer(self._groups, self._grad_comm, self.bucket_bytes, release=self.stage == 2)
+        self._end_cycle()
+
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         raise NotImplementedError("ZeroOptimizer holds a shard of the state; save it with ckpt.save(...)")
 

@@ -1,0 +1,180 @@
+"""elastic: what a lost rank costs (detection, recovery) and what commits cost, beside the same
+training that lost nothing.
+
+    mpirun --with-ft ulfm -n 4 python -m bench elastic --params 20M --kill-rank 1 --kill-step 3
+
+Part 1, at the full world, no failure: per mode (DDP + Adam, ZeroOptimizer stage 2 + Adam) the
+step time without commits, the time of ``state.commit()`` after every step, and the memory the
+commits hold per rank beside one optimizer shard. Part 2: the same ZeroOptimizer training again,
+committing every step, and rank ``--kill-rank`` ``os._exit(9)``s at step ``--kill-step``:
+detection (its death to the survivors' error, wall clocks of one host), recovery (its death to
+the survivors' first committed step) and the run's time beside part 1's. Part 2 needs
+``mpirun --with-ft ulfm`` (Open MPI with ULFM); elsewhere it is left out, saying why.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+import elastic
+import mpicomm
+from zero import ZeroOptimizer
+
+
+def _count(text: str) -> int:
+    units = {"K": 10**3, "M": 10**6, "G": 10**9}
+    t = text.strip().upper()
+    return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
+
+
+def make_model(params: int, width: int) -> torch.nn.Module:
+    """An MLP of ``width``-wide Linear layers with about ``params`` parameters."""
+    layers = max(1, round(params / (width * width + width)))
+    torch.manual_seed(0)
+    mods: list[torch.nn.Module] = []
+    for _ in range(layers):
+        mods += [torch.nn.Linear(width, width), torch.nn.Tanh()]
+    return torch.nn.Sequential(*mods[:-1])
+
+
+def _setup(args, comm, mode: str):
+    model = make_model(args.params, args.width)
+    if mode == "ddp":
+        opt: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+        state = elastic.TorchState(model=model, optimizer=opt, comm=comm, step=0)
+    else:
+        opt = ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=2, comm=comm.dup(), lr=1e-4)
+        state = elastic.TorchState(model=model, optimizer=opt, step=0)
+    return model, opt, state
+
+
+def _step(args, model, opt, state, mode: str) -> None:
+    g = torch.Generator().manual_seed(state.step)
+    x = torch.randn(args.batch, args.width, generator=g)
+    loss = model(x).square().mean()
+    opt.zero_grad()
+    loss.backward()
+    if mode == "ddp":
+        for p in model.parameters():
+            state.comm.all_reduce(p.grad, op=mpicomm.ReduceOp.AVG)
+    opt.step()
+
+
+def _shard_bytes(opt) -> int:
+    if isinstance(opt, ZeroOptimizer):
+        return sum(g.master.numel() * 4 * 3 for g in opt.groups)    # fp32 master + Adam's two moments
+    return sum(p.numel() * 4 * 3 for g in opt.param_groups for p in g["params"])
+
+
+def part_commit(args, comm, mode: str) -> dict:
+    """Step time and commit time per step, no failure."""
+    model, opt, state = _setup(args, comm, mode)
+    _step(args, model, opt, state, mode)        # warm-up (optimizer state exists from here)
+    state.commit()
+    steps, commits = [], []
+    for _ in range(args.steps):
+        comm.barrier()
+        t0 = time.perf_counter()
+        _step(args, model, opt, state, mode)
+        t1 = time.perf_counter()
+        state.step += 1
+        state.commit()
+        t2 = time.perf_counter()
+        steps.append(t1 - t0)
+        commits.append(t2 - t1)
+    row = {"mode": mode, "ranks": comm.size, "step_s": statistics.median(steps),
+           "commit_s": statistics.median(commits), "replica_bytes": state.replica_bytes() / 2,
+           "shard_bytes": _shard_bytes(opt), "total_s": sum(steps) + sum(commits)}
+    if isinstance(opt, ZeroOptimizer):
+        opt.close()
+    return row
+
+
+def part_failure(args, comm, stamp: str) -> dict:
+    """The ZeroOptimizer training, committing every step; one rank dies at --kill-step."""
+    model, opt, state = _setup(args, comm, "zero")
+    me = comm.rank
+    marks: dict[str, float] = {}
+
+    @elastic.run
+    def train(state: elastic.TorchState) -> None:
+        while state.step < args.steps:
+            if me == args.kill_rank and state.step == args.kill_step:
+                with open(stamp, "w") as f:
+                    f.write(repr(time.time()))
+                os._exit(9)
+            _step(args, model, opt, state, "zero")
+            state.step += 1
+            state.commit()
+            if state.recoveries and "first_commit" not in marks:
+                marks["first_commit"] = time.time()
+
+    t0 = time.perf_counter()
+    train(state)
+    total = time.perf_counter() - t0
+    with open(stamp) as f:
+        death = float(f.read())
+    r = state.recoveries[0]
+    return {"ranks": f"{comm.size}->{state.world_size}", "detect_s": r["started_at"] - death,
+            "recover_s": marks["first_commit"] - death, "in_recovery_s": r["recover_s"],
+            "total_s": total, "state": state}
+
+
+def _mb(n: float) -> str:
+    return f"{n / 2**20:.1f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench elastic", description=__doc__.split("\n")[0])
+    p.add_argument("--params", type=_count, default=_count("20M"), help="model parameters (e.g. 100M)")
+    p.add_argument("--width", type=int, default=1024, help="width of the MLP's Linear layers")
+    p.add_argument("--batch", type=int, default=16, help="samples per rank per step")
+    p.add_argument("--steps", type=int, default=6, help="timed steps")
+    p.add_argument("--kill-rank", type=int, default=1, help="rank that dies in part 2")
+    p.add_argument("--kill-step", type=int, default=3, help="step at which it dies")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    comm = mpicomm.init()
+    if comm.rank == 0:
+        n = sum(q.numel() for q in make_model(args.params, args.width).parameters())
+        print(f"# bench elastic: {comm.size} ranks, {n / 1e6:.1f}M parameters, Adam, commit every step")
+        print(f"{'mode':<8}{'ranks':>6}{'step ms':>10}{'commit ms':>11}{'commit/step':>13}"
+              f"{'replica MiB':>13}{'shard MiB':>11}")
+    for mode in ("ddp", "zero"):
+        row = part_commit(args, comm, mode)
+        if comm.rank == 0:
+            print(f"{mode:<8}{row['ranks']:>6}{row['step_s'] * 1e3:>10.1f}{row['commit_s'] * 1e3:>11.1f}"
+                  f"{row['commit_s'] / row['step_s']:>12.1%} {_mb(row['replica_bytes']):>12}"
+                  f"{_mb(row['shard_bytes']):>11}")
+        base = row
+    if not getattr(comm, "fault_tolerant", False):
+        if comm.rank == 0:
+            print("# part 2 (a rank killed) left out: needs an MPI with ULFM, "
+                  "`mpirun --with-ft ulfm` with Open MPI")
+        return 0
+    if not 0 <= args.kill_rank < comm.size or comm.size < 2:
+        print(f"bench elastic: expected 0 <= --kill-rank < {comm.size} and 2+ ranks", file=sys.stderr)
+        return 2
+    where = comm.mpi_comm.bcast(tempfile.mkdtemp(prefix="bench-elastic-") if comm.rank == 0 else None, root=0)
+    stamp = os.path.join(where, "death")     # the victim's wall time of death (one host)
+    res = part_failure(args, comm, stamp)
+    state = res.pop("state")
+    if state.rank == 0:
+        shutil.rmtree(where, ignore_errors=True)
+        print(f"\n# zero, rank {args.kill_rank} killed at step {args.kill_step} of {args.steps}")
+        print(f"{'ranks':<8}{'detect s':>10}{'recover s':>11}{'in recovery s':>15}{'run s':>8}{'lost nothing s':>16}")
+        print(f"{res['ranks']:<8}{res['detect_s']:>10.3f}{res['recover_s']:>11.3f}{res['in_recovery_s']:>15.3f}"
+              f"{res['total_s']:>8.2f}{base['total_s']:>16.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

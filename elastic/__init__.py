@@ -1,0 +1,35 @@
+"""Training that survives a lost rank in the same job (MPI with ULFM), Horovod Elastic's names.
+
+    import elastic
+    state = elastic.TorchState(model=model, optimizer=opt, step=0)
+    state.register_reset_callbacks([rebuild_ddp])
+    @elastic.run
+    def train(state):
+        while state.step < steps:
+            ...one step...
+            state.step += 1
+            state.commit()
+    train(state)
+
+What lives where:
+    state     TorchState: what a commit keeps (replicated state, ZeroOptimizer shards and buddy replicas)
+    run       the decorator and the recovery (revoke, shrink, new process group, rollback, callbacks)
+    replicas  which rank holds whose shard replica (pure)
+    reshard   a ZeroOptimizer group's shards joined in parameter order (pure)
+    ddp       allreduce_hook: the DDP comm hook to use under elastic (a workaround, see there)
+    sampler   ElasticSampler: a deterministic global batch re-split over the current ranks (pure)
+    values    copies of attribute values per commit
+    errors    ElasticError and its kinds
+
+Layering: accelerators <- mpicomm <- compressed <- zero <- ckpt <- elastic <- bench.
+"""
+from __future__ import annotations
+
+from .ddp import allreduce_hook
+from .errors import ElasticError, ResetCallbackError, ShardsLostError, WorldTooSmallError
+from .run import recover, run
+from .sampler import ElasticSampler
+from .state import TorchState
+
+__all__ = ["ElasticError", "allreduce_hook", "ElasticSampler", "ResetCallbackError", "ShardsLostError", "TorchState",
+           "WorldTooSmallError", "recover", "run"]

@@ -1,0 +1,244 @@
+"""TorchState: the training state that a recovery rolls back to, kept in memory per commit."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+
+from . import replicas, reshard, values
+
+_OWN = frozenset({"model", "optimizer", "checkpoint_dir", "checkpoint_every"})
+_TAG = 29029
+
+
+@dataclass
+class Commit:
+    """One commit as this rank holds it."""
+
+    gen: int
+    model: Any = None                     # model.state_dict() copy (replicated)
+    optimizer: Any = None                 # plain optimizer: state_dict() copy (replicated)
+    attrs: dict[str, Any] = field(default_factory=dict)
+    own: list[torch.Tensor] = field(default_factory=list)      # ZeroOptimizer: this rank's shard pieces
+    ward: list[torch.Tensor] = field(default_factory=list)     # ZeroOptimizer: the previous rank's pieces
+    other: list[dict[str, Any]] = field(default_factory=list)  # ZeroOptimizer: per group, its non-elementwise state
+    keys: list[list[str]] = field(default_factory=list)        # ZeroOptimizer: per group, its elementwise state names
+
+    def nbytes(self) -> int:
+        """Bytes of tensors this commit holds."""
+        return (values.nbytes(self.model) + values.nbytes(self.optimizer) + values.nbytes(self.attrs)
+                + values.nbytes(self.own) + values.nbytes(self.ward))
+
+
+def _is_zero(opt: Any) -> bool:
+    try:
+        from zero import ZeroOptimizer
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(opt, ZeroOptimizer)
+
+
+class TorchState:
+    """Model, optimizer and any attributes, committed in memory so a recovery can roll back.
+
+    ``state.commit()`` keeps a copy of the replicated state (model weights, a plain optimizer's
+    state, the attributes) on this rank and, for a ``zero.ZeroOptimizer``, sends this rank's
+    shard to its buddy rank (the next one) and keeps the previous rank's. The last two commits
+    are held, so every survivor can roll back to the newest one that all of them completed.
+    Attributes given as keywords (``step=0``) or set later are replicated state; one that cannot
+    be copied raises ``TypeError`` naming it.
+    """
+
+    def __init__(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
+                 checkpoint_dir: str | None = None, checkpoint_every: int | None = None,
+                 comm: Any = None, **attrs: Any) -> None:
+        import mpicomm
+
+        if checkpoint_dir is not None or checkpoint_every is not None:
+            raise NotImplementedError("elastic.TorchState: checkpoint_dir/checkpoint_every (disk checkpoints "
+                                      "every K commits) are not provided yet; save with ckpt.save in train()")
+        if model is not None and any(type(p).__name__ == "DTensor" for p in model.parameters()):
+            raise NotImplementedError("elastic.TorchState: a model with DTensor parameters (FSDP2, tensor "
+                                      "parallel) is not provided: its shards have no replica; use DDP or "
+                                      "zero.ZeroOptimizer")
+        object.__setattr__(self, "_names", [])
+        object.__setattr__(self, "model", model)
+        object.__setattr__(self, "optimizer", optimizer)
+        object.__setattr__(self, "checkpoint_dir", None)
+        object.__setattr__(self, "checkpoint_every", None)
+        if comm is None and _is_zero(optimizer):
+            comm = optimizer.comm
+        object.__setattr__(self, "_comm", mpicomm.as_communicator(comm))
+        object.__setattr__(self, "_callbacks", [])
+        object.__setattr__(self, "_commits", [])   # oldest first, at most two
+        object.__setattr__(self, "commit_seconds", 0.0)
+        object.__setattr__(self, "recoveries", [])  # one dict per recovery: lost ranks, timings
+        for k, v in attrs.items():
+            setattr(self, k, v)
+
+    # -- attributes ------------------------------------------------------------------------------
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name.startswith("_") or name in _OWN or name in ("commit_seconds", "recoveries"):
+            if name in ("checkpoint_dir", "checkpoint_every"):
+                raise AttributeError(f"elastic.TorchState: {name} is fixed at construction")
+            object.__setattr__(self, name, value)
+            return
+        values.check(name, value)
+        if name not in self._names:
+            self._names.append(name)
+        object.__setattr__(self, name, value)
+
+    @property
+    def comm(self) -> Any:
+        """The communicator of the ranks training now (the survivors after a recovery)."""
+        return self._comm
+
+    @property
+    def rank(self) -> int:
+        """This rank in ``comm``."""
+        return int(self._comm.rank)
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in ``comm``."""
+        return int(self._comm.size)
+
+    def register_reset_callbacks(self, callbacks: Iterable[Callable[[], Any]]) -> None:
+        """Run ``callbacks`` (no arguments, in order) after every recovery, before ``train`` again."""
+        for fn in callbacks:
+            if not callable(fn):
+                raise TypeError(f"elastic.TorchState.register_reset_callbacks: expected callables, got {fn!r}")
+            self._callbacks.append(fn)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the optimizer is a ZeroOptimizer (its state is replicated to a buddy rank)."""
+        return _is_zero(self.optimizer)
+
+    @property
+    def generation(self) -> int:
+        """How many commits this rank completed (0: none yet)."""
+        return self._commits[-1].gen if self._commits else 0
+
+    def replica_bytes(self) -> int:
+        """Bytes this rank holds in commits (both generations)."""
+        return sum(c.nbytes() for c in self._commits)
+
+    # -- commit ----------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def commit(self) -> None:
+        """Keep the current state as what a recovery rolls back to (collective with a ZeroOptimizer)."""
+        t0 = time.perf_counter()
+        # the oldest commit is dropped now and its memory reused (no fresh pages to fault in)
+        old = self._commits.pop(0) if len(self._commits) == 2 else Commit(0)
+        c = Commit(self.generation + 1)
+        # the shard pieces leave for the buddy first; the local copies are made while they travel
+        works = self._send_shards(c, old) if self.sharded else []
+        for name in self._names:
+            c.attrs[name] = values.save(getattr(self, name), old.attrs.get(name))
+        if self.model is not None:
+            c.model = values.tree_copy(self._model_entries(), old.model)
+        if not self.sharded and self.optimizer is not None:
+            c.optimizer = values.state_dict_copy(self.optimizer, old.optimizer)
+        for w in works:
+            w.wait()
+        self._commits.append(c)
+        object.__setattr__(self, "commit_seconds", self.commit_seconds + time.perf_counter() - t0)
+
+    def _model_entries(self) -> dict[str, Any]:
+        """The model's state to copy: all of it, except the weights a ZeroOptimizer holds (its
+        fp32 masters are copied and replicated instead, and gathered back into the model)."""
+        sd = self.model.state_dict(keep_vars=True)
+        if not self.sharded:
+            return sd
+        held = {id(p) for g in self.optimizer.groups for p in g.params}
+        return {k: v for k, v in sd.items() if id(v) not in held}
+
+    def _send_shards(self, c: Commit, old: Commit) -> list[Any]:
+        """Copy this rank's shard pieces into ``c`` and start exchanging them with the buddies;
+        return the transfers to wait for."""
+        opt = self.optimizer
+        pieces = []
+        for gi, g in enumerate(opt.groups):
+            elementwise, other = reshard.split_state(opt.shard_state(gi), g.master)
+            names = sorted(elementwise)
+            c.keys.append(names)
+            c.other.append(values.save(other)[1])
+            pieces.append(g.master)
+            pieces.extend(elementwise[k] for k in names)
+        c.own = values.tree_copy(pieces, old.own)
+        comm, world = opt.comm, int(opt.comm.size)
+        if world == 1:
+            return []
+        olds = old.ward if len(old.ward) == len(c.own) else [None] * len(c.own)
+        c.ward = [o if o is not None and o.shape == t.shape and o.dtype == t.dtype else torch.empty_like(t)
+                  for t, o in zip(c.own, olds)]
+        me = int(comm.rank)
+        works = []
+        for i, (mine, theirs) in enumerate(zip(c.own, c.ward)):
+            works.append(comm.irecv(theirs, replicas.ward(me, world), tag=_TAG + i))
+            works.append(comm.isend(mine, replicas.buddy(me, world), tag=_TAG + i))
+        return works
+
+    # -- rollback (run by elastic.run on every survivor) ----------------------------------------
+
+    def _commit_of(self, gen: int) -> Commit:
+        for c in self._commits:
+            if c.gen == gen:
+                return c
+        raise RuntimeError(f"elastic: commit {gen} is not held here (held: {[c.gen for c in self._commits]})")
+
+    @torch.no_grad()
+    def _rollback(self, gen: int, new_comm: Any, survivors: list[int], old_world: int) -> None:
+        """Restore commit ``gen`` over ``new_comm`` (the survivors, old ranks ``survivors``)."""
+        c = self._commit_of(gen)
+        for name in self._names:
+            object.__setattr__(self, name, values.restore(getattr(self, name), c.attrs[name]))
+        if self.model is not None:
+            self.model.load_state_dict(values.tree_copy(c.model), strict=not self.sharded)
+        if self.sharded:
+            self._rebuild_shards(c, new_comm, survivors, old_world)
+            self.optimizer.gather_params()          # the model's weights from the masters
+        elif self.optimizer is not None:
+            self.optimizer.load_state_dict(values.tree_copy(c.optimizer))
+        object.__setattr__(self, "_comm", new_comm)
+        # commits of the old world cannot be rebuilt from in the new one: start afresh
+        self._commits.clear()
+        self.commit()
+
+    def _rebuild_shards(self, c: Commit, new_comm: Any, survivors: list[int], old_world: int) -> None:
+        from .errors import ShardsLostError
+
+        held = replicas.holders(old_world, survivors)
+        lost = [s for s, h in enumerate(held) if h is None]
+        if lost:
+            raise ShardsLostError(
+                f"elastic: the ZeroOptimizer shards of old ranks {lost} are lost (each rank and its buddy, "
+                f"the next rank, both failed; survivors: old ranks {survivors}); no checkpoint_dir to fall back to",
+                lost)
+        me = survivors[int(new_comm.rank)]
+        opt = self.optimizer
+        pieces: list[list[torch.Tensor]] = [[] for _ in c.own]
+        for s in range(old_world):
+            src = survivors.index(held[s])
+            for i, like in enumerate(c.own):
+                if held[s] == me:
+                    buf = c.own[i] if s == me else c.ward[i]
+                else:
+                    buf = torch.empty_like(like)
+                new_comm.broadcast(buf, src=src)
+                pieces[i].append(buf)
+        full, i = [], 0
+        for gi, g in enumerate(opt.groups):
+            master = reshard.assemble(g.layout, pieces[i])
+            i += 1
+            elementwise = {}
+            for k in c.keys[gi]:
+                elementwise[k] = reshard.assemble(g.layout, pieces[i])
+                i += 1
+            full.append((master, elementwise, values.restore(None, ("value", c.other[gi]))))
+        opt.rebind(new_comm, full)

@@ -1,0 +1,99 @@
+"""Fault injection: one rank os._exit(9)s inside an elastic training job on Open MPI under ULFM
+(``mpirun --with-ft ulfm``); the survivors recover and their final weights must equal a
+single-process plain torch run on the same global batches (tests/elastic_job_lib.py).
+
+Each case is one job (tests/elastic_job.py) launched from a one-process test with a timeout;
+skipped where the MPI beside this Python has no ULFM (the MPICH wheel).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from elastic_job_lib import reference
+from mpicomm import clean_env
+from mpitest import mpiexec_cmd, mpiexec_path
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+STEPS = 5
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(ROOT, "examples")
+
+
+def _ulfm() -> None:
+    if MPI.COMM_WORLD.Get_size() > 1:
+        pytest.skip("launches its own mpirun job")
+    if not MPI.Get_library_version().startswith("Open MPI"):
+        pytest.skip("needs Open MPI with ULFM (mpirun --with-ft ulfm); this MPI has none")
+    info = os.path.join(os.path.dirname(mpiexec_path()), "ompi_info")
+    out = subprocess.run([info], capture_output=True, text=True, timeout=60).stdout if os.path.exists(info) else ""
+    if "FT MPI support: yes" not in out:
+        pytest.skip("this Open MPI was built without ULFM (ompi_info: FT MPI support)")
+
+
+def _launch(n: int, args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
+    env = clean_env()
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONWARNINGS"] = "ignore::FutureWarning"
+    cmd = [*mpiexec_cmd(n), "--with-ft", "ulfm", sys.executable, "-m", "mpi4py", *args]
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+        raise AssertionError(f"the job hung (killed after {timeout} s): {' '.join(cmd)}\n"
+                             f"{out[-2000:]}\n{err[-4000:]}") from None
+
+
+# (ranks, optimizer, where, victim, step): rank 0 (the store's host) and non-zero ranks, between
+# steps, inside backward (DDP bucket all-reduce, ZeroOptimizer gradient reduction), inside a
+# ZeroOptimizer step, inside commit(); 3 and 4 ranks. Each job takes 15-40 s here.
+CASES = [
+    (3, "ddp", "between", 0, 2),
+    (4, "ddp", "backward", 2, 1),
+    (3, "zero1", "zstep", 1, 2),
+    (4, "zero2", "backward", 0, 3),
+    (3, "zero2", "commit", 2, 1),
+]
+
+
+@pytest.mark.parametrize("n,opt,where,victim,step", CASES,
+                         ids=[f"{n}ranks-{o}-{w}-rank{v}" for n, o, w, v, _ in CASES])
+def test_survivors_end_with_the_reference_weights(tmp_path, n, opt, where, victim, step):
+    _ulfm()
+    out = str(tmp_path / "run")
+    proc = _launch(n, [os.path.join(HERE, "elastic_job.py"), opt, where, str(victim), str(step), str(STEPS), out])
+    log = f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert os.path.exists(out + ".json"), log
+    with open(out + ".json") as f:
+        info = json.load(f)
+    assert info["world_size"] == n - 1 and info["dist_world_size"] == n - 1, (info, log)
+    assert [r["lost"] for r in info["recoveries"]] == [[victim]], (info, log)
+    if opt != "ddp":
+        assert info["zero_world"] == n - 1, info
+    got = np.load(out + ".npz")
+    for i, ref in enumerate(reference(STEPS)):
+        np.testing.assert_allclose(got[f"p{i}"], ref.numpy(), rtol=1e-5, atol=1e-6, err_msg=f"param {i}\n{log}")
+
+
+def test_below_min_world_size_every_survivor_fails_clearly(tmp_path):
+    _ulfm()
+    proc = _launch(3, [os.path.join(EXAMPLES, "elastic_ddp.py"), "--kill-rank", "1", "--kill-step", "2",
+                       "--min-world-size", "3", "--steps", "4"])
+    assert proc.returncode != 0
+    assert proc.stderr.count("WorldTooSmallError") >= 2, proc.stderr[-4000:]
+    assert "fewer than min_world_size=3" in proc.stderr
+
+
+def test_zero_example_survives_a_killed_rank():
+    _ulfm()
+    proc = _launch(3, [os.path.join(EXAMPLES, "elastic_zero.py"), "--kill-rank", "0", "--kill-step", "3"])
+    log = f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
+    assert "recovered from the loss of world ranks [0]" in proc.stdout, log
+    assert "trained 8 steps on 2 ranks (ZeroOptimizer over 2 ranks, stage 2)" in proc.stdout, log

@@ -1,0 +1,126 @@
+"""elastic's pure pieces, no MPI: replica placement, shard joining, the sampler, attribute copies."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from elastic import ElasticSampler, replicas, reshard, values
+from zero import ShardLayout
+
+
+def test_buddy_is_the_next_rank_and_ward_the_previous():
+    assert [replicas.buddy(r, 4) for r in range(4)] == [1, 2, 3, 0]
+    assert [replicas.ward(r, 4) for r in range(4)] == [3, 0, 1, 2]
+    with pytest.raises(ValueError, match="rank=4, world=4"):
+        replicas.buddy(4, 4)
+
+
+@pytest.mark.parametrize("world,survivors,expected", [
+    (4, [0, 1, 2, 3], [0, 1, 2, 3]),
+    (4, [1, 2, 3], [1, 1, 2, 3]),          # rank 0 lost: its buddy 1 holds it
+    (4, [0, 1, 2], [0, 1, 2, 0]),          # rank 3 lost: held by 0 (cyclic)
+    (4, [0, 2], [0, 2, 2, 0]),             # two non-adjacent losses
+    (4, [0, 3], [0, None, 3, 3]),          # 1 and its buddy 2 both lost
+    (3, [2], [None, 2, 2]),
+])
+def test_holders(world, survivors, expected):
+    assert replicas.holders(world, survivors) == expected
+    assert replicas.lost_shards(world, survivors) == [s for s, h in enumerate(expected) if h is None]
+
+
+def test_holders_rejects_unknown_survivors():
+    with pytest.raises(ValueError, match="range\\(3\\)"):
+        replicas.holders(3, [0, 5])
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_assemble_rebuilds_parameter_order(stage, world):
+    numels = [7, 1, 12, 5]
+    flat = torch.arange(sum(numels), dtype=torch.float32) + 0.5
+    offsets = np.cumsum([0] + numels)
+    layout = ShardLayout(numels, world, stage)
+    rows = []
+    for r in range(world):     # what each rank holds, built from the layout's definition
+        row = torch.full((layout.local_numel,), -1.0)
+        for s in layout.segments(r):
+            row[s.local:s.local + s.length] = flat[offsets[s.param] + s.start:offsets[s.param] + s.start + s.length]
+        rows.append(row)
+    assert torch.equal(reshard.assemble(layout, rows), flat)
+
+
+def test_assemble_checks_rows():
+    layout = ShardLayout([4, 4], 2, 1)
+    with pytest.raises(ValueError, match="expected 2 rows, got 1"):
+        reshard.assemble(layout, [torch.zeros(4)])
+    with pytest.raises(ValueError, match="row 1: expected 4 elements, got 3"):
+        reshard.assemble(layout, [torch.zeros(4), torch.zeros(3)])
+
+
+def test_split_state():
+    master = torch.zeros(6)
+    el, other = reshard.split_state({"exp_avg": torch.ones(6), "step": torch.tensor(3.0)}, master)
+    assert list(el) == ["exp_avg"] and list(other) == ["step"]
+
+
+def test_sampler_global_batch_is_independent_of_world():
+    s = ElasticSampler(100, 12, seed=3)
+    for step in (0, 5, 8, 9, 20):
+        g = s.global_indices(step)
+        assert len(g) == 12
+        for world in (1, 2, 3, 4, 5, 12):
+            parts = [s.local_indices(step, r, world) for r in range(world)]
+            assert torch.equal(torch.cat(parts), g)
+            assert max(map(len, parts)) - min(map(len, parts)) <= 1
+    # epochs: every sample once per pass of steps_per_epoch steps (the remainder dropped)
+    one = torch.cat([s.global_indices(k) for k in range(s.steps_per_epoch)])
+    assert len(set(one.tolist())) == 96
+    assert not torch.equal(s.global_indices(0), s.global_indices(s.steps_per_epoch))
+
+
+def test_sampler_loss_scale_gives_the_global_mean():
+    s = ElasticSampler(30, 10, shuffle=False)
+    per_sample = torch.arange(30, dtype=torch.float64) ** 2
+    for world in (1, 2, 3, 4):
+        local = [s.loss_scale(world) * per_sample[s.local_indices(1, r, world)].sum() for r in range(world)]
+        assert float(sum(local) / world) == pytest.approx(float(per_sample[10:20].mean()))
+
+
+def test_sampler_errors():
+    with pytest.raises(ValueError, match="global_batch_size=0"):
+        ElasticSampler(10, 0)
+    with pytest.raises(ValueError, match="5 ranks cannot share a global batch of 4"):
+        ElasticSampler(10, 4).local_indices(0, 0, 5)
+
+
+class _Opaque:
+    pass
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of")
+def test_values_copy_and_restore():
+    g = torch.Generator().manual_seed(1)
+    rnd = random.Random(2)
+    lin = torch.nn.Linear(2, 2)
+    sched = torch.optim.lr_scheduler.StepLR(torch.optim.SGD(lin.parameters(), lr=1.0), 2)
+    items = {"i": 3, "t": torch.ones(2), "d": {"a": [1, torch.zeros(1)]}, "g": g, "r": rnd,
+             "s": sched, "n": np.arange(3)}
+    saved = {k: values.save(v) for k, v in items.items()}
+    expected_g, expected_r = torch.rand(3, generator=g), rnd.random()
+    items["t"].add_(5)
+    sched.step(), sched.step()
+    restored = {k: values.restore(v, saved[k]) for k, v in items.items()}
+    assert restored["i"] == 3 and torch.equal(restored["t"], torch.ones(2))
+    assert torch.equal(restored["d"]["a"][1], torch.zeros(1))
+    assert torch.equal(torch.rand(3, generator=g), expected_g) and rnd.random() == expected_r
+    assert sched.last_epoch == 0 and np.array_equal(restored["n"], np.arange(3))
+
+
+def test_values_check_names_the_attribute():
+    with pytest.raises(TypeError, match="attribute 'loader' of type _Opaque cannot be replicated"):
+        values.check("loader", _Opaque())
+    with pytest.raises(TypeError, match="attribute 'x'"):
+        values.check("x", [1, _Opaque()])

@@ -1,0 +1,201 @@
+"""TorchState commits and rollbacks, and ZeroOptimizer.rebind, without failures.
+
+A "recovery" here drops ranks by splitting the world (no process dies, so it runs on every MPI):
+the survivors roll back to the last commit, rebuild the dropped ranks' ZeroOptimizer shards from
+their buddies, re-partition and train on; the final weights must equal a single-process plain
+torch run on the same global batches (tests/elastic_job_lib.py).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from mpi4py import MPI
+
+import elastic
+import mpicomm
+from elastic_job_lib import LR, local_loss, make_model, reference
+from mpitest import assert_all, check_all
+from zero import ZeroOptimizer
+
+WORLD = MPI.COMM_WORLD
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_bad_attribute_is_named():
+    with pytest.raises(TypeError, match="attribute 'loader' of type object cannot be replicated"):
+        elastic.TorchState(step=0, loader=object())
+    state = elastic.TorchState(step=0)
+    with pytest.raises(TypeError, match="attribute 'lock'"):
+        state.lock = __import__("threading").Lock()
+
+
+def test_checkpoint_dir_is_refused_clearly():
+    with pytest.raises(NotImplementedError, match="checkpoint_dir"):
+        elastic.TorchState(checkpoint_dir="/tmp/x", checkpoint_every=2)
+
+
+def test_run_checks_its_arguments():
+    with pytest.raises(ValueError, match="min_world_size >= 1"):
+        elastic.run(min_world_size=0)
+    with pytest.raises(TypeError, match="expected an elastic.TorchState"):
+        elastic.run(lambda s: None)(3)
+    comm = mpicomm.Communicator(MPI.COMM_SELF)
+    with pytest.raises(elastic.WorldTooSmallError, match="1 ranks, fewer than min_world_size=2"):
+        elastic.run(min_world_size=2)(lambda s: None)(elastic.TorchState(comm=comm))
+
+
+def test_an_error_that_is_no_failure_passes_through():
+    comm = mpicomm.Communicator(MPI.COMM_SELF)
+
+    @elastic.run
+    def train(state):
+        raise KeyError("mine")
+
+    with pytest.raises(KeyError, match="mine"):
+        train(elastic.TorchState(comm=comm, step=0))
+
+
+def test_commit_and_rollback_replicated_state():
+    comm = mpicomm.Communicator(MPI.COMM_SELF)
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    gen = torch.Generator().manual_seed(4)
+    state = elastic.TorchState(model=model, optimizer=opt, comm=comm, step=0, seen=[1], rng=gen)
+    for step in range(2):
+        opt.zero_grad()
+        local_loss(model, step, 0, 1).backward()
+        opt.step()
+        state.step += 1
+        state.commit()
+    assert state.generation == 2
+    kept = [p.detach().clone() for p in model.parameters()]
+    next_rand = torch.rand(2, generator=gen)
+    gen.manual_seed(4)
+    torch.rand(5, generator=gen)
+    opt.zero_grad()
+    local_loss(model, 2, 0, 1).backward()
+    opt.step()
+    state.step, state.seen = 99, [1, 2]
+    state._rollback(2, comm, [0], 1)
+    assert state.step == 2 and state.seen == [1]
+    for p, k in zip(model.parameters(), kept):
+        assert torch.equal(p, k)
+    assert torch.equal(torch.rand(2, generator=gen), next_rand)
+    # the optimizer state was rolled back too: two more steps end as the reference's four
+    for step in (2, 3):
+        opt.zero_grad()
+        local_loss(model, step, 0, 1).backward()
+        opt.step()
+    for p, r in zip(model.parameters(), reference(4)):
+        torch.testing.assert_close(p.detach(), r, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_rebind_one_process(stage):
+    """Rebinding to the same one-rank world from the joined state changes nothing."""
+    comm = mpicomm.Communicator(MPI.COMM_SELF)
+    model = make_model()
+    opt = ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=stage, comm=comm, lr=LR)
+    for step in range(4):
+        if step == 2:
+            full = []
+            for gi, g in enumerate(opt.groups):
+                el, other = elastic.reshard.split_state(opt.shard_state(gi), g.master)
+                full.append((elastic.reshard.assemble(g.layout, [g.master]),
+                             {k: elastic.reshard.assemble(g.layout, [v]) for k, v in el.items()}, other))
+            opt.rebind(mpicomm.Communicator(MPI.COMM_SELF), full)
+        opt.zero_grad()
+        local_loss(model, step, 0, 1).backward()
+        opt.step()
+    for p, r in zip(model.parameters(), reference(4)):
+        torch.testing.assert_close(p.detach(), r, rtol=1e-6, atol=1e-7)
+
+
+def test_rebind_checks_sizes():
+    comm = mpicomm.Communicator(MPI.COMM_SELF)
+    opt = ZeroOptimizer(torch.optim.Adam, make_model().parameters(), stage=1, comm=comm, lr=LR)
+    with pytest.raises(ValueError, match="expected 1 groups, got 0"):
+        opt.rebind(comm, [])
+    with pytest.raises(ValueError, match="'master': expected 66 elements, got 3"):
+        opt.rebind(comm, [(torch.zeros(3), {}, {})])
+
+
+def _drop(world: mpicomm.Communicator, dropped: list[int]):
+    """The communicator of the ranks not in ``dropped`` (None on a dropped rank)."""
+    color = None if world.rank in dropped else 0
+    return world.split(color, key=world.rank), [r for r in range(world.size) if r not in dropped]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("opt_kind", ["zero1", "zero2", "adam"])
+@pytest.mark.parametrize("drop", ["first", "last", "two"])
+def test_rollback_over_fewer_ranks_matches_the_reference(opt_kind, drop):
+    world = mpicomm.Communicator(WORLD)
+    n = world.size
+    dropped = {"first": [0], "last": [n - 1], "two": [0, 2] if n >= 4 else [0]}[drop]
+    model = make_model()
+    if opt_kind == "adam":
+        opt = torch.optim.Adam(model.parameters(), lr=LR)
+        comm = world
+    else:
+        comm = world.dup()
+        opt = ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=int(opt_kind[-1]), comm=comm, lr=LR)
+
+    def allreduce_grads(c):
+        if opt_kind == "adam":
+            for p in model.parameters():
+                c.all_reduce(p.grad, op=mpicomm.ReduceOp.AVG)
+
+    state = elastic.TorchState(model=model, optimizer=opt, comm=comm, step=0)
+    while state.step < 4:
+        opt.zero_grad()
+        local_loss(model, state.step, state.rank, state.world_size).backward()
+        allreduce_grads(comm)
+        opt.step()
+        state.step += 1
+        if state.step < 4:
+            state.commit()            # step 4 is done but not committed: the rollback undoes it
+    new, survivors = _drop(world, dropped)
+    if new is not None:
+        def check():
+            state._rollback(3, new, survivors, n)     # the third commit reused the first's memory
+            assert state.step == 3 and state.world_size == n - len(dropped)
+            if opt_kind != "adam":
+                assert opt.comm is new and opt.world_size == new.size and opt.rank == new.rank
+            while state.step < 5:
+                opt.zero_grad()
+                local_loss(model, state.step, state.rank, state.world_size).backward()
+                allreduce_grads(new)
+                opt.step()
+                state.step += 1
+                state.commit()
+            for p, r in zip(model.parameters(), reference(5)):
+                torch.testing.assert_close(p.detach(), r, rtol=1e-5, atol=1e-6)
+        check_all(check, new.mpi_comm)
+    WORLD.Barrier()
+
+
+@pytest.mark.mpi(min_size=3)
+def test_a_shard_and_its_buddy_lost_is_named():
+    world = mpicomm.Communicator(WORLD)
+    n = world.size
+    model = make_model()
+    opt = ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=1, comm=world.dup(), lr=LR)
+    state = elastic.TorchState(model=model, optimizer=opt, step=0)
+    state.commit()
+    new, survivors = _drop(world, [0, 1])
+    ok = True
+    if new is not None:
+        try:
+            state._rollback(1, new, survivors, n)
+            ok = False
+        except elastic.ShardsLostError as e:
+            ok = e.lost == [0] and "old ranks [0] are lost" in str(e)
+    assert_all(ok, "expected ShardsLostError naming old rank 0")
