@@ -13,6 +13,10 @@ loops, against values computed in numpy (``bench.values``).
 
 Peers: ``mpicomm`` (the Communicator's methods), ``mpicomm-pg`` (torch.distributed's functions on
 a process group of the mpicomm backend: what a torch user calls), ``mpi4py`` and ``gloo``.
+Opt-in peer ``mpicomm-pg-q8`` (all_gather and reduce_scatter only): ``compressed.fsdp``'s
+``QuantizedAllGather`` / ``QuantizedReduceScatter`` on that process group, called as FSDP2 calls
+them (blocking), checked against the documented int8 error bound per block of 512 elements;
+``--peers mpicomm-pg,mpicomm-pg-q8`` times it beside FSDP2's own collective.
 
 The mpi4py peer is what a user would write by hand: numpy buffers (on memory allocated and
 written as the torch peers', so that all peers move the same kind of pages); for float16/bfloat16
@@ -34,6 +38,8 @@ from . import common, netsim, values
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 PEERS = ("mpicomm", "mpicomm-pg", "mpi4py", "gloo")
+OPT_PEERS = ("mpicomm-pg-q8",)  # only when asked for (--peers)
+Q8_BLOCK = 512
 DTYPES = values.DTYPES
 DEVICES = ("cpu", "cuda")
 REDUCTIONS = ("all_reduce", "reduce_scatter")
@@ -181,9 +187,65 @@ def make_case(peer: str, op: str, count: int, per_rank: int, name: str, device: 
     """Allocate zero-filled buffers of dtype ``name`` on ``device`` and bind ``peer``'s call."""
     if peer == "mpi4py":
         return _mpi4py_case(op, count, per_rank, name, mpi_comm)
+    if peer == "mpicomm-pg-q8":
+        return _q8_case(op, count, per_rank, name, device, n, mcomm)
     if peer in ("mpicomm", "mpicomm-pg", "gloo"):
         return _torch_case(peer, op, count, per_rank, name, device, n, mcomm)
-    raise ValueError(f"unknown peer {peer!r}; expected one of {PEERS}")
+    raise ValueError(f"unknown peer {peer!r}; expected one of {PEERS + OPT_PEERS}")
+
+
+def _q8_case(op, count, per_rank, name, device, n, group) -> Case:
+    """compressed.fsdp's int8 all-gather / reduce-scatter on the mpicomm process group."""
+    import torch
+    import torch.distributed as dist
+
+    from compressed.fsdp import QuantizedAllGather, QuantizedReduceScatter
+
+    dt = _torch_dtype(name)
+    ts = torch.zeros(per_rank if op == "all_gather" else count, dtype=dt, device=device)
+    tr = torch.zeros(_recv_len(op, count, per_rank), dtype=dt, device=device)
+    if op == "all_gather":
+        ag = QuantizedAllGather(block=Q8_BLOCK)
+
+        def call():
+            return ag(tr, ts, group)
+    elif op == "reduce_scatter":
+        rs = QuantizedReduceScatter(block=Q8_BLOCK)
+
+        def call():
+            return rs(tr, ts, group, dist.ReduceOp.SUM)
+    else:
+        def call():
+            raise ValueError(f"peer mpicomm-pg-q8: expected op all_gather or reduce_scatter, "
+                             f"got {op}")
+    if not dt.is_floating_point:
+        def call():
+            raise ValueError(f"peer mpicomm-pg-q8: expected a floating dtype, got {name}")
+    sync = torch.cuda.synchronize if device == "cuda" else None
+    wire = (1 + 4 / Q8_BLOCK) / dt.itemsize  # int8 values and one fp32 scale per block
+    return Case(np.zeros(0), lambda: _to_host(tr, name), call,
+                lambda v: ts.copy_(_from_host(v, name, device)), sync=sync, check="int8",
+                wire_factor=wire, keep=[ts, tr])
+
+
+def q8_wrong(got: np.ndarray, op: str, rank: int, n: int, per_rank: int, name: str) -> int:
+    """Elements of a quantized result off the exact one by more than the documented bound: per
+    block, max|x| / 254 (relative 2**-15 more) for each peer's contribution (this rank's own
+    exact), then one rounding to ``name`` (2**-8 relative for 16-bit types, 2**-23 for fp32)."""
+    idx = np.arange(per_rank)
+    sl = rank * per_rank + idx if op == "reduce_scatter" else idx
+    want = values.expected(op, rank, n, n * per_rank, per_rank, name)
+    bounds = []
+    for s in range(n):
+        x = np.abs(values.as_float(values._pattern(s, sl, name), name))
+        pad = -len(x) % Q8_BLOCK
+        amax = np.repeat(np.pad(x, (0, pad)).reshape(-1, Q8_BLOCK).max(axis=1), Q8_BLOCK)
+        bounds.append(np.zeros(len(x)) if s == rank else amax[:len(x)] / 254 * (1 + 2 ** -15))
+    bound = np.stack(bounds).sum(axis=0) if op == "reduce_scatter" else np.concatenate(bounds)
+    w = values.as_float(want, name)
+    rel = 2 ** -8 if name in values.SIXTEEN_BIT else 2 ** -23
+    err = np.abs(values.as_float(got, name) - w)
+    return int(np.count_nonzero(err > bound * (1 + rel) + rel * np.abs(w)))
 
 
 def cuda_problem() -> str | None:
@@ -218,10 +280,10 @@ def available_peers(wanted, mpi_comm: MPI.Comm) -> tuple[list[str], dict, list[s
             if not all(mpi_comm.allgather(ok)):
                 notes.append(f"peer gloo skipped: torch.distributed gloo did not initialise{why}")
                 continue
-        elif peer == "mpicomm-pg":
-            ctx["mpicomm-pg"] = _mpicomm_group()
+        elif peer in ("mpicomm-pg", "mpicomm-pg-q8"):
+            ctx[peer] = _mpicomm_group()
         elif peer != "mpi4py":
-            raise ValueError(f"unknown peer {peer!r}; expected one of {PEERS}")
+            raise ValueError(f"unknown peer {peer!r}; expected one of {PEERS + OPT_PEERS}")
         peers.append(peer)
     peers.sort(key=list(wanted).index)
     return peers, ctx, notes
@@ -305,7 +367,10 @@ def measure_size(peers, op: str, size_bytes: int, name: str, device: str, mpi_co
                 case.sync()
             want = values.expected(op, rank, n, count, per_rank, name)
             ulps = n - 1 if case.check != "exact" else 0
-            local = values.count_wrong(np.asarray(case.result()), want, name, ulps)
+            if case.check == "int8":
+                local = q8_wrong(np.asarray(case.result()), op, rank, n, per_rank, name)
+            else:
+                local = values.count_wrong(np.asarray(case.result()), want, name, ulps)
             wrong = mpi_comm.allreduce(local, op=MPI.SUM)
             times, round_means = common.median_round([t[0] for t in timings[peer]])
             mid = round_means.index(times[1])
@@ -369,8 +434,9 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_rounds_arg(parser)
     parser.add_argument("--ops", type=common.comma_list(OPS), default=list(OPS),
                         help=f"comma list of ops (default all: {','.join(OPS)})")
-    parser.add_argument("--peers", type=common.comma_list(PEERS), default=list(PEERS),
-                        help=f"comma list of peers (default all that work: {','.join(PEERS)})")
+    parser.add_argument("--peers", type=common.comma_list(PEERS + OPT_PEERS), default=list(PEERS),
+                        help=f"comma list of peers (default all that work: {','.join(PEERS)}; "
+                             f"opt-in: {','.join(OPT_PEERS)})")
     parser.add_argument("--dtype", type=common.comma_list(DTYPES), nargs="+", default=[["float32"]],
                         metavar="DTYPE", help=f"one or more of {', '.join(DTYPES)} (spaces or "
                                               "commas; default float32)")

@@ -111,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--curve", action="store_true",
                    help="instead: loss against step for Adam, OnebitAdam, ZeroOneAdam, LAMB, OnebitLamb")
     p.add_argument("--curve-steps", type=_count(1), default=100, help="steps of --curve (100)")
+    p.add_argument("--curve-fsdp", action="store_true",
+                   help="with --curve: also FSDP2 + Adam, fsdp2-mpicomm-r16 and fsdp2-mpicomm-q8")
     p.add_argument("--freeze-step", type=_count(1), default=20,
                    help="--curve: OnebitAdam's and OnebitLamb's freeze_step, ZeroOneAdam's "
                         "var_freeze_step (default 20)")
@@ -171,7 +173,9 @@ def main(argv=None) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if args.curve:
-            return curve_main(args, mpi_comm, mcomm, teacher, rep)
+            rc = curve_main(args, mpi_comm, mcomm, teacher, rep)
+            _close()
+            return rc
         return _steps_main(args, mpi_comm, mcomm, teacher, params, rep)
 
 

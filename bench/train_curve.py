@@ -2,7 +2,9 @@
 
 Adam and LAMB train on gradients averaged with mpicomm, ``compressed.OnebitAdam``,
 ``ZeroOneAdam`` and ``OnebitLamb`` on their own communication; every run starts from the same
-weights and sees the same data, a step of each in turn.
+weights and sees the same data, a step of each in turn. ``--curve-fsdp`` adds FSDP2 with Adam
+on the mpicomm group (``fsdp2-mpicomm-r16``, and ``fsdp2-mpicomm-q8`` with ``compressed.fsdp``'s
+int8 weights and gradients), as ``bench train``'s peers of those names.
 """
 from __future__ import annotations
 
@@ -14,11 +16,12 @@ from mpicomm import format_bytes
 
 from . import common
 from .lamb import Lamb
-from .train_peers import batch, build_model, describe
+from .train_peers import batch, build_model, describe, make_fsdp_peer
 
-__all__ = ["CURVES", "run_curve", "curve_main"]
+__all__ = ["CURVES", "FSDP_CURVES", "run_curve", "curve_main"]
 
 CURVES = ("adam", "onebit-adam", "zero-one-adam", "lamb", "onebit-lamb")
+FSDP_CURVES = ("fsdp2-mpicomm-r16", "fsdp2-mpicomm-q8")  # with --curve-fsdp
 
 
 def _counting_comm(mpi_comm):
@@ -80,6 +83,15 @@ def run_curve(args, mpi_comm, mcomm, teacher) -> dict[str, dict]:
         comm = _counting_comm(mpi_comm)
         runs[name] = {"model": model, "comm": comm, "losses": [], "times": [],
                       "opt": _curve_optimizer(name, model.parameters(), args, comm)}
+    if getattr(args, "curve_fsdp", False):
+        import torch.distributed as dist
+
+        groups = {"gloo": common.init_gloo(mpi_comm)}
+        groups["mpicomm"] = dist.new_group(backend="mpicomm")
+        for name in FSDP_CURVES:
+            peer = make_fsdp_peer(name, args, groups)
+            runs[name] = {"model": peer.ddp, "comm": None, "losses": [], "times": [],
+                          "opt": peer.opt, "dtype": peer.dtype or torch.bfloat16}
 
     def average_grads(model, comm):
         grads = [p.grad for p in model.parameters()]
@@ -94,7 +106,9 @@ def run_curve(args, mpi_comm, mcomm, teacher) -> dict[str, dict]:
             opt.zero_grad(set_to_none=False)
             mpi_comm.Barrier()
             t0 = time.perf_counter()
-            loss = torch.nn.functional.mse_loss(model(x), y)
+            dtype = run.get("dtype")
+            out = model(x) if dtype is None else model(x.to(dtype)).float()
+            loss = torch.nn.functional.mse_loss(out, y)
             loss.backward()
             if name in ("adam", "lamb") and n > 1:
                 average_grads(model, run["comm"])
@@ -103,10 +117,12 @@ def run_curve(args, mpi_comm, mcomm, teacher) -> dict[str, dict]:
             run["losses"].append(mpi_comm.allreduce(float(loss.detach()), op=MPI.SUM) / n)
     out = {}
     for name, run in runs.items():
+        comm = run["comm"]  # None: FSDP2 on its process group (bytes not counted)
         out[name] = {"losses": run["losses"],
-                     "bytes_per_step": run["comm"].sent / args.curve_steps,
+                     "bytes_per_step": None if comm is None else comm.sent / args.curve_steps,
                      "step_ms": mpi_comm.allreduce(sum(run["times"]) / len(run["times"]), op=MPI.MAX) * 1e3}
-        run["comm"].free()
+        if comm is not None:
+            comm.free()
     return out
 
 
@@ -131,10 +147,11 @@ def curve_main(args, mpi_comm, mcomm, teacher, rep) -> int:
         series = c["losses"]
         bad = int(not np.all(np.isfinite(series)))
         compressed_from = args.freeze_step if name in ("onebit-adam", "onebit-lamb") else None
+        sent = c["bytes_per_step"]
+        label = name if sent is None else f"{name} ({format_bytes(sent)}/step)"
         records.append(dict(rep.base("curve"), peer=name, model=describe(args), steps=len(series),
                             losses=series, final_loss=series[-1], freeze_step=compressed_from,
-                            bytes_per_step=c["bytes_per_step"], step_ms=c["step_ms"],
-                            label=f"{name} ({format_bytes(c['bytes_per_step'])}/step)", wrong=bad))
+                            bytes_per_step=sent, step_ms=c["step_ms"], label=label, wrong=bad))
     every = max(1, args.curve_steps // 10)
     for i in sorted(set(range(every - 1, args.curve_steps, every)) | {args.curve_steps - 1}):
         rep.show({"step": i + 1, **{name: curves[name]["losses"][i] for name in CURVES}})
@@ -147,5 +164,10 @@ def curve_main(args, mpi_comm, mcomm, teacher, rep) -> int:
     rep.note(f"loss after {args.curve_steps} steps: Adam {a:.6f}, 1-bit Adam {b:.6f} "
              f"({b / a if a else float('nan'):.2f}x Adam's; compressed from step "
              f"{args.freeze_step + 1})")
+    if all(name in curves for name in FSDP_CURVES):
+        r16, q8 = (curves[name]["losses"][-1] for name in FSDP_CURVES)
+        rep.note(f"loss after {args.curve_steps} steps: FSDP2 Adam {r16:.6f} (fsdp2-mpicomm-r16), "
+                 f"{q8:.6f} with int8 weights and gradients (fsdp2-mpicomm-q8): "
+                 f"{q8 / r16 if r16 else float('nan'):.3f}x r16's (bytes/step '-': not counted)")
     return rep.finish("all losses finite (#wrong = 0)",
                       title=f"{describe(args)}, {mpi_comm.Get_size()} ranks: exact and 1-bit optimizers")

@@ -169,3 +169,23 @@ def test_reduce_rows_sums_in_row_order(factor):
     sim[2] = own.double().numpy()
     ref = sim.sum(axis=0) * factor
     np.testing.assert_allclose(got.double().numpy(), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("op", ["all_gather", "reduce_scatter"])
+def test_bench_q8_check_counts_only_errors_past_the_bound(op):
+    """bench collectives' mpicomm-pg-q8 check: a float64-simulated int8 result passes, one
+    element pushed past its block's bound is counted."""
+    from bench import values
+    from bench.collectives import Q8_BLOCK, q8_wrong
+
+    n, rank, per = 2, 1, 3 * Q8_BLOCK + 77   # a short tail block
+    sl = rank * per + np.arange(per) if op == "reduce_scatter" else np.arange(per)
+    parts = [values.as_float(values._pattern(s, sl, "float32"), "float32") for s in range(n)]
+    sent = [p if s == rank else simulate(p[None, :], Q8_BLOCK)[0] for s, p in enumerate(parts)]
+    got = (np.sum(sent, axis=0) if op == "reduce_scatter" else np.concatenate(sent))
+    got = got.astype(np.float32)
+    assert q8_wrong(got, op, rank, n, per, "float32") == 0
+    peer = 0  # rank 0's values: the element 5 of its slice, pushed past max|x| / 254 of block 0
+    bad = got.copy()
+    bad[5] += np.abs(parts[peer][:Q8_BLOCK]).max() / 254 * 3
+    assert q8_wrong(bad, op, rank, n, per, "float32") == 1

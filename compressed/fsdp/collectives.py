@@ -79,6 +79,24 @@ class _Done(dist.Work):
         return True
 
 
+def _communicator(group: dist.ProcessGroup, async_op: bool):
+    """The mpicomm Communicator under ``group`` for a blocking call, else None.
+
+    A blocking call on an mpicomm process group goes to its Communicator directly (one MPI
+    call, ~100 us less per call at 16-64 KiB than the process group's work); it waits in MPI
+    without the group's timeout. Async calls and other groups keep the process group's path.
+    """
+    if async_op:
+        return None
+    try:
+        from mpicomm.distributed._pg import MpicommProcessGroup
+    except ImportError:
+        return None
+    if not isinstance(group, MpicommProcessGroup) or group.comm is None or group._broken:
+        return None  # a destroyed or broken group: its own path raises the clear error
+    return group.comm
+
+
 def _finish(start: Callable[[bool], dist.Work | None], then: Callable[[], None], async_op: bool):
     """Start the transfer (blocking unless ``async_op``); run ``then`` now or in the work's
     ``wait()``."""
@@ -147,7 +165,11 @@ class QuantizedAllGather(_Quantized, AllGather):
         row = quantize_rows(input_tensor.reshape(1, n), lay)
         gathered = torch.empty(world, lay.nbytes, dtype=torch.uint8, device=row.device)
 
+        comm = _communicator(group, async_op)
+
         def start(async_: bool):
+            if comm is not None:
+                return comm.all_gather_into_tensor(gathered, row)
             return dist.all_gather_into_tensor(gathered, row, group=group, async_op=async_)
 
         def dequantize() -> None:
@@ -188,7 +210,11 @@ class QuantizedReduceScatter(_Quantized, ReduceScatter):
         send = quantize_rows(chunks, lay)
         recv = torch.empty_like(send)
 
+        comm = _communicator(group, async_op)
+
         def start(async_: bool):
+            if comm is not None:
+                return comm.all_to_all_single(recv, send)
             return dist.all_to_all_single(recv, send, group=group, async_op=async_)
         own = chunks[rank]
 

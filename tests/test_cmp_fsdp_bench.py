@@ -1,0 +1,48 @@
+"""The bench rows of compressed.fsdp, as users run them (2-rank jobs): bench train --curve
+--curve-fsdp and bench collectives' mpicomm-pg-q8 peer beside mpicomm-pg."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from bench import common, train_curve
+from mpitest import mpiexec_cmd
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(tmp_path, *args, timeout=300):
+    out = tmp_path / "out.json"
+    cmd = [*mpiexec_cmd(2), sys.executable, "-m", "mpi4py", "-m", "bench", *args,
+           "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout, json.loads(out.read_text())["records"]
+
+
+def test_curve_fsdp(tmp_path):
+    stdout, recs = _run(tmp_path, "train", "--hidden", "32", "--layers", "2", "--batch", "4",
+                        "--curve", "--curve-fsdp", "--curve-steps", "3")
+    by = {r["peer"]: r for r in recs}
+    assert list(by) == list(train_curve.CURVES + train_curve.FSDP_CURVES)
+    for rec in recs:
+        assert common.validate_record(rec) == [], rec
+        assert rec["steps"] == 3 and rec["wrong"] == 0
+    # the first step's loss comes before any update: every replica starts from the same weights
+    r16, q8 = (by[name]["losses"] for name in train_curve.FSDP_CURVES)
+    assert abs(q8[0] - r16[0]) <= 1e-2 * r16[0]
+    assert by["fsdp2-mpicomm-q8"]["bytes_per_step"] is None
+    assert "with int8 weights and gradients (fsdp2-mpicomm-q8)" in stdout
+
+
+def test_collectives_q8_peer(tmp_path):
+    stdout, recs = _run(tmp_path, "collectives", "--ops", "all_gather,reduce_scatter,broadcast",
+                        "--peers", "mpicomm-pg,mpicomm-pg-q8", "--sizes", "8K", "--rounds", "1",
+                        "--iters", "3", "--warmup", "1")
+    got = {(r["op"], r["peer"]) for r in recs}
+    assert got == {(op, p) for op in ("all_gather", "reduce_scatter", "broadcast")
+                   for p in ("mpicomm-pg", "mpicomm-pg-q8")} - {("broadcast", "mpicomm-pg-q8")}
+    assert all(r["wrong"] == 0 for r in recs)
+    assert "peer mpicomm-pg-q8 skipped for broadcast" in stdout
