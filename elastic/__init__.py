@@ -16,7 +16,6 @@ What lives where:
     run       the decorator and the recovery (revoke, shrink, new process group, rollback, callbacks)
     replicas  which rank holds whose shard replica (pure)
     reshard   a ZeroOptimizer group's shards joined in parameter order (pure)
-    ddp       allreduce_hook: the DDP comm hook to use under elastic (a workaround, see there)
     sampler   ElasticSampler: a deterministic global batch re-split over the current ranks (pure)
     values    copies of attribute values per commit
     errors    ElasticError and its kinds
@@ -25,11 +24,10 @@ Layering: accelerators <- mpicomm <- compressed <- zero <- ckpt <- elastic <- be
 """
 from __future__ import annotations
 
-from .ddp import allreduce_hook
 from .errors import ElasticError, ResetCallbackError, ShardsLostError, WorldTooSmallError
 from .run import recover, run
 from .sampler import ElasticSampler
 from .state import TorchState
 
-__all__ = ["ElasticError", "allreduce_hook", "ElasticSampler", "ResetCallbackError", "ShardsLostError", "TorchState",
+__all__ = ["ElasticError", "ElasticSampler", "ResetCallbackError", "ShardsLostError", "TorchState",
            "WorldTooSmallError", "recover", "run"]

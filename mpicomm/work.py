@@ -51,6 +51,7 @@ class BaseWork:
         self._done = False
         self._error: BaseException | None = None
         self._future: torch.futures.Future | None = None
+        self._future_source: torch.futures.Future | None = None
         # set when only the progress thread completes this work: waiters wait on it
         self._event: threading.Event | None = None
 
@@ -80,12 +81,21 @@ class BaseWork:
         self._done = True
         if self._event is not None:
             self._event.set()
-        fut = self._future
+        fut = self._future_source
         if fut is not None and not fut.done():
-            if error is not None:
-                fut.set_exception(error)
-            else:
-                fut.set_result(self._result)
+            self._complete_future(fut, error)
+
+    def _make_future(self) -> tuple[torch.futures.Future, torch.futures.Future]:
+        """(the future this work completes, the future ``get_future`` returns): one future."""
+        fut = torch.futures.Future()
+        return fut, fut
+
+    def _complete_future(self, fut: torch.futures.Future, error: BaseException | None) -> None:
+        """Complete ``fut`` (from :meth:`_make_future`) with the outcome."""
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(self._result)
 
     def _poll(self, now: float | None = None) -> bool:
         """Test once unless another thread holds the work (progress-thread hook). True when done."""
@@ -152,12 +162,9 @@ class BaseWork:
         """A torch Future completed with the output buffers when the operation completes."""
         with self._lock:
             if self._future is None:
-                self._future = torch.futures.Future()
+                self._future_source, self._future = self._make_future()
                 if self._done:
-                    if self._error is not None:
-                        self._future.set_exception(self._error)
-                    else:
-                        self._future.set_result(self._result)
+                    self._complete_future(self._future_source, self._error)
                 else:
                     self._on_future()
             return self._future

@@ -75,7 +75,6 @@ def main() -> None:
         net = model
         if opt_kind == "ddp":
             net = DDP(model, bucket_cap_mb=0.0001)     # a bucket per parameter
-            net.register_comm_hook(None, elastic.allreduce_hook)
         while state.step < steps:
             opt.zero_grad()
             local_loss(net, state.step, state.rank, state.world_size).backward()

@@ -185,3 +185,41 @@ def test_below_thread_multiple_async_calls_complete_before_returning(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert [(tmp_path / f"ok.{r}").read_text() for r in range(2)] == ["pending 0"] * 2, out
+
+
+_DDP_FAILED_BUCKET_JOB = r"""
+import torch, torch.distributed as dist, mpicomm
+from torch.nn.parallel import DistributedDataParallel as DDP
+from mpicomm.distributed import _pg
+dist.init_process_group("mpicomm")
+model = DDP(torch.nn.Linear(4, 4))
+real = _pg.MpicommProcessGroup.allreduce
+
+
+def failing(self, tensors, opts):  # a bucket's all-reduce that fails as when a peer died
+    work = real(self, tensors, opts)
+    work.wait()
+    work._error = mpicomm.RankFailedError("all_reduce: rank 1 failed (injected)", (1,))
+    return work
+
+
+_pg.MpicommProcessGroup.allreduce = failing
+try:
+    model(torch.randn(2, 4)).sum().backward()
+except RuntimeError as exc:
+    print("backward raised:", exc)
+else:
+    raise AssertionError("backward did not raise")
+"""
+
+
+def test_a_failed_bucket_all_reduce_raises_from_ddp_backward(tmp_path):
+    """DDP's built-in path reads the group's future in C++: a failed call must be an error
+    there (a Python future's set_exception is a value to C++, and crashed the process)."""
+    script = tmp_path / "ddp_failed.py"
+    script.write_text(_DDP_FAILED_BUCKET_JOB)
+    proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "backward raised:" in out and "RankFailedError: all_reduce: rank 1 failed" in out, out

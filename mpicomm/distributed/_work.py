@@ -181,6 +181,25 @@ class MpicommWork(BaseWork, dist.Work):
             _left_pending.append((where, self._inner))
             self._settle(ProcessGroupTimeoutError(message))
 
+    # -- the future -------------------------------------------------------------------------
+
+    def _make_future(self) -> tuple[torch.futures.Future, torch.futures.Future]:
+        """A future whose failure torch's C++ side sees as one: DDP's reducer reads a process
+        group's future in C++, where a Python future's ``set_exception`` is a value (the error
+        object) and a failed call crashed the process. The returned future is a ``then`` of the
+        one this work completes, raising the work's error in its callback (a C++ error; Python
+        sees a RuntimeError naming it); ``wait()`` on the work raises the error itself."""
+        source = torch.futures.Future()
+        return source, source.then(self._future_value)
+
+    def _future_value(self, _source) -> list:
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def _complete_future(self, fut: torch.futures.Future, error: BaseException | None) -> None:
+        fut.set_result(None)
+
     def _describe(self) -> str:
         return f"{self._call} (operation #{self._seq})"
 
