@@ -39,6 +39,11 @@ def sharding(t: torch.Tensor, what: str) -> dl.Sharding:
     placements give this rank."""
     mesh = t.device_mesh
     placements = tuple(t.placements)
+    got = tuple(t._local_tensor.shape)
+    key = (id(mesh), placements, tuple(t.shape), got)
+    hit = _SHARDINGS.get(key)
+    if hit is not None and hit[0] is mesh:  # a layout already built and checked on this rank
+        return hit[1]
     for p in placements:
         kind = dl.placement_kind(p)[0]
         if kind not in ("shard", "strided", "replicate"):
@@ -51,15 +56,20 @@ def sharding(t: torch.Tensor, what: str) -> dl.Sharding:
     s = dl.Sharding(tuple(int(x) for x in t.shape), mesh_shape, mesh_ranks, placements,
                     None if coord is None else tuple(int(c) for c in coord))
     want = dl.local_shape(s.mine()) if coord is not None else None
-    got = tuple(t._local_tensor.shape)
     if want is not None and want != got:
         raise IncompatibleStateError(
             f"{what}: DTensor of global shape {list(s.shape)} on {s.describe()} at mesh coordinate {list(coord)} "
             f"should hold a local shard of shape {list(want)}, it holds {list(got)}: the global shape does not "
             "match the local shards (do the ranks agree on it?)")
+    if len(_SHARDINGS) > 4096:
+        _SHARDINGS.clear()
+    _SHARDINGS[key] = (mesh, s)
     return s
 
 
+# layouts by (mesh id, placements, global shape, local shape), the mesh kept to tell a reused id:
+# a model's tensors of one shape on one mesh share one Sharding (and its runs, ``io_plan``)
+_SHARDINGS: dict[tuple, tuple[Any, dl.Sharding]] = {}
 _MESHES: dict[int, tuple[Any, tuple[int, ...], tuple[int, ...]]] = {}
 
 

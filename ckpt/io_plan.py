@@ -30,7 +30,23 @@ def shard_runs(e: Any, s: dl.Sharding, buf: int) -> list[byte_ranges.IOItem]:
     """Items that move this rank's shard of DTensor layout ``s`` between entry ``e`` (the full
     tensor in the file) and local buffer ``buf``: runs of contiguous bytes, in local order."""
     isz = e.itemsize
-    return [byte_ranges.IOItem(e.offset + f * isz, n * isz, buf, lo * isz) for f, lo, n in dl.runs(s.shape, s.mine())]
+    return [byte_ranges.IOItem(e.offset + f * isz, n * isz, buf, lo * isz) for f, lo, n in _runs(s)]
+
+
+_RUNS: dict[int, tuple[dl.Sharding, list[tuple[int, int, int]]]] = {}
+
+
+def _runs(s: dl.Sharding) -> list[tuple[int, int, int]]:
+    """``dl.runs`` of this rank's shard of ``s``, computed once per Sharding object (``dtensor.sharding``
+    hands out one per layout and shape)."""
+    hit = _RUNS.get(id(s))
+    if hit is not None and hit[0] is s:
+        return hit[1]
+    if len(_RUNS) > 4096:
+        _RUNS.clear()
+    runs = dl.runs(s.shape, s.mine())
+    _RUNS[id(s)] = (s, runs)
+    return runs
 
 
 @dataclass
