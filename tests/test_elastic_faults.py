@@ -97,3 +97,13 @@ def test_zero_example_survives_a_killed_rank():
     log = f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
     assert "recovered from the loss of world ranks [0]" in proc.stdout, log
     assert "trained 8 steps on 2 ranks (ZeroOptimizer over 2 ranks, stage 2)" in proc.stdout, log
+
+
+def test_ddp_example_survives_a_killed_rank():
+    """DDP's built-in path (no comm hook): rank 1 dies, the survivors' backward raises, they
+    recover and finish on 2 ranks."""
+    _ulfm()
+    proc = _launch(3, [os.path.join(EXAMPLES, "elastic_ddp.py"), "--kill-rank", "1", "--kill-step", "3"])
+    log = f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
+    assert "recovered from the loss of world ranks [1]" in proc.stdout, log
+    assert "trained 8 steps on 2 ranks" in proc.stdout, log
