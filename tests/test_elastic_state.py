@@ -20,12 +20,7 @@ from zero import ZeroOptimizer
 WORLD = MPI.COMM_WORLD
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_bad_attribute_is_named():
