@@ -2,7 +2,7 @@
 ``checkpoint_dir`` loses a rank and ends; the same script relaunched at another size resumes from
 the newest checkpoint by itself and ends with the weights of a single-process reference run.
 
-Each job (tests/elastic_restart_job.py) is launched from a one-process test with a timeout.
+Each job (tests/elastic_disk_job.py) is launched from a one-process test with a timeout.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def _launch(n: int, args: list[str], timeout: float = 120) -> subprocess.Complet
     env = clean_env()
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env["PYTHONWARNINGS"] = "ignore::FutureWarning"
-    cmd = [*mpiexec_cmd(n), sys.executable, "-m", "mpi4py", os.path.join(HERE, "elastic_restart_job.py"), *args]
+    cmd = [*mpiexec_cmd(n), sys.executable, "-m", "mpi4py", os.path.join(HERE, "elastic_disk_job.py"), *args]
     try:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired as exc:
