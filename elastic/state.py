@@ -54,8 +54,7 @@ class TorchState:
 
     ``checkpoint_dir=DIR, checkpoint_every=K``: every K-th commit also starts an async
     ``ckpt.save`` into ``DIR/step<N>`` (N: the commits so far; ``DIR/latest`` names the newest);
-    ``elastic.run`` first resumes from the newest one at the current world size, and falls back
-    to it when a failure takes a shard and its replica.
+    ``elastic.run`` first resumes from the newest one at the current world size.
     """
 
     def __init__(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
