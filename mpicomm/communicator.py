@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import warnings
 import weakref
-from typing import Callable, Sequence
+from typing import Callable, NoReturn, Sequence
 
 from mpi4py import MPI
 
@@ -38,10 +38,7 @@ def faults_surfaced(method: Callable) -> Callable:
         try:
             return method(self, *args, **kwargs)
         except MPI.Exception as exc:
-            err = self._surface(exc, method.__name__)
-            if err is exc:
-                raise
-            raise err from exc
+            self._raise_surfaced(exc, method.__name__)
     return call
 
 
@@ -191,6 +188,13 @@ class Communicator(Reductions, Moves, PointToPoint):
             return exc
         self._revoke_quietly()
         return faults.describe_failure(call, repr(self), exc, self.mpi_comm)
+
+    def _raise_surfaced(self, exc: BaseException, call: str) -> NoReturn:
+        """Raise what :meth:`_surface` makes of ``exc`` (``exc`` itself unless a rank failed)."""
+        err = self._surface(exc, call)
+        if err is exc:
+            raise exc
+        raise err from exc
 
     def _revoke_quietly(self) -> None:
         """Revoke this communicator and its family (see ``__init__``), as far as MPI lets."""

@@ -153,10 +153,7 @@ def broadcast(method: Callable) -> Callable:
                 return None
             return method(self, tensor, src, async_op)
         except MPI.Exception as exc:  # a rank failure: RankFailedError
-            err = self._surface(exc, 'broadcast')
-            if err is exc:
-                raise
-            raise err from exc
+            self._raise_surfaced(exc, 'broadcast')
 
     return broadcast
 
@@ -197,10 +194,7 @@ def all_gather_into_tensor(method: Callable) -> Callable:
                 return None
             return method(self, output_tensor, input_tensor, async_op)
         except MPI.Exception as exc:  # a rank failure: RankFailedError
-            err = self._surface(exc, 'all_gather_into_tensor')
-            if err is exc:
-                raise
-            raise err from exc
+            self._raise_surfaced(exc, 'all_gather_into_tensor')
 
     return all_gather_into_tensor
 
@@ -236,10 +230,7 @@ def reduce_scatter_tensor(method: Callable) -> Callable:
                 return None
             return method(self, output, input, op, async_op, factor)
         except MPI.Exception as exc:  # a rank failure: RankFailedError
-            err = self._surface(exc, 'reduce_scatter_tensor')
-            if err is exc:
-                raise
-            raise err from exc
+            self._raise_surfaced(exc, 'reduce_scatter_tensor')
 
     return reduce_scatter_tensor
 
@@ -262,10 +253,7 @@ def all_to_all_single(method: Callable) -> Callable:
                     return None
             return method(self, output, input, output_split_sizes, input_split_sizes, async_op)
         except MPI.Exception as exc:  # a rank failure: RankFailedError
-            err = self._surface(exc, 'all_to_all_single')
-            if err is exc:
-                raise
-            raise err from exc
+            self._raise_surfaced(exc, 'all_to_all_single')
 
     return all_to_all_single
 
@@ -303,9 +291,6 @@ def all_reduce(method: Callable) -> Callable:
                     return None
             return method(self, tensor, op, async_op, factor)
         except MPI.Exception as exc:  # a rank failure: RankFailedError
-            err = self._surface(exc, 'all_reduce')
-            if err is exc:
-                raise
-            raise err from exc
+            self._raise_surfaced(exc, 'all_reduce')
 
     return all_reduce

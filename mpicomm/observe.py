@@ -144,10 +144,7 @@ def observed(method: Callable, op: str | None = None) -> Callable:
                 return _traced(method, op, label, self, args, kwargs)
             return method(self, *args, **kwargs)
         except MPI.Exception as exc:  # a rank failure becomes RankFailedError (Communicator._surface)
-            err = self._surface(exc, op)
-            if err is exc:
-                raise
-            raise err from exc
+            self._raise_surfaced(exc, op)
 
     return call
 
