@@ -6,8 +6,8 @@ elastic.run with a checkpoint every 2 commits.
 OPT: ddp | zero2; DIR: checkpoint_dir; KILL: world ranks (comma-separated, -1: nobody) that die
 with os._exit(9) at the start of step KILL_STEP. Without ULFM the launcher then ends the whole
 job, and a relaunch resumes from DIR's newest checkpoint by itself; under ULFM the survivors
-recover (from the disk when a ZeroOptimizer shard and its replica both died). ``badreset``: a
-reset callback raises. Rank 0 writes the final weights (OUT.npz) and what happened (OUT.json).
+recover from their in-memory commits (a shard lost with its replica still ends the job: there is
+no disk fall-back yet). ``badreset``: a reset callback raises. Rank 0 writes the final weights (OUT.npz) and what happened (OUT.json).
 """
 from __future__ import annotations
 
