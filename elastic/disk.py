@@ -9,6 +9,9 @@ import torch
 
 LATEST = "latest"     # ckpt's pointer to the newest committed checkpoint of a run directory
 _COUNT = "elastic_commits"
+#: How long a recovery waits for the checkpoint save in flight when a rank failed to end (its
+#: collective calls fail once its communicator is revoked; rank 0 may be publishing it).
+SETTLE_S = 60.0
 
 
 class _Generator:
@@ -72,13 +75,42 @@ def _comm(state: Any) -> Any:
     return state.optimizer.comm if state.sharded else state.comm
 
 
+def settle(handle: Any, timeout: float = SETTLE_S) -> str:
+    """Wait for a save started before a rank failure to end, and say how it ended: "committed"
+    (whole, published), "failed" (its working directory is never published, so never the newest)
+    or "none". Its error is the failure being recovered from, so it is not raised; a save still
+    running after ``timeout`` seconds raises ElasticError (a recovery must not read the directory
+    while it may still move ``latest``)."""
+    from mpicomm import WaitTimeoutError
+
+    from .errors import ElasticError
+
+    if handle is None:
+        return "none"
+    try:
+        handle.wait(timeout)
+    except WaitTimeoutError:
+        raise ElasticError(f"elastic: the checkpoint save in flight when a rank failed did not end within "
+                           f"{timeout:g} s; the job ends") from None
+    except Exception:  # noqa: BLE001 - the failure being recovered from
+        return "failed"
+    return "committed"
+
+
+def _rank0_says(comm: Any, flag: bool) -> bool:
+    out = torch.tensor([int(flag)], dtype=torch.int64)
+    comm.broadcast(out, src=0)
+    return bool(out[0])
+
+
 def newest_exists(state: Any, comm: Any) -> bool:
     """Whether ``state.checkpoint_dir`` holds a committed checkpoint (rank 0 looks; all agree)."""
-    flag = torch.zeros(1, dtype=torch.int64)
-    if int(comm.rank) == 0:
-        flag[0] = int(os.path.isfile(os.path.join(state.checkpoint_dir, LATEST)))
-    comm.broadcast(flag, src=0)
-    return bool(flag[0])
+    return _rank0_says(comm, int(comm.rank) == 0 and os.path.isfile(os.path.join(state.checkpoint_dir, LATEST)))
+
+
+def saved(state: Any, comm: Any, count: int) -> bool:
+    """Whether the checkpoint of commit ``count`` was published (rank 0 looks; all agree)."""
+    return _rank0_says(comm, int(comm.rank) == 0 and os.path.isdir(path_for(state.checkpoint_dir, count)))
 
 
 def load(state: Any) -> dict[str, Any]:

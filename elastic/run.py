@@ -87,6 +87,10 @@ def recover(state: TorchState, err: BaseException, min_world_size: int = 1) -> d
         comms.append(state.optimizer.comm)
         comms.append(getattr(state.optimizer, "_grad_comm", None))  # its gradient communicator (a dup)
     _revoke(comms)
+    from . import disk
+
+    saving, state._saving = state._saving, None
+    save_outcome = disk.settle(saving)     # revoked with the rest: it ends (or had committed)
     new = old.shrink()
     t_shrink = time.monotonic()
     if new.size == old_world:
@@ -119,7 +123,11 @@ def recover(state: TorchState, err: BaseException, min_world_size: int = 1) -> d
     if not new.agree(failed is None):
         raise ResetCallbackError(f"elastic: a reset callback raised after the recovery "
                                  f"({failed or 'on another rank'}); the job ends")
+    if state.checkpoint_dir is not None and state.commits % state.checkpoint_every == 0 and state.commits > 0 \
+            and not disk.saved(state, new, state.commits):
+        state._saving = disk.save(state, state.commits)   # the save that the failure cut short
     info = {"lost": lost, "survivors": survivors, "old_world": old_world, "generation": int(gen),
+            "save_in_flight": save_outcome,
             "started_at": wall0, "shrink_s": t_shrink - t0, "recover_s": time.monotonic() - t0}
     state.recoveries.append(info)
     if new.rank == 0:

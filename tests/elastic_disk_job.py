@@ -1,10 +1,11 @@
 """Disk checkpoint job for tests/test_elastic_restart.py and test_elastic_faults.py: train under
 elastic.run with a checkpoint every 2 commits.
 
-    mpiexec [--with-ft ulfm] -n N python tests/elastic_disk_job.py OPT DIR STEPS KILL KILL_STEP OUT [badreset]
+    mpiexec [--with-ft ulfm] -n N python tests/elastic_disk_job.py OPT DIR STEPS KILL KILL_STEP OUT [MODE]
 
 OPT: ddp | zero2; DIR: checkpoint_dir; KILL: world ranks (comma-separated, -1: nobody) that die
-with os._exit(9) at the start of step KILL_STEP. Without ULFM the launcher then ends the whole
+with os._exit(9) at the start of step KILL_STEP (MODE ``insave``: inside the background write of
+the checkpoint taken at commit KILL_STEP instead). Without ULFM the launcher then ends the whole
 job, and a relaunch resumes from DIR's newest checkpoint by itself; under ULFM the survivors
 recover from their in-memory commits (a shard lost with its replica still ends the job: there is
 no disk fall-back yet). ``badreset``: a reset callback raises. Rank 0 writes the final weights (OUT.npz) and what happened (OUT.json).
@@ -41,7 +42,20 @@ def main() -> None:
         opt = ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=2, comm=world.dup(), lr=LR)
     state = elastic.TorchState(model=model, optimizer=opt, comm=world if opt_kind == "ddp" else None,
                                checkpoint_dir=ckdir, checkpoint_every=2, step=0)
-    if sys.argv[7:] == ["badreset"]:
+    mode = sys.argv[7] if len(sys.argv) > 7 else ""
+    if mode == "insave" and world.rank in victims:
+        import ckpt.api
+        import ckpt.io
+
+        write, write_round, doomed = ckpt.api.write_items, ckpt.io._round, f".step{kill_step}.tmp"
+
+        def write_then_die(mpi_comm, filename, *a, **k):
+            if doomed in filename:   # inside the collective write of that checkpoint's data file
+                ckpt.io._round = lambda *a, **k: os._exit(9)
+            return write(mpi_comm, filename, *a, **k)
+        ckpt.api.write_items = write_then_die
+        kill_step = -1
+    if mode == "badreset":
         def rebuild_data_loader() -> None:
             raise OSError("no data shard for the new world size")
         state.register_reset_callbacks([rebuild_data_loader])

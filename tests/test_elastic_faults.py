@@ -117,3 +117,37 @@ def test_a_reset_callback_that_raises_ends_the_job_on_every_survivor(tmp_path):
     assert proc.returncode != 0 and not os.path.exists(out + ".json")
     assert proc.stderr.count("ResetCallbackError") >= 2, proc.stderr[-4000:]
     assert "rebuild_data_loader: OSError: no data shard for the new world size" in proc.stderr, proc.stderr[-4000:]
+
+
+def _published_checkpoints_are_whole(ckdir: str) -> list[str]:
+    """Every published step<N> directory verifies (ckpt's CLI: every block's CRC) and none is
+    marked INCOMPLETE; ``latest`` names one of them. Returns their names."""
+    from ckpt.cli import main as ckpt_cli
+
+    names = sorted(n for n in os.listdir(ckdir) if n.startswith("step"))
+    for n in names:
+        assert not os.path.exists(os.path.join(ckdir, n, "INCOMPLETE")), n
+        assert ckpt_cli(["verify", os.path.join(ckdir, n)]) == 0, n
+    with open(os.path.join(ckdir, "latest")) as f:
+        assert f.read().strip() in names
+    return names
+
+
+def test_a_rank_dying_inside_an_async_checkpoint_save(tmp_path):
+    """Rank 1 dies inside the collective write of the checkpoint taken at commit 2: the survivors
+    get a RankFailedError (no hang, no abort), recover in memory and end with the reference
+    weights; the half-written checkpoint is never published, and the recovery writes it again."""
+    _ulfm()
+    out, ckdir = str(tmp_path / "run"), str(tmp_path / "ck")
+    proc = _launch(3, [os.path.join(HERE, "elastic_disk_job.py"), "zero2", ckdir, str(STEPS), "1", "2", out,
+                       "insave"], timeout=120)
+    log = f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert os.path.exists(out + ".json"), log
+    with open(out + ".json") as f:
+        info = json.load(f)
+    assert info["world_size"] == 2 and [r["lost"] for r in info["recoveries"]] == [[1]], (info, log)
+    assert info["recoveries"][0]["save_in_flight"] == "failed", info
+    assert _published_checkpoints_are_whole(ckdir)[-1] == "step4", os.listdir(ckdir)
+    got = np.load(out + ".npz")
+    for i, ref in enumerate(reference(STEPS)):
+        np.testing.assert_allclose(got[f"p{i}"], ref.numpy(), rtol=1e-5, atol=1e-6, err_msg=f"param {i}\n{log}")
