@@ -8,6 +8,7 @@ from typing import Any, Callable, TypeVar
 
 import torch
 
+from . import replicas
 from .errors import ElasticError, ResetCallbackError, WorldTooSmallError
 from .state import TorchState
 
@@ -72,64 +73,126 @@ def run(func: F | None = None, *, min_world_size: int = 1) -> Any:
     return wrapper
 
 
+def _comms_of(state: TorchState, comm: Any) -> list[Any]:
+    """The communicators a recovery revokes: ``comm`` and those elastic knows of (each with its family)."""
+    comms = [comm, state.comm, _default_group_comm()]
+    if state.sharded:
+        comms.append(state.optimizer.comm)
+        comms.append(getattr(state.optimizer, "_grad_comm", None))  # its gradient communicator (a dup)
+    return comms
+
+
 def recover(state: TorchState, err: BaseException, min_world_size: int = 1) -> dict[str, Any]:
     """Revoke, shrink to the survivors, re-create the process group, roll ``state`` back to the
-    newest commit every survivor holds, run the reset callbacks. Re-raises ``err`` when no rank
-    was lost; raises ``ElasticError`` on every survivor when the job cannot go on."""
-    import mpicomm
-    from mpicomm import distributed as mdist
+    newest commit every survivor holds (or, when a shard and its replica were both lost, to the
+    newest checkpoint of ``checkpoint_dir``), run the reset callbacks; a rank failing meanwhile
+    starts it again over the fewer survivors. Re-raises ``err`` when no rank was lost; raises
+    ``ElasticError`` on every survivor when the job cannot go on."""
+    from . import disk
 
     t0, wall0 = time.monotonic(), time.time()
     old = state.comm
     old_world, old_rank = state.world_size, state.rank
-    comms = [old, _default_group_comm()]
-    if state.sharded:
-        comms.append(state.optimizer.comm)
-        comms.append(getattr(state.optimizer, "_grad_comm", None))  # its gradient communicator (a dup)
-    _revoke(comms)
-    from . import disk
-
-    saving, state._saving = state._saving, None
-    save_outcome = disk.settle(saving)     # revoked with the rest: it ends (or had committed)
-    new = old.shrink()
-    t_shrink = time.monotonic()
-    if new.size == old_world:
-        raise err
-    ranks = torch.zeros(new.size, dtype=torch.int64)
-    new.all_gather_into_tensor(ranks, torch.tensor([old_rank], dtype=torch.int64))
-    survivors = [int(r) for r in ranks]
-    lost = sorted(set(range(old_world)) - set(survivors))
-    if new.rank == 0:
-        log.warning("elastic: ranks %s of %d failed (%s: %s); going on with %d", lost, old_world,
-                    type(err).__name__, err, new.size)
-    if new.size < min_world_size:
-        raise WorldTooSmallError(
-            f"elastic.run: old ranks {lost} failed; {new.size} survivors, fewer than min_world_size="
-            f"{min_world_size}") from err
-    gen = torch.tensor([state.generation], dtype=torch.int64)
-    new.all_reduce(gen, op=mpicomm.ReduceOp.MIN)
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        mdist.reinit_process_group(new)
-    state._rollback(int(gen), new, survivors, old_world)
-    failed: str | None = None
-    for fn in state._callbacks:
-        try:
-            fn()
-        except Exception as e:  # noqa: BLE001 - reported on every survivor below
-            failed = f"{getattr(fn, '__qualname__', repr(fn))}: {type(e).__name__}: {e}"
+    held = list(state._commits)           # what every attempt rolls back from
+    comm, new, outcome, attempts = old, None, "none", 0
+    while True:
+        attempts += 1
+        _revoke(_comms_of(state, comm))
+        saving, state._saving = state._saving, None
+        settled = disk.settle(saving)       # revoked with the rest: it ends (or had committed)
+        outcome = settled if outcome == "none" else outcome
+        if new is None:
+            new = comm.shrink()
+            t_shrink = time.monotonic()
+            if new.size == comm.size:
+                raise err
+        object.__setattr__(state, "_commits", list(held))
+        done, again = _attempt(state, new, old_rank, old_world, min_world_size, err)
+        if done is not None:
             break
-    if not new.agree(failed is None):
-        raise ResetCallbackError(f"elastic: a reset callback raised after the recovery "
-                                 f"({failed or 'on another rank'}); the job ends")
-    if state.checkpoint_dir is not None and state.commits % state.checkpoint_every == 0 and state.commits > 0 \
-            and not disk.saved(state, new, state.commits):
-        state._saving = disk.save(state, state.commits)   # the save that the failure cut short
-    info = {"lost": lost, "survivors": survivors, "old_world": old_world, "generation": int(gen),
-            "save_in_flight": save_outcome,
+        comm, (new, err) = new, again       # a rank failed during the recovery: again, over fewer
+    survivors, gen, resumed = done
+    lost = sorted(set(range(old_world)) - set(survivors))
+    info = {"lost": lost, "survivors": survivors, "old_world": old_world,
+            "generation": gen if resumed is None else None,
+            "attempts": attempts, "save_in_flight": outcome, "from_disk": resumed,
             "started_at": wall0, "shrink_s": t_shrink - t0, "recover_s": time.monotonic() - t0}
     state.recoveries.append(info)
     if new.rank == 0:
-        log.warning("elastic: recovered in %.2f s, rolled back to commit %d", info["recover_s"], int(gen))
+        where = f"the checkpoint {resumed['path']}" if resumed else f"commit {gen}"
+        log.warning("elastic: recovered in %.2f s, rolled back to %s", info["recover_s"], where)
     return info
+
+
+def _attempt(state: TorchState, new: Any, old_rank: int, old_world: int, min_world_size: int,
+             err: BaseException) -> tuple[Any, Any]:
+    """One try at carrying on over ``new``: ((old ranks of the survivors, the commit rolled back
+    to, what was loaded from disk or None), None), or (None, (the survivors' shrunk communicator,
+    the error seen here)) when a rank failed meanwhile (every survivor agrees on that)."""
+    import mpicomm
+    import torch.distributed as dist
+    from mpicomm import distributed as mdist
+
+    from . import disk
+    from .errors import ShardsLostError
+
+    failed: str | None = None            # a reset callback that raised
+    error: BaseException | None = None   # anything else raised here (a failure, most likely)
+    survivors: list[int] = []
+    gen, resumed = 0, None
+    try:
+        ranks = torch.zeros(new.size, dtype=torch.int64)
+        new.all_gather_into_tensor(ranks, torch.tensor([old_rank], dtype=torch.int64))
+        survivors = [int(r) for r in ranks]
+        lost = sorted(set(range(old_world)) - set(survivors))
+        if new.rank == 0:
+            log.warning("elastic: ranks %s of %d failed (%s: %s); going on with %d", lost, old_world,
+                        type(err).__name__, err, new.size)
+        if new.size < min_world_size:
+            raise WorldTooSmallError(
+                f"elastic.run: old ranks {lost} failed; {new.size} survivors, fewer than min_world_size="
+                f"{min_world_size}") from err
+        shards_lost = replicas.lost_shards(old_world, survivors) if state.sharded else []
+        if shards_lost:
+            why = ("no checkpoint_dir to fall back to" if state.checkpoint_dir is None
+                   else None if disk.newest_exists(state, new)
+                   else f"{state.checkpoint_dir} holds no committed checkpoint yet")
+            if why is not None:
+                raise ShardsLostError(
+                    f"elastic: the ZeroOptimizer shards of old ranks {shards_lost} are lost (each rank and its "
+                    f"buddy, the next rank, both failed; survivors: old ranks {survivors}); {why}", shards_lost)
+        gen_t = torch.tensor([state.generation], dtype=torch.int64)
+        new.all_reduce(gen_t, op=mpicomm.ReduceOp.MIN)
+        gen = int(gen_t)
+        if dist.is_available() and dist.is_initialized():
+            mdist.reinit_process_group(new)
+        if shards_lost:
+            resumed = state._restart_from_disk(new)
+        else:
+            state._rollback(gen, new, survivors, old_world)
+        if state.checkpoint_dir is not None and state.commits % state.checkpoint_every == 0 \
+                and state.commits > 0 and not disk.saved(state, new, state.commits):
+            state._saving = disk.save(state, state.commits)   # the save that the failure cut short
+        for fn in state._callbacks:
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - reported on every survivor below
+                failed = f"{getattr(fn, '__qualname__', repr(fn))}: {type(e).__name__}: {e}"
+                break
+    except ElasticError:
+        raise                            # decided alike on every survivor
+    except Exception as e:  # noqa: BLE001 - a failure during the recovery, or an error named below
+        error = e
+    if failed is not None or error is not None:
+        _revoke([new])                   # no survivor stays inside a call of this attempt
+    if new.agree(failed is None and error is None):
+        return (survivors, gen, resumed), None
+    probe = new.shrink()                 # fewer ranks: one failed during the attempt; go again
+    if probe.size < new.size:
+        return None, (probe, error or err)
+    if failed is not None:
+        raise ResetCallbackError(f"elastic: a reset callback raised after the recovery ({failed}); the job ends")
+    if error is None:
+        raise ElasticError("elastic: the recovery failed on another rank (a reset callback or an error there); "
+                           "the job ends")
+    raise ElasticError(f"elastic: the recovery failed ({type(error).__name__}: {error}); the job ends") from error

@@ -257,6 +257,20 @@ class TorchState:
         self._commits.clear()
         self._commit(c.count)
 
+    @torch.no_grad()
+    def _restart_from_disk(self, new_comm: Any) -> dict[str, Any]:
+        """Carry on over ``new_comm`` from the newest checkpoint of ``checkpoint_dir`` (after a
+        shard and its replica were both lost); returns what was loaded."""
+        opt = self.optimizer
+        # re-partitioned over the survivors with placeholders; the load fills every shard
+        opt.rebind(new_comm, [(torch.zeros(g.layout.total_numel, dtype=torch.float32), {}, {}) for g in opt.groups])
+        object.__setattr__(self, "_comm", new_comm)
+        self._resume()
+        if self.resumed is None:
+            raise RuntimeError(f"elastic: {self.checkpoint_dir} holds no committed checkpoint")
+        self._commit(self._count)
+        return self.resumed
+
     def _rebuild_shards(self, c: Commit, new_comm: Any, survivors: list[int], old_world: int) -> None:
         from .errors import ShardsLostError
 

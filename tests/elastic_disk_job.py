@@ -4,20 +4,23 @@ elastic.run with a checkpoint every 2 commits.
     mpiexec [--with-ft ulfm] -n N python tests/elastic_disk_job.py OPT DIR STEPS KILL KILL_STEP OUT [MODE]
 
 OPT: ddp | zero2; DIR: checkpoint_dir; KILL: world ranks (comma-separated, -1: nobody) that die
-with os._exit(9) at the start of step KILL_STEP (MODE ``insave``: inside the background write of
-the checkpoint taken at commit KILL_STEP instead). Without ULFM the launcher then ends the whole
+(SIGKILL) at the start of step KILL_STEP (MODE ``insave``: inside the background write of
+the checkpoint taken at commit KILL_STEP instead; MODE ``again:R``: world rank R dies too, inside
+the recovery, right after its first shrink). Without ULFM the launcher then ends the whole
 job, and a relaunch resumes from DIR's newest checkpoint by itself; under ULFM the survivors
-recover from their in-memory commits (a shard lost with its replica still ends the job: there is
-no disk fall-back yet). ``badreset``: a reset callback raises. Rank 0 writes the final weights (OUT.npz) and what happened (OUT.json).
+recover from their in-memory commits, or from DIR's newest checkpoint when a shard was lost with
+its replica. ``badreset``: a reset callback raises. Rank 0 writes the final weights (OUT.npz) and what happened (OUT.json).
 """
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -27,6 +30,13 @@ import mpicomm  # noqa: E402
 from elastic_job_lib import LR, local_loss, make_model  # noqa: E402
 from mpicomm import distributed as mdist  # noqa: E402
 from zero import ZeroOptimizer  # noqa: E402
+
+
+def die() -> None:
+    """End this process as an OOM kill or a crash would. (Open MPI 5.0.11's launcher, under
+    ULFM, ended the whole job when a second rank exited with a non-zero status, e.g. os._exit(9);
+    ranks killed by a signal were survived.)"""
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main() -> None:
@@ -51,10 +61,17 @@ def main() -> None:
 
         def write_then_die(mpi_comm, filename, *a, **k):
             if doomed in filename:   # inside the collective write of that checkpoint's data file
-                ckpt.io._round = lambda *a, **k: os._exit(9)
+                ckpt.io._round = lambda *a, **k: die()
             return write(mpi_comm, filename, *a, **k)
         ckpt.api.write_items = write_then_die
         kill_step = -1
+    if mode.startswith("again:") and world.rank == int(mode[6:]):
+        shrink = mpicomm.Communicator.shrink
+
+        def shrink_then_die(self):
+            shrink(self)
+            die()
+        mpicomm.Communicator.shrink = shrink_then_die
     if mode == "badreset":
         def rebuild_data_loader() -> None:
             raise OSError("no data shard for the new world size")
@@ -65,7 +82,7 @@ def main() -> None:
         net = DDP(model) if opt_kind == "ddp" else model
         while state.step < steps:
             if state.step == kill_step and world.rank in victims:
-                os._exit(9)
+                die()
             opt.zero_grad()
             local_loss(net, state.step, state.rank, state.world_size).backward()
             opt.step()
@@ -76,9 +93,8 @@ def main() -> None:
     if state.rank == 0:
         np.savez(out + ".npz", **{f"p{i}": p.detach().numpy() for i, p in enumerate(model.parameters())})
         with open(out + ".json", "w") as f:
-            json.dump({"resumed": state.resumed, "world_size": state.world_size, "commits": state.commits,
+            json.dump({"resumed": state.resumed, "dist_world_size": dist.get_world_size(), "world_size": state.world_size, "commits": state.commits,
                        "recoveries": state.recoveries}, f)
-    import torch.distributed as dist
     dist.destroy_process_group()
     if state.recoveries:
         # as in elastic_job.py: after a rank failure MPI_Finalize sometimes hung (Open MPI 5.0.11 ULFM)

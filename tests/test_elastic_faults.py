@@ -151,3 +151,46 @@ def test_a_rank_dying_inside_an_async_checkpoint_save(tmp_path):
     got = np.load(out + ".npz")
     for i, ref in enumerate(reference(STEPS)):
         np.testing.assert_allclose(got[f"p{i}"], ref.numpy(), rtol=1e-5, atol=1e-6, err_msg=f"param {i}\n{log}")
+
+
+def _disk_job(tmp_path, n: int, args: list[str]) -> tuple[dict, str]:
+    out, ckdir = str(tmp_path / "run"), str(tmp_path / "ck")
+    proc = _launch(n, [os.path.join(HERE, "elastic_disk_job.py"), "zero2", ckdir, str(STEPS + 2), *args[:2], out,
+                       *args[2:]], timeout=150)
+    log = f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert os.path.exists(out + ".json"), log
+    with open(out + ".json") as f:
+        info = json.load(f)
+    got = np.load(out + ".npz")
+    for i, ref in enumerate(reference(STEPS + 2)):
+        np.testing.assert_allclose(got[f"p{i}"], ref.numpy(), rtol=1e-5, atol=1e-6, err_msg=f"param {i}\n{log}")
+    return info, log
+
+
+def test_a_shard_lost_with_its_replica_falls_back_to_the_disk_checkpoint(tmp_path):
+    """4 ranks, ZeroOptimizer stage 2, a checkpoint every 2 commits: ranks 1 and 2 die together
+    at step 5, so rank 1's shard and its replica (on rank 2) are gone; the two survivors load the
+    newest committed checkpoint (step2, or step4 if its save had committed), re-partitioned over
+    2 ranks, and end with the weights of the single-process reference."""
+    _ulfm()
+    info, log = _disk_job(tmp_path, 4, ["1,2", "5"])
+    assert info["world_size"] == 2 and info["dist_world_size"] == 2, (info, log)
+    (rec,) = info["recoveries"]
+    assert rec["lost"] == [1, 2] and rec["survivors"] == [0, 3], rec
+    assert rec["from_disk"]["saved_world_size"] == 4, rec
+    assert rec["from_disk"]["commits"] in (2, 4), rec
+    assert rec["from_disk"]["path"].endswith(f"step{rec['from_disk']['commits']}"), rec
+    assert info["commits"] == STEPS + 2, info
+
+
+def test_a_second_failure_during_the_recovery_is_recovered_from(tmp_path):
+    """4 ranks, ZeroOptimizer stage 2: rank 1 dies at step 3, and rank 3 right after the
+    survivors' first shrink (inside the recovery); the recovery starts again over ranks 0 and 2,
+    which still hold every shard (rank 1's on rank 2, rank 3's on rank 0), and they end with the
+    reference weights."""
+    _ulfm()
+    info, log = _disk_job(tmp_path, 4, ["1", "3", "again:3"])
+    assert info["world_size"] == 2 and info["dist_world_size"] == 2, (info, log)
+    (rec,) = info["recoveries"]
+    assert rec["lost"] == [1, 3] and rec["survivors"] == [0, 2] and rec["attempts"] == 2, rec
+    assert rec["from_disk"] is None, rec
