@@ -265,6 +265,7 @@ class TorchState:
         # re-partitioned over the survivors with placeholders; the load fills every shard
         opt.rebind(new_comm, [(torch.zeros(g.layout.total_numel, dtype=torch.float32), {}, {}) for g in opt.groups])
         object.__setattr__(self, "_comm", new_comm)
+        object.__setattr__(self, "resumed", None)
         self._resume()
         if self.resumed is None:
             raise RuntimeError(f"elastic: {self.checkpoint_dir} holds no committed checkpoint")
