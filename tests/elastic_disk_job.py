@@ -93,7 +93,8 @@ def main() -> None:
     if state.rank == 0:
         np.savez(out + ".npz", **{f"p{i}": p.detach().numpy() for i, p in enumerate(model.parameters())})
         with open(out + ".json", "w") as f:
-            json.dump({"resumed": state.resumed, "dist_world_size": dist.get_world_size(), "world_size": state.world_size, "commits": state.commits,
+            json.dump({"resumed": state.resumed, "world_size": state.world_size,
+                       "dist_world_size": dist.get_world_size(), "commits": state.commits,
                        "recoveries": state.recoveries}, f)
     dist.destroy_process_group()
     if state.recoveries:
