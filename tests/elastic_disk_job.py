@@ -9,7 +9,8 @@ the checkpoint taken at commit KILL_STEP instead; MODE ``again:R``: world rank R
 the recovery, right after its first shrink). Without ULFM the launcher then ends the whole
 job, and a relaunch resumes from DIR's newest checkpoint by itself; under ULFM the survivors
 recover from their in-memory commits, or from DIR's newest checkpoint when a shard was lost with
-its replica. ``badreset``: a reset callback raises. Rank 0 writes the final weights (OUT.npz) and what happened (OUT.json).
+its replica. ``badreset``: a reset callback raises. Rank 0 writes the final weights (OUT.npz) and
+what happened (OUT.json).
 """
 from __future__ import annotations
 
