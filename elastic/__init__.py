@@ -16,6 +16,7 @@ What lives where:
     run       the decorator and the recovery (revoke, shrink, new process group, rollback, callbacks)
     replicas  which rank holds whose shard replica (pure)
     reshard   a ZeroOptimizer group's shards joined in parameter order (pure)
+    fsdp      an FSDP2 DTensor's new local shard from the old world's local shards (pure)
     sampler   ElasticSampler: a deterministic global batch re-split over the current ranks (pure)
     values    copies of attribute values per commit
     errors    ElasticError and its kinds
