@@ -30,7 +30,16 @@ MODELS = {  # published configs (Meta Llama 3)
     "llama-8b": {"layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8, "ffn": 14336, "vocab": 128256},
     "llama-70b": {"layers": 80, "hidden": 8192, "heads": 64, "kv_heads": 8, "ffn": 28672, "vocab": 128256},
 }
-LAYOUTS = ("fsdp2", "hsdp")
+LAYOUTS = ("fsdp2", "hsdp", "fsdp2-tp", "zero1")
+#: llama's modules as torch's tensor parallel shards them (torchtitan's plan): ColwiseParallel
+#: (Shard(0) of the weight on the TP mesh dim) for q/k/v/gate/up and the head, RowwiseParallel for
+#: o/down (Shard(1)) and the embedding (an nn.Embedding's rowwise: Shard(0)); the norms
+#: (SequenceParallel) replicated over TP
+TP_DIM0 = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head", "embed_tokens")
+TP_DIM1 = ("o_proj", "down_proj")
+#: the layouts torch DCP's planning is simulated for (DCP saves no ZeroOptimizer; its per-rank
+#: plans here are built for one mesh and one placement per state)
+DCP_LAYOUTS = ("fsdp2", "hsdp")
 CONFIG_KEYS = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab")
 
 
@@ -63,15 +72,17 @@ def llama_shapes(cfg: dict[str, int]) -> list[tuple[str, tuple[int, ...]]]:
     return out + [("model.norm.weight", (h,)), ("lm_head.weight", (v, h))]
 
 
-def mesh_shape(layout: str, n: int, shard_group: int) -> tuple[int, ...]:
-    """The device mesh of ``layout`` over ``n`` ranks: FSDP2 (n,), HSDP (replicas, shard_group)."""
-    if layout == "fsdp2":
+def mesh_shape(layout: str, n: int, group: int) -> tuple[int, ...]:
+    """The device mesh of ``layout`` over ``n`` ranks: FSDP2 and ZeRO-1 (n,), HSDP (replicas,
+    ``group`` = the shard group), FSDP2 x TP (n / ``group``, ``group`` = the TP size)."""
+    if layout in ("fsdp2", "zero1"):
         return (n,)
-    if layout == "hsdp":
-        if n % shard_group:
-            raise ValueError(f"--layout hsdp: expected --simulate-ranks a multiple of --shard-group={shard_group}, "
-                             f"got {n}")
-        return (n // shard_group, shard_group)
+    if layout in ("hsdp", "fsdp2-tp"):
+        if n % group:
+            flag = "--shard-group" if layout == "hsdp" else "--tp-size"
+            raise ValueError(f"--layout {layout}: expected --simulate-ranks and --load-ranks multiples of "
+                             f"{flag}={group}, got {n}")
+        return (n // group, group)
     raise ValueError(f"--layout: expected one of {LAYOUTS}, got {layout!r}")
 
 
@@ -79,6 +90,25 @@ def placements(layout: str) -> tuple[Any, ...]:
     from torch.distributed.tensor import Replicate, Shard
 
     return (Shard(0),) if layout == "fsdp2" else (Replicate(), Shard(0))
+
+
+def tensor_spec(layout: str, name: str, mesh: Any, group: int) -> tuple[Any, tuple[Any, ...]]:
+    """The mesh and placements of state tensor ``name`` (a parameter's name) under ``layout``.
+
+    fsdp2-tp as ``parallelize_module`` on the TP dim then ``fully_shard`` on the FSDP dim give
+    them: a weight of TP Shard(0) (_StridedShard(0, split_factor=TP), Shard(0)), of TP Shard(1)
+    (Shard(0), Shard(1)), a norm (Shard(0), Replicate())."""
+    if layout != "fsdp2-tp":
+        return mesh, placements(layout)
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    module = name.split(".")[-2]
+    if module in TP_DIM0:
+        return mesh, (_StridedShard(0, split_factor=group), Shard(0))
+    if module in TP_DIM1:
+        return mesh, (Shard(0), Shard(1))
+    return mesh, (Shard(0), Replicate())
 
 
 @contextlib.contextmanager
@@ -92,7 +122,7 @@ def fake_world(rank: int, size: int, shape: tuple[int, ...]) -> Iterator[Any]:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=size)
     try:
         # names unique to the rank: torch reuses an equal DeviceMesh of an earlier world (its coordinate with it)
-        names = (f"dp{rank}",) if len(shape) == 1 else (f"replicate{rank}", f"shard{rank}")
+        names = (f"dp{rank}",) if len(shape) == 1 else (f"outer{rank}", f"inner{rank}")
         yield init_device_mesh("cpu", shape, mesh_dim_names=names)
     finally:
         dist.destroy_process_group()
@@ -113,10 +143,8 @@ def meta_dtensor(shape: tuple[int, ...], mesh: Any, places: tuple[Any, ...], dty
     return DTensor.from_local(loc, mesh, places, run_check=False, shape=torch.Size(shape), stride=stride)
 
 
-def build_state(shapes: list[tuple[str, tuple[int, ...]]], mesh: Any, places: tuple[Any, ...],
-                with_state: bool) -> tuple[Any, Any]:
-    """A module holding the named DTensor parameters (fp32) and an AdamW over them, with its
-    state (step, exp_avg, exp_avg_sq) filled as after a step when ``with_state``."""
+def _module(shapes: list[tuple[str, tuple[int, ...]]], make: Callable[[str, tuple[int, ...]], Any]) -> Any:
+    """A module holding a parameter ``make(name, shape)`` under each name."""
     import torch
 
     model = torch.nn.Module()
@@ -127,14 +155,65 @@ def build_state(shapes: list[tuple[str, tuple[int, ...]]], mesh: Any, places: tu
             if not hasattr(mod, part):
                 mod.add_module(part, torch.nn.Module())
             mod = getattr(mod, part)
-        mod.register_parameter(leaf, torch.nn.Parameter(meta_dtensor(shape, mesh, places, torch.float32)))
+        mod.register_parameter(leaf, torch.nn.Parameter(make(name, shape)))
+    return model
+
+
+def build_state(shapes: list[tuple[str, tuple[int, ...]]], mesh: Any, layout: str, group: int,
+                with_state: bool) -> tuple[Any, Any]:
+    """A module holding the named DTensor parameters (fp32) laid out as ``layout`` says and an
+    AdamW over them, with its state (step, exp_avg, exp_avg_sq) filled as after a step when
+    ``with_state``."""
+    import torch
+
+    specs = {name: tensor_spec(layout, name, mesh, group) for name, _ in shapes}
+    model = _module(shapes, lambda name, shape: meta_dtensor(shape, *specs[name], torch.float32))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     if with_state:
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             opt.state[p] = {"step": torch.tensor(1.0),
-                            "exp_avg": meta_dtensor(tuple(p.shape), mesh, places, torch.float32),
-                            "exp_avg_sq": meta_dtensor(tuple(p.shape), mesh, places, torch.float32)}
+                            "exp_avg": meta_dtensor(tuple(p.shape), *specs[name], torch.float32),
+                            "exp_avg_sq": meta_dtensor(tuple(p.shape), *specs[name], torch.float32)}
     return model, opt
+
+
+def build_zero1(shapes: list[tuple[str, tuple[int, ...]]], rank: int, n: int, with_state: bool) -> tuple[Any, Any]:
+    """A replicated model (meta parameters, fp32) and the ``zero.ZeroOptimizer(AdamW, stage=1)``
+    rank ``rank`` of ``n`` holds over it: one group, its fp32 master shard (meta) of
+    ``ShardLayout``'s flat partition, and AdamW's state of the shard when ``with_state``. Made
+    without the constructor, which copies the weights and plans gradient buckets over every
+    rank's segments (training work, not a checkpoint's)."""
+    import torch
+
+    from zero import ShardGroup, ShardLayout, ZeroOptimizer
+
+    model = _module(shapes, lambda _name, shape: torch.empty(shape, dtype=torch.float32, device="meta"))
+    ps = list(model.parameters())
+    layout = ShardLayout([p.numel() for p in ps], n, 1)
+    master = torch.empty(layout.local_numel, dtype=torch.float32, device="meta")
+    opt = ZeroOptimizer.__new__(ZeroOptimizer)
+    opt.comm, opt.stage, opt.optimizer_class = FakeComm(rank, n), 1, torch.optim.AdamW
+    opt.world_size, opt.rank, opt.gather_bits = n, rank, None
+    opt._groups = [ShardGroup(ps, layout, master, torch.float32)]
+    opt.optimizer = torch.optim.AdamW([{"params": [master]}], lr=1e-4)
+    hyper = {k: v for k, v in opt.optimizer.param_groups[0].items() if k != "params"}
+    torch.optim.Optimizer.__init__(opt, [{**hyper, "params": ps}], dict(opt.optimizer.defaults))
+    opt._built = True
+    if with_state:
+        opt.optimizer.state[master] = {"step": torch.tensor(1.0),
+                                       "exp_avg": torch.empty_like(master), "exp_avg_sq": torch.empty_like(master)}
+    return model, opt
+
+
+@contextlib.contextmanager
+def rank_state(layout: str, rank: int, n: int, group: int, shapes, with_state: bool) -> Iterator[tuple[Any, Any]]:
+    """The model and optimizer rank ``rank`` of ``n`` holds under ``layout`` (DTensor layouts:
+    inside a fake world of ``n`` ranks)."""
+    if layout == "zero1":
+        yield build_zero1(shapes, rank, n, with_state)
+        return
+    with fake_world(rank, n, mesh_shape(layout, n, group)) as mesh:
+        yield build_state(shapes, mesh, layout, group, with_state)
 
 
 @dataclass
@@ -193,15 +272,14 @@ def sample_ranks(n: int) -> list[int]:
     return sorted({0, n // 2, n - 1})
 
 
-def ckpt_save_rank(rank: int, n: int, shapes, layout: str, shard_group: int, block_size: int,
+def ckpt_save_rank(rank: int, n: int, shapes, layout: str, group: int, block_size: int,
                    chunk_bytes: int, count: bool = False, memory: bool = True) -> dict[str, Any]:
     """Run ckpt.save's planning steps of ``rank`` of ``n``; return its figures and plans (with
     ``count``, also "calls": the function calls the planning makes; without ``memory``, no peak)."""
     from ckpt import api, io
     from ckpt.optimizers import planner_for
 
-    with fake_world(rank, n, mesh_shape(layout, n, shard_group)) as mesh:
-        model, opt = build_state(shapes, mesh, placements(layout), True)
+    with rank_state(layout, rank, n, group, shapes, True) as (model, opt):
         comm = FakeComm(rank, n)
         planner = planner_for(opt)
 
@@ -210,7 +288,7 @@ def ckpt_save_rank(rank: int, n: int, shapes, layout: str, shard_group: int, blo
             sp, manifest, captured, summary = api._plan_save(comm, model, planner, prepared, 1, None, {}, block_size,
                                                              chunk_bytes)
             if summaries is None:  # what the allgather of the summaries delivers: every rank's, in rank order
-                summaries = [dict(summary, **{"@pg": q}) for q in range(n)]
+                summaries = [dict(summary, **{"@pg": None if summary["@pg"] is None else q}) for q in range(n)]
             mine = api._plan_writes(comm, manifest, sp, captured, summaries)
             rounds = io._plan(mine, set(range(len(sp.buffers))), chunk_bytes, block_size)
             return summary, summaries, manifest, mine, rounds
@@ -248,21 +326,20 @@ def ckpt_root_commit(manifest: Any) -> Measured:
     return measure(commit)
 
 
-def ckpt_load_rank(rank: int, m: int, text: str, shapes, layout: str, shard_group: int, block_size: int,
+def ckpt_load_rank(rank: int, m: int, text: str, shapes, layout: str, group: int, block_size: int,
                    chunk_bytes: int, memory: bool = True) -> dict[str, Any]:
     """Run ckpt.load's planning steps of ``rank`` of ``m`` on the manifest ``text``."""
     from ckpt import api, checksum, io
     from ckpt.manifest import Manifest
     from ckpt.optimizers import planner_for
 
-    with fake_world(rank, m, mesh_shape(layout, m, shard_group)) as mesh:
-        model, opt = build_state(shapes, mesh, placements(layout), False)
+    with rank_state(layout, rank, m, group, shapes, False) as (model, opt):
         planner = planner_for(opt)
+        pgs = [None] * m if layout == "zero1" else list(range(m))  # no torch.distributed group under ZeRO
 
         def plan():
             man = Manifest.from_json(text)
-            rp, _match, _has = api._plan_load(FakeComm(rank, m), man, "<simulated>", model, planner, True, {}, {},
-                                              list(range(m)))
+            rp, _match, _has = api._plan_load(FakeComm(rank, m), man, "<simulated>", model, planner, True, {}, {}, pgs)
             itemsize = {i: 4 for i in range(len(rp.dests))}
             rounds = io._plan(rp.items, set(range(len(rp.dests))), chunk_bytes, block_size, itemsize)
             return rp, rounds
@@ -288,12 +365,11 @@ def dcp_state_dict(model: Any, opt: Any) -> dict[str, Any]:
     return sd
 
 
-def dcp_local_plan(rank: int, n: int, shapes, layout: str, shard_group: int) -> Measured:
+def dcp_local_plan(rank: int, n: int, shapes, layout: str, group: int) -> Measured:
     """DefaultSavePlanner's local plan of ``rank`` of ``n`` for the same state (timed)."""
     from torch.distributed.checkpoint import DefaultSavePlanner
 
-    with fake_world(rank, n, mesh_shape(layout, n, shard_group)) as mesh:
-        model, opt = build_state(shapes, mesh, placements(layout), True)
+    with rank_state(layout, rank, n, group, shapes, True) as (model, opt):
         sd = dcp_state_dict(model, opt)
 
         def run():
@@ -304,7 +380,7 @@ def dcp_local_plan(rank: int, n: int, shapes, layout: str, shard_group: int) -> 
         return measure(run)
 
 
-def dcp_other_plans(template: Any, n: int, layout: str, shard_group: int, deadline: float) -> list[Any]:
+def dcp_other_plans(template: Any, n: int, layout: str, group: int, deadline: float) -> list[Any]:
     """Every rank's local plan: ``template`` (rank 0's) with each shard's chunk as torch's
     ``compute_local_shape_and_global_offset`` gives it on that rank (DCP's own rule, on each
     rank's fake mesh); other items as on rank 0. Raises TimeoutError past ``deadline``."""
@@ -318,7 +394,7 @@ def dcp_other_plans(template: Any, n: int, layout: str, shard_group: int, deadli
     places = placements(layout)
     plans = [template]
     for q in range(1, n):
-        with fake_world(q, n, mesh_shape(layout, n, shard_group)) as mesh:
+        with fake_world(q, n, mesh_shape(layout, n, group)) as mesh:
             boxes: dict[tuple[int, ...], tuple[Any, Any]] = {}
             items = []
             for it in template.items:
@@ -350,11 +426,10 @@ def dcp_global(plans: list[Any]) -> Measured:
     return measure(run, memory_below_s=30)
 
 
-def dcp_load_rank(rank: int, m: int, metadata: Any, shapes, layout: str, shard_group: int) -> Measured:
+def dcp_load_rank(rank: int, m: int, metadata: Any, shapes, layout: str, group: int) -> Measured:
     from torch.distributed.checkpoint import DefaultLoadPlanner
 
-    with fake_world(rank, m, mesh_shape(layout, m, shard_group)) as mesh:
-        model, opt = build_state(shapes, mesh, placements(layout), True)
+    with rank_state(layout, rank, m, group, shapes, True) as (model, opt):
         sd = dcp_state_dict(model, opt)
 
         def run():
@@ -374,8 +449,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="llama-70b", help=f"{' or '.join(MODELS)} (default llama-70b), or "
                    + ",".join(k + "=INT" for k in CONFIG_KEYS))
     p.add_argument("--layout", choices=LAYOUTS, default="fsdp2",
-                   help="fsdp2: dim-0 Shard over N; hsdp: Replicate x Shard(0) over (N / shard group, shard group)")
+                   help="fsdp2: dim-0 Shard over N; hsdp: Replicate x Shard(0) over (N / shard group, shard group); "
+                        "fsdp2-tp: FSDP2 over N / TP size x tensor parallel over TP size (colwise q/k/v/gate/up/head, "
+                        "rowwise o/down/embedding, norms replicated); zero1: replicated model, zero.ZeroOptimizer(AdamW, stage=1) over N")
     p.add_argument("--shard-group", type=int, default=8, help="hsdp: ranks that shard a replica (default 8)")
+    p.add_argument("--tp-size", type=int, default=8, help="fsdp2-tp: ranks of a tensor-parallel group (default 8)")
     p.add_argument("--dcp", choices=("yes", "no"), default="yes", help="also time torch DCP's planning (default yes)")
     p.add_argument("--dcp-limit-s", type=float, default=600.0,
                    help="stop DCP's planning for a rank count once it takes longer than this (default 600)")
@@ -396,10 +474,19 @@ def main(argv: list[str]) -> int:
     if n < 1 or m < 1:
         print("bench ckpt: expected --simulate-ranks and --load-ranks >= 1", flush=True)
         return 2
+    args.group = args.tp_size if args.layout == "fsdp2-tp" else args.shard_group
+    if args.dcp == "yes" and args.layout not in DCP_LAYOUTS:
+        print(f"bench ckpt: --layout {args.layout}: torch DCP's planning is simulated for {' and '.join(DCP_LAYOUTS)} "
+              "only (DCP saves no ZeroOptimizer; the simulated DCP plans take one mesh and placement for every "
+              "tensor); pass --dcp no", flush=True)
+        return 2
+    if args.group < 1:
+        print("bench ckpt: expected --shard-group and --tp-size >= 1", flush=True)
+        return 2
     try:
         cfg = parse_model(args.model)
-        mesh_shape(args.layout, n, args.shard_group)
-        mesh_shape(args.layout, m, args.shard_group)
+        mesh_shape(args.layout, n, args.group)
+        mesh_shape(args.layout, m, args.group)
     except ValueError as exc:
         print(f"bench ckpt: {exc}", flush=True)
         return 2
@@ -412,7 +499,7 @@ def main(argv: list[str]) -> int:
     block, chunk = DEFAULT_BLOCK_SIZE, DEFAULT_CHUNK_BYTES
     saved = None
     for r in sample_ranks(n):
-        res = ckpt_save_rank(r, n, shapes, args.layout, args.shard_group, block, chunk)
+        res = ckpt_save_rank(r, n, shapes, args.layout, args.group, block, chunk)
         saved = saved or res
         if res["summary"]["@table"] != saved["summary"]["@table"]:
             raise AssertionError(f"rank {r} planned another table than rank {saved['rank']}")
@@ -430,7 +517,7 @@ def main(argv: list[str]) -> int:
           flush=True)
     out["root"] = {"seconds": root.seconds, "peak_bytes": root.peak_bytes, "manifest_bytes": len(text)}
     for r in sample_ranks(m):
-        res = ckpt_load_rank(r, m, text, shapes, args.layout, args.shard_group, block, chunk)
+        res = ckpt_load_rank(r, m, text, shapes, args.layout, args.group, block, chunk)
         print(f"  load rank {r:>6} of {m}: planning {res['seconds']:.3f} s, peak {_mib(res['peak_bytes'])}; "
               f"{res['ranges']} byte ranges ({res['bytes'] / 1e9:.2f} GB) in {res['rounds']} rounds; manifest "
               f"broadcast {len(text):,} B; checksum reduce {res['checksum_reduce_bytes']:,} B (the CRCs of "
@@ -450,10 +537,10 @@ def _dcp(n: int, m: int, shapes, args) -> dict[str, Any]:
     """DCP's planning of the same state at n ranks (a rank's local plan, the coordinator's global
     plan over every rank's) and a load rank's local plan at m, within --dcp-limit-s."""
     limit = args.dcp_limit_s
-    local = dcp_local_plan(0, n, shapes, args.layout, args.shard_group)
+    local = dcp_local_plan(0, n, shapes, args.layout, args.group)
     t0 = time.perf_counter()
     try:
-        plans = dcp_other_plans(local.value, n, args.layout, args.shard_group, t0 + limit)
+        plans = dcp_other_plans(local.value, n, args.layout, args.group, t0 + limit)
     except TimeoutError:
         print(f"  DCP: making the {n} ranks' local plans took over --dcp-limit-s={limit:g} s; not timed", flush=True)
         return {"finished": False, "limit_s": limit, "local_s": local.seconds}
@@ -467,7 +554,7 @@ def _dcp(n: int, m: int, shapes, args) -> dict[str, Any]:
     res: dict[str, Any] = {"finished": g.seconds <= limit, "limit_s": limit, "local_s": local.seconds,
                            "global_s": g.seconds, "global_peak_bytes": g.peak_bytes, "gathered_bytes": gathered}
     _global, metadata = g.value
-    ld = dcp_load_rank(m // 2, m, metadata, shapes, args.layout, args.shard_group)
+    ld = dcp_load_rank(m // 2, m, metadata, shapes, args.layout, args.group)
     print(f"  DCP load: local plan of rank {m // 2} of {m} {ld.seconds:.3f} s, peak {_mib(ld.peak_bytes)}", flush=True)
     res["load_local_s"] = ld.seconds
     res["load_peak_bytes"] = ld.peak_bytes

@@ -55,10 +55,13 @@ def run(func: F | None = None, *, min_world_size: int = 1) -> Any:
             raise WorldTooSmallError(f"elastic.run: {state.world_size} ranks, fewer than min_world_size="
                                      f"{min_world_size}")
         if state.generation == 0:
-            state.commit()
+            state._resume()
+            state._commit(state.commits)
         while True:
             try:
-                return func(state, *args, **kwargs)
+                out = func(state, *args, **kwargs)
+                state.wait_checkpoint()
+                return out
             except ElasticError:
                 raise
             except Exception as err:  # noqa: BLE001 - a failure shows as any error (DDP wraps it)

@@ -1,6 +1,7 @@
 """TorchState: the training state that a recovery rolls back to, kept in memory per commit."""
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
@@ -18,6 +19,7 @@ class Commit:
     """One commit as this rank holds it."""
 
     gen: int
+    count: int = 0                        # user commits since the run began (checkpoint_every counts them)
     model: Any = None                     # model.state_dict() copy (replicated)
     optimizer: Any = None                 # plain optimizer: state_dict() copy (replicated)
     attrs: dict[str, Any] = field(default_factory=dict)
@@ -49,6 +51,10 @@ class TorchState:
     are held, so every survivor can roll back to the newest one that all of them completed.
     Attributes given as keywords (``step=0``) or set later are replicated state; one that cannot
     be copied raises ``TypeError`` naming it.
+
+    ``checkpoint_dir=DIR, checkpoint_every=K``: every K-th commit also starts an async
+    ``ckpt.save`` into ``DIR/step<N>`` (N: the commits so far; ``DIR/latest`` names the newest);
+    ``elastic.run`` first resumes from the newest one at the current world size.
     """
 
     def __init__(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
@@ -56,9 +62,14 @@ class TorchState:
                  comm: Any = None, **attrs: Any) -> None:
         import mpicomm
 
-        if checkpoint_dir is not None or checkpoint_every is not None:
-            raise NotImplementedError("elastic.TorchState: checkpoint_dir/checkpoint_every (disk checkpoints "
-                                      "every K commits) are not provided yet; save with ckpt.save in train()")
+        if (checkpoint_dir is None) != (checkpoint_every is None):
+            raise ValueError("elastic.TorchState: checkpoint_dir and checkpoint_every go together; got "
+                             f"checkpoint_dir={checkpoint_dir!r}, checkpoint_every={checkpoint_every!r}")
+        if checkpoint_every is not None and (isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int)
+                                             or checkpoint_every < 1):
+            raise ValueError(f"elastic.TorchState: expected checkpoint_every an int >= 1, got {checkpoint_every!r}")
+        if checkpoint_dir is not None and model is None:
+            raise ValueError("elastic.TorchState: checkpoint_dir needs a model (ckpt saves a model)")
         if model is not None and any(type(p).__name__ == "DTensor" for p in model.parameters()):
             raise NotImplementedError("elastic.TorchState: a model with DTensor parameters (FSDP2, tensor "
                                       "parallel) is not provided: its shards have no replica; use DDP or "
@@ -66,8 +77,12 @@ class TorchState:
         object.__setattr__(self, "_names", [])
         object.__setattr__(self, "model", model)
         object.__setattr__(self, "optimizer", optimizer)
-        object.__setattr__(self, "checkpoint_dir", None)
-        object.__setattr__(self, "checkpoint_every", None)
+        object.__setattr__(self, "checkpoint_dir", None if checkpoint_dir is None
+                           else os.path.abspath(os.fspath(checkpoint_dir)))
+        object.__setattr__(self, "checkpoint_every", checkpoint_every)
+        object.__setattr__(self, "_count", 0)           # user commits so far (restored by a resume)
+        object.__setattr__(self, "_saving", None)       # the ckpt.SaveHandle in flight
+        object.__setattr__(self, "resumed", None)       # what the resume from checkpoint_dir loaded
         if comm is None and _is_zero(optimizer):
             comm = optimizer.comm
         object.__setattr__(self, "_comm", mpicomm.as_communicator(comm))
@@ -81,7 +96,7 @@ class TorchState:
     # -- attributes ------------------------------------------------------------------------------
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name.startswith("_") or name in _OWN or name in ("commit_seconds", "recoveries"):
+        if name.startswith("_") or name in _OWN or name in ("commit_seconds", "recoveries", "resumed"):
             if name in ("checkpoint_dir", "checkpoint_every"):
                 raise AttributeError(f"elastic.TorchState: {name} is fixed at construction")
             object.__setattr__(self, name, value)
@@ -129,13 +144,44 @@ class TorchState:
 
     # -- commit ----------------------------------------------------------------------------------
 
+    @property
+    def commits(self) -> int:
+        """User commits since the run began (carried over by a resume from ``checkpoint_dir``)."""
+        return self._count
+
     @torch.no_grad()
     def commit(self) -> None:
-        """Keep the current state as what a recovery rolls back to (collective with a ZeroOptimizer)."""
+        """Keep the current state as what a recovery rolls back to (collective with a ZeroOptimizer);
+        with ``checkpoint_dir``, every ``checkpoint_every``-th commit also starts an async ckpt save."""
+        self._commit(self._count + 1)
+        if self.checkpoint_dir is not None and self._count % self.checkpoint_every == 0:
+            from . import disk
+
+            object.__setattr__(self, "_saving", disk.save(self, self._count))
+
+    def wait_checkpoint(self) -> None:
+        """Wait for the checkpoint save in flight, if any (raises its failure on every rank)."""
+        handle, self._saving = self._saving, None
+        if handle is not None:
+            handle.wait()
+
+    def _resume(self) -> None:
+        """Load the newest checkpoint of ``checkpoint_dir`` at the current world size, if it holds one."""
+        from . import disk
+
+        if self.checkpoint_dir is None or not disk.newest_exists(self, self._comm):
+            return
+        info = disk.load(self)
+        object.__setattr__(self, "_count", info["commits"])
+        object.__setattr__(self, "resumed", info)
+        self._commits.clear()
+
+    @torch.no_grad()
+    def _commit(self, count: int) -> None:
         t0 = time.perf_counter()
         # the oldest commit is dropped now and its memory reused (no fresh pages to fault in)
         old = self._commits.pop(0) if len(self._commits) == 2 else Commit(0)
-        c = Commit(self.generation + 1)
+        c = Commit(self.generation + 1, count)
         # the shard pieces leave for the buddy first; the local copies are made while they travel
         works = self._send_shards(c, old) if self.sharded else []
         for name in self._names:
@@ -147,6 +193,7 @@ class TorchState:
         for w in works:
             w.wait()
         self._commits.append(c)
+        object.__setattr__(self, "_count", count)
         object.__setattr__(self, "commit_seconds", self.commit_seconds + time.perf_counter() - t0)
 
     def _model_entries(self) -> dict[str, Any]:
@@ -208,7 +255,7 @@ class TorchState:
         object.__setattr__(self, "_comm", new_comm)
         # commits of the old world cannot be rebuilt from in the new one: start afresh
         self._commits.clear()
-        self.commit()
+        self._commit(c.count)
 
     def _rebuild_shards(self, c: Commit, new_comm: Any, survivors: list[int], old_world: int) -> None:
         from .errors import ShardsLostError

@@ -69,3 +69,15 @@ def shared_tmp_path(tmp_path_factory, request) -> Path:
         path = str(tmp_path_factory.mktemp(request.node.name[:40].replace("/", "_")))
     path = _WORLD.bcast(path, root=0)
     return Path(path)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module of tiny models: the thread pool only costs time on a loaded
+    machine. Opt in with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

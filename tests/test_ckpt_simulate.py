@@ -1,6 +1,7 @@
 """``bench ckpt --simulate-ranks``: the plans it makes for N simulated ranks are a real job's (1-4
-ranks, run here under mpiexec), match torch.chunk's shards for N up to 1,000, and a rank's
-planning work grows linearly with the tensors it holds and not with N."""
+ranks, run here under mpiexec; FSDP2, FSDP2 x TP on a 2x2 mesh, ZeroOptimizer stage 1 at 2
+ranks), match torch.chunk's shards for N up to 1,000, and a rank's planning work grows linearly
+with the tensors it holds and not with N."""
 from __future__ import annotations
 
 import json
@@ -24,20 +25,35 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
-@pytest.mark.parametrize("k", [pytest.param(1, marks=pytest.mark.slow), 2, pytest.param(3, marks=pytest.mark.slow),
-                               pytest.param(4, marks=pytest.mark.slow)])
-def test_simulated_plans_are_a_real_jobs(tmp_path, k):
-    """A real FSDP2 + AdamW job of k ranks saves (ckpt.save) and plans its save and load; the
-    simulation of k ranks gives the same manifest entries and the same byte ranges per rank."""
+def _real_and_sim(tmp_path, layout: str, k: int) -> tuple[dict, dict]:
     real, sim = tmp_path / "real.json", tmp_path / "sim.json"
-    subprocess.run(mpiexec_cmd(k) + [sys.executable, JOB, "real", str(real)], check=True, timeout=300, env=_env(),
+    subprocess.run(mpiexec_cmd(k) + [sys.executable, JOB, "real", layout, str(real)], check=True, timeout=300,
+                   env=_env(), cwd=ROOT)
+    subprocess.run([sys.executable, JOB, "sim", layout, str(k), str(sim)], check=True, timeout=300, env=_env(),
                    cwd=ROOT)
-    subprocess.run([sys.executable, JOB, "sim", str(k), str(sim)], check=True, timeout=300, env=_env(), cwd=ROOT)
-    a, b = json.loads(real.read_text()), json.loads(sim.read_text())
+    return json.loads(real.read_text()), json.loads(sim.read_text())
+
+
+@pytest.mark.parametrize("layout,k", [pytest.param("fsdp2", 1, marks=pytest.mark.slow), ("fsdp2", 2),
+                                      pytest.param("fsdp2", 3, marks=pytest.mark.slow),
+                                      pytest.param("fsdp2", 4, marks=pytest.mark.slow),
+                                      pytest.param("fsdp2-tp", 4, marks=pytest.mark.slow),
+                                      pytest.param("zero1", 2, marks=pytest.mark.slow)])
+def test_simulated_plans_are_a_real_jobs(tmp_path, layout, k):
+    """A real job of k ranks (FSDP2 + AdamW; FSDP2 over torch's tensor parallel on a (k/2, 2)
+    mesh; a replicated model + ZeroOptimizer(AdamW, stage=1)) saves (ckpt.save) and plans its save
+    and load; the simulation of k ranks gives the same manifest entries (layout rules included)
+    and the same byte ranges per rank."""
+    a, b = _real_and_sim(tmp_path, layout, k)
     assert a["manifest"] == b["manifest"]  # the manifest ckpt.save wrote (its tensors, file size, params)
     assert a["planned"] == b["manifest"]
     assert a["save"] == b["save"] and len(a["save"]) == k
     assert a["load"] == b["load"]
+    if layout == "fsdp2-tp":  # the real job's layouts are the 2-D ones (not FSDP's alone)
+        kinds = {t["name"].split(".")[-2]: t["layout"]["placements"] for t in a["manifest"][0]}
+        assert kinds["q_proj"] == [["strided", 0, 2], ["shard", 0]]
+        assert kinds["down_proj"] == [["shard", 0], ["shard", 1]]
+        assert kinds["input_layernorm"] == [["shard", 0], ["replicate"]]
 
 
 def _chunk_rows(rows: int, n: int, r: int) -> tuple[int, int]:
@@ -95,3 +111,13 @@ def test_planning_work_is_linear_in_tensors_and_flat_in_ranks():
     base = calls(4, 16)
     assert calls(16, 16) <= 4.4 * base
     assert calls(4, 1024) <= 1.2 * base
+
+
+def test_layout_arguments_are_checked(capsys):
+    """fsdp2-tp needs rank counts that are multiples of the TP size; DCP is simulated for fsdp2 and
+    hsdp only: both refused with what was expected."""
+    assert cs.main(["--simulate-ranks", "12", "--layout", "fsdp2-tp", "--dcp", "no"]) == 2
+    assert "multiples of --tp-size=8, got 12" in capsys.readouterr().out
+    for layout in ("zero1", "fsdp2-tp"):
+        assert cs.main(["--simulate-ranks", "16", "--layout", layout]) == 2
+        assert "pass --dcp no" in capsys.readouterr().out

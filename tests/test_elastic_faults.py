@@ -107,3 +107,13 @@ def test_ddp_example_survives_a_killed_rank():
     log = f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
     assert "recovered from the loss of world ranks [1]" in proc.stdout, log
     assert "trained 8 steps on 2 ranks" in proc.stdout, log
+
+
+def test_a_reset_callback_that_raises_ends_the_job_on_every_survivor(tmp_path):
+    _ulfm()
+    out, ckdir = str(tmp_path / "run"), str(tmp_path / "ck")
+    proc = _launch(3, [os.path.join(HERE, "elastic_disk_job.py"), "ddp", ckdir, "5", "1", "3", out, "badreset"],
+                   timeout=120)
+    assert proc.returncode != 0 and not os.path.exists(out + ".json")
+    assert proc.stderr.count("ResetCallbackError") >= 2, proc.stderr[-4000:]
+    assert "rebuild_data_loader: OSError: no data shard for the new world size" in proc.stderr, proc.stderr[-4000:]

@@ -20,12 +20,7 @@ from zero import ZeroOptimizer
 WORLD = MPI.COMM_WORLD
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_bad_attribute_is_named():
@@ -36,9 +31,70 @@ def test_bad_attribute_is_named():
         state.lock = __import__("threading").Lock()
 
 
-def test_checkpoint_dir_is_refused_clearly():
-    with pytest.raises(NotImplementedError, match="checkpoint_dir"):
+def test_checkpoint_arguments_are_checked():
+    model = make_model()
+    with pytest.raises(ValueError, match="checkpoint_dir and checkpoint_every go together"):
+        elastic.TorchState(model=model, checkpoint_dir="/tmp/x")
+    with pytest.raises(ValueError, match="checkpoint_every an int >= 1, got 0"):
+        elastic.TorchState(model=model, checkpoint_dir="/tmp/x", checkpoint_every=0)
+    with pytest.raises(ValueError, match="checkpoint_dir needs a model"):
         elastic.TorchState(checkpoint_dir="/tmp/x", checkpoint_every=2)
+    with pytest.raises(AttributeError, match="checkpoint_every is fixed"):
+        elastic.TorchState(model=model, checkpoint_dir="/tmp/x", checkpoint_every=2).checkpoint_every = 3
+
+
+def _disk_run(ckdir: str, steps: int, stop: int | None = None):
+    """Train on one rank with a checkpoint every 3 commits; ``stop``: leave after that step
+    without waiting for the save in flight (as a killed job would)."""
+    comm = mpicomm.Communicator(MPI.COMM_SELF)
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=1.0)
+    gen, rnd = torch.Generator().manual_seed(3), __import__("random").Random(4)
+    state = elastic.TorchState(model=model, optimizer=opt, comm=comm, checkpoint_dir=ckdir, checkpoint_every=3,
+                               step=0, sched=sched, gen=gen, rnd=rnd, seen=torch.zeros(2), log=[])
+    draws = []
+
+    class Stop(Exception):
+        pass
+
+    @elastic.run
+    def train(state):
+        while state.step < steps:
+            opt.zero_grad()
+            local_loss(model, state.step, 0, 1).backward()
+            opt.step()
+            sched.step()
+            draws.append((torch.rand(1, generator=state.gen).item(), state.rnd.random()))
+            state.seen += 1
+            state.log = state.log + [state.step]
+            state.step += 1
+            state.commit()
+            if state.step == stop:
+                raise Stop
+
+    try:
+        train(state)
+    except Stop:
+        pass
+    return state, model, draws
+
+
+def test_checkpoint_dir_resumes_from_the_newest_checkpoint(tmp_path):
+    if WORLD.Get_size() > 1:
+        pytest.skip("one rank writes into its own directory")
+    ckdir = str(tmp_path / "ck")
+    _, _, first = _disk_run(ckdir, 8, stop=7)
+    ckpt = __import__("ckpt")
+    ckpt.wait_pending()
+    assert sorted(n for n in __import__("os").listdir(ckdir) if n.startswith("step")) == ["step3", "step6"]
+    state, model, second = _disk_run(ckdir, 8)
+    assert state.resumed["commits"] == 6 and state.resumed["path"].endswith("step6")
+    assert state.step == 8 and state.commits == 8 and state.log == list(range(8))
+    assert state.seen.tolist() == [8.0, 8.0]
+    assert second == first[6:7] + [second[-1]]        # the generators continue from their saved state
+    for p, ref in zip(model.parameters(), reference(8)):
+        torch.testing.assert_close(p.detach(), ref, rtol=1e-5, atol=1e-6)
 
 
 def test_run_checks_its_arguments():

@@ -22,12 +22,7 @@ WORLD = MPI.COMM_WORLD
 MODES = [pytest.param("mpi", marks=pytest.mark.mpi, id="mpi"), pytest.param("one", id="one")]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # -- the quantizer against numpy --------------------------------------------------------------

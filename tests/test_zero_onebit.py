@@ -61,13 +61,7 @@ def test_warmup_equals_zero_adam(mode, stage, wd):
         assert_close_all(p, q, atol=1e-6, what="warm-up parameters vs ZeRO Adam")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: torch's thread pool only costs time on a loaded machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class Calls(logging.Handler):

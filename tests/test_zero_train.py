@@ -25,13 +25,7 @@ OPTS = {"sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
         "adamw": (torch.optim.AdamW, {"lr": 0.02, "weight_decay": 0.01})}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: torch's thread pool only costs time on a loaded machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_model(seed: int = 3) -> torch.nn.Module:
