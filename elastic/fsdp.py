@@ -108,7 +108,7 @@ class Entry:
     def nbytes(self, world: int, rank: int) -> int:
         """Bytes of ``rank``'s local shard on a 1-D mesh of ``world``, padded to the alignment."""
         n = math.prod(local_shape(self.shape, world, rank, self.placements))
-        size = n * torch.empty((), dtype=self.dtype).element_size()
+        size = n * self.dtype.itemsize
         return -(-size // _ALIGN) * _ALIGN
 
 
@@ -121,7 +121,7 @@ def _offsets(entries: Sequence[Entry], world: int, rank: int) -> list[int]:
 
 def _view(buf: torch.Tensor, e: Entry, lo: int, world: int, rank: int) -> torch.Tensor:
     shape = local_shape(e.shape, world, rank, e.placements)
-    n = math.prod(shape) * torch.empty((), dtype=e.dtype).element_size()
+    n = math.prod(shape) * e.dtype.itemsize
     return buf[lo:lo + n].view(e.dtype).view(shape)
 
 
@@ -163,6 +163,11 @@ def _tensors(state: Any) -> tuple[list[tuple[Entry, torch.Tensor]], dict[str, An
             pnames.append(n)
             for k, v in sorted(opt.state.get(p, {}).items()):
                 if _is_dtensor(v):
+                    if tuple(v.shape) != tuple(p.shape) or tuple(v.placements) != tuple(p.placements):
+                        raise ValueError(
+                            f"elastic.TorchState: optimizer state {k!r} of {n!r} is a DTensor of shape {list(v.shape)}, "
+                            f"placements {tuple(v.placements)}; elastic re-partitions optimizer state laid out as its "
+                            f"parameter (shape {list(p.shape)}, placements {tuple(p.placements)}) only")
                     shards.append((Entry(("optim", n, k), tuple(v.shape), tuple(v.placements), v.dtype),
                                    v._local_tensor))
                 else:
@@ -188,22 +193,23 @@ def commit(state: Any, old: Any) -> tuple[dict[str, Any], list[Any]]:
     entries = [e for e, _ in shards]
     world, me = state.world_size, state.rank
     old = old or {}
-    offs = _offsets(entries, world, me)
+    same = old.get("entries") == entries and old.get("world") == world
+    offs = old["offs"] if same else _offsets(entries, world, me)
     own = old.get("own")
     if own is None or own.numel() != offs[-1]:
         own = torch.empty(offs[-1], dtype=torch.uint8)
     for (e, t), lo in zip(shards, offs):
         _view(own, e, lo, world, me).copy_(t.detach())
-    c = {"entries": entries, "world": world, "own": own, "ward": None,
-         "plain": values.tree_copy(plain, old.get("plain"))}
-    if world == 1:
-        return c, []
-    prev = replicas.ward(me, world)
-    need = _offsets(entries, world, prev)[-1]
-    ward = old.get("ward")
-    c["ward"] = ward if ward is not None and ward.numel() == need else torch.empty(need, dtype=torch.uint8)
-    comm = state.comm
-    return c, [comm.irecv(c["ward"], prev, tag=_TAG), comm.isend(own, replicas.buddy(me, world), tag=_TAG)]
+    c = {"entries": entries, "world": world, "offs": offs, "own": own, "ward": None}
+    works = []
+    if world > 1:      # the packed shards travel while the replicated rest is copied
+        prev = replicas.ward(me, world)
+        need = old["ward"].numel() if same else _offsets(entries, world, prev)[-1]
+        ward = old.get("ward")
+        c["ward"] = ward if ward is not None and ward.numel() == need else torch.empty(need, dtype=torch.uint8)
+        works = [state.comm.irecv(c["ward"], prev, tag=_TAG), state.comm.isend(own, replicas.buddy(me, world), tag=_TAG)]
+    c["plain"] = values.tree_copy(plain, old.get("plain"))
+    return c, works
 
 
 def rollback(state: Any, c: dict[str, Any], count: int, new_comm: Any, survivors: Sequence[int]) -> None:

@@ -1,8 +1,10 @@
-"""elastic.fsdp's N->M reshard of Shard(0) local shards against torch.chunk of the full tensor."""
+"""elastic.fsdp: the N->M reshard of Shard(0) local shards against torch.chunk of the full tensor;
+the packed commit buffer; the errors a recovery raises before any collective."""
 import pytest
 import torch
 from torch.distributed.tensor import Shard
 
+import elastic
 from elastic import fsdp
 
 
@@ -38,3 +40,58 @@ def test_wrong_row_shape_raises():
     rows = [torch.zeros(3), torch.zeros(3), torch.zeros(2)]
     with pytest.raises(ValueError, match="old rank 1"):
         fsdp.new_shard((8,), (Shard(0),), [rows[0], torch.zeros(2), rows[2]], 2, 0)
+
+
+def test_packed_pieces_of_mixed_dtypes_read_back():
+    """A commit's buffer: every old rank's local shards of several dtypes, aligned, read back."""
+    dtypes = [torch.float32, torch.bfloat16, torch.float64, torch.int64, torch.float16]
+    entries = [fsdp.Entry(("model", f"p{i}"), (5 + i, 3), (Shard(0),), dt) for i, dt in enumerate(dtypes)]
+    fulls = [torch.arange(15 + 3 * i).reshape(5 + i, 3).to(dt) for i, dt in enumerate(dtypes)]
+    for world in (1, 3, 4):
+        for rank in range(world):
+            offs = fsdp._offsets(entries, world, rank)
+            assert all(o % 8 == 0 for o in offs)
+            buf = torch.empty(offs[-1], dtype=torch.uint8)
+            mine = [_chunks(f, world)[rank] for f in fulls]
+            for e, t, lo in zip(entries, mine, offs):
+                fsdp._view(buf, e, lo, world, rank).copy_(t)
+            for e, t, lo in zip(entries, mine, offs):
+                got = fsdp._view(buf, e, lo, world, rank)
+                assert got.dtype == t.dtype and torch.equal(got, t)
+
+
+class _State:
+    """What rollback reads of a TorchState before any collective."""
+
+    def __init__(self, callbacks=()):
+        self._callbacks = list(callbacks)
+
+
+def test_a_shard_and_its_buddy_both_lost_is_named():
+    state = _State()
+    state._callbacks.append(fsdp.RebuildFSDP(state, lambda: None))
+    c = {"world": 4, "entries": [], "own": torch.empty(0, dtype=torch.uint8), "ward": None}
+    with pytest.raises(elastic.ShardsLostError, match=r"FSDP2 shards of old ranks \[1\]") as info:
+        fsdp.rollback(state, c, 1, None, [0, 3])    # rank 1's buddy is rank 2
+    assert info.value.lost == [1]
+
+
+def test_a_recovery_without_rebuild_fsdp_says_what_to_register():
+    c = {"world": 3, "entries": [], "own": torch.empty(0, dtype=torch.uint8), "ward": None}
+    with pytest.raises(elastic.ElasticError, match=r"register elastic.RebuildFSDP\(state, build\)"):
+        fsdp.rollback(_State(), c, 1, None, [0, 2])
+
+
+def test_rebuild_fsdp_checks_its_arguments():
+    state = _State()
+    with pytest.raises(TypeError, match="build\\(\\) -> \\(model, optimizer\\)"):
+        elastic.RebuildFSDP(state, 5)
+    rebuild = elastic.RebuildFSDP(state, lambda: None)
+    state._fsdp_pending = None
+    with pytest.raises(elastic.ElasticError, match="no recovery of an FSDP2 state is pending"):
+        rebuild()
+
+
+def test_plain_models_are_not_fsdp():
+    assert not fsdp.uses_dtensors(None)
+    assert not fsdp.uses_dtensors(torch.nn.Linear(2, 3))

@@ -50,25 +50,27 @@ def full_state(model, opt):
 def test_a_lost_rank0s_shards_come_back_on_the_survivors_mesh(pg, comm):
     n, me = comm.size, comm.rank
     model, opt = sharded(init_device_mesh("cpu", (n,)))
-    for step in range(2):
-        opt.zero_grad()
-        local_loss(model, step, me, n).backward()
-        opt.step()
     sub_group = dist.new_group(list(range(1, n)))      # collective over the world
-    state = elastic.TorchState(model=model, optimizer=opt, comm=comm, step=2)
+    state = elastic.TorchState(model=model, optimizer=opt, comm=comm, step=0)
     built = []
 
     def build():
         built.append(sharded(DeviceMesh.from_group(sub_group, "cpu")))
         return built[-1]
     state.register_reset_callbacks([elastic.RebuildFSDP(state, build)])
-    state.commit()
-    want = full_state(model, opt)
+    wants = []
+    for step in range(3):                              # the third commit reuses the first's memory
+        opt.zero_grad()
+        local_loss(model, step, me, n).backward()
+        opt.step()
+        state.step += 1
+        state.commit()
+        wants.append(full_state(model, opt))
+    want = wants[1]                                    # the commit before the newest (a death inside commit())
     sub = comm.split(None if me == 0 else 0)
-    state.step = 99                                    # rolled back to the commit's 2
     got = {}
     if me != 0:                                        # world rank 0 is "lost"
-        state._rollback(state.generation, sub, list(range(1, n)), n)
+        state._rollback(state.generation - 1, sub, list(range(1, n)), n)
         for fn in state._callbacks:
             fn()
         got = full_state(state.model, state.optimizer)
@@ -76,11 +78,12 @@ def test_a_lost_rank0s_shards_come_back_on_the_survivors_mesh(pg, comm):
     def check():
         if me == 0:
             return
-        assert state.step == 2 and state.world_size == n - 1 and state.generation == 1
+        assert state.step == 2 and state.world_size == n - 1 and state.generation == 1 and state.commits == 2
         assert state.model is built[0][0] and state.optimizer is built[0][1]
         assert sorted(got) == sorted(want), (sorted(got), sorted(want))
         for k in want:
             assert torch.equal(got[k], want[k]), k
+        assert not torch.equal(got["0.weight"], wants[2]["0.weight"])
         assert state.replica_bytes() > 0
     check_all(check)
 
