@@ -50,6 +50,9 @@ class TorchState:
     state, the attributes) on this rank and, for a ``zero.ZeroOptimizer``, sends this rank's
     shard to its buddy rank (the next one) and keeps the previous rank's. The last two commits
     are held, so every survivor can roll back to the newest one that all of them completed.
+    An FSDP2 model (``fully_shard`` on a 1-D mesh) has its local DTensor shards (parameters and
+    optimizer state) replicated the same way; register ``elastic.RebuildFSDP(state, build)`` to
+    build it anew on the survivors' mesh after a recovery (see ``elastic.fsdp``).
     Attributes given as keywords (``step=0``) or set later are replicated state; one that cannot
     be copied raises ``TypeError`` naming it.
 
