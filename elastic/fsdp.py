@@ -341,6 +341,6 @@ def load(model: torch.nn.Module, opt: torch.optim.Optimizer | None, pending: dic
         if e.key[0] == "optim":
             p = params[e.key[1]]
             st.setdefault(index[e.key[1]], {})[e.key[2]] = DTensor.from_local(
-                shards[e.key], p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+                shards[e.key].to(p._local_tensor.device), p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
     opt.load_state_dict({"state": st, "param_groups": [
         {**{k: v for k, v in g.items() if k != "params"}, "params": [index[n] for n in g["params"]]} for g in saved]})

@@ -95,3 +95,21 @@ def test_rebuild_fsdp_checks_its_arguments():
 def test_plain_models_are_not_fsdp():
     assert not fsdp.uses_dtensors(None)
     assert not fsdp.uses_dtensors(torch.nn.Linear(2, 3))
+
+
+class _Comm:
+    fault_tolerant = True
+
+
+def test_a_commit_under_ulfm_without_rebuild_fsdp_is_refused():
+    state = _State()
+    state.comm, state._fsdp_pending = _Comm(), None
+    with pytest.raises(ValueError, match=r"register elastic.RebuildFSDP\(state, build\)"):
+        fsdp.commit(state, None)
+
+
+def test_a_commit_before_the_rebuild_is_refused():
+    state = _State()
+    state.comm, state._fsdp_pending = _Comm(), {"count": 3}
+    with pytest.raises(elastic.ElasticError, match="not rebuilt after the recovery"):
+        fsdp.commit(state, None)
