@@ -7,6 +7,7 @@ survivors' mesh. ``new_shard`` and ``local_shape`` are the pure re-partition ste
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -70,6 +71,7 @@ def new_shard(shape: Sequence[int], placements: Sequence[Any], old_rows: Sequenc
 
 _TAG = 29129
 _ALIGN = 8      # byte offset of every piece in a packed buffer (a uint8 view re-typed needs it)
+_HEAD = 8       # a packed buffer starts with the digest of its entries (int64)
 
 
 def _is_dtensor(t: Any) -> bool:
@@ -112,8 +114,16 @@ class Entry:
         return -(-size // _ALIGN) * _ALIGN
 
 
+def digest(entries: Sequence[Entry]) -> int:
+    """A digest of the tensors a commit lists (keys, shapes, placements, dtypes), the same on
+    every rank that lists the same ones."""
+    text = repr([(e.key, e.shape, [str(p) for p in e.placements], str(e.dtype)) for e in entries])
+    return zlib.crc32(text.encode())
+
+
 def _offsets(entries: Sequence[Entry], world: int, rank: int) -> list[int]:
-    out = [0]
+    """Where each entry's local shard of ``rank`` starts in a packed buffer, and its end."""
+    out = [_HEAD]
     for e in entries:
         out.append(out[-1] + e.nbytes(world, rank))
     return out
@@ -198,6 +208,7 @@ def commit(state: Any, old: Any) -> tuple[dict[str, Any], list[Any]]:
     own = old.get("own")
     if own is None or own.numel() != offs[-1]:
         own = torch.empty(offs[-1], dtype=torch.uint8)
+    own[:_HEAD].view(torch.int64)[0] = digest(entries)
     for (e, t), lo in zip(shards, offs):
         _view(own, e, lo, world, me).copy_(t.detach())
     c = {"entries": entries, "world": world, "offs": offs, "own": own, "ward": None}
@@ -239,12 +250,23 @@ def rollback(state: Any, c: dict[str, Any], count: int, new_comm: Any, survivors
             buf = torch.empty(offs[s][-1], dtype=torch.uint8)
         new_comm.broadcast(buf, src=survivors.index(held[s]))
         bufs.append(buf)
+    ok = torch.tensor([int(all(int(b[:_HEAD].view(torch.int64)[0]) == digest(entries) for b in bufs))])
+    new_comm.all_reduce(ok, op=_min())
+    if not int(ok[0]):
+        raise ElasticError("elastic: the old ranks' FSDP2 commits do not list the same parameters and optimizer "
+                           "state (names, shapes, placements, dtypes); the shards cannot be re-partitioned")
     n, r = int(new_comm.size), int(new_comm.rank)
     shards = {e.key: new_shard(e.shape, e.placements, [_view(bufs[s], e, offs[s][i], world, s) for s in range(world)],
                                n, r)
               for i, e in enumerate(entries)}
     object.__setattr__(state, "_fsdp_pending", {"entries": entries, "shards": shards, "plain": c["plain"],
                                                 "count": count})
+
+
+def _min() -> Any:
+    import mpicomm
+
+    return mpicomm.ReduceOp.MIN
 
 
 class RebuildFSDP:

@@ -113,3 +113,27 @@ def test_a_commit_before_the_rebuild_is_refused():
     state.comm, state._fsdp_pending = _Comm(), {"count": 3}
     with pytest.raises(elastic.ElasticError, match="not rebuilt after the recovery"):
         fsdp.commit(state, None)
+
+
+class _OneRankComm:
+    """A survivor's communicator whose broadcasts deliver a buffer of another layout (zeros)."""
+
+    rank, size = 0, 2
+
+    def broadcast(self, buf, src):
+        if src != self.rank:
+            buf.zero_()
+
+    def all_reduce(self, t, op):
+        pass
+
+
+def test_a_buffer_listing_other_tensors_is_refused_not_used():
+    entries = [fsdp.Entry(("model", "w"), (7, 3), (Shard(0),), torch.float32)]
+    own = torch.empty(fsdp._offsets(entries, 3, 0)[-1], dtype=torch.uint8)
+    own[:8].view(torch.int64)[0] = fsdp.digest(entries)
+    state = _State()
+    state._callbacks.append(fsdp.RebuildFSDP(state, lambda: None))
+    c = {"world": 3, "entries": entries, "own": own, "ward": None}
+    with pytest.raises(elastic.ElasticError, match="do not list the same parameters"):
+        fsdp.rollback(state, c, 1, _OneRankComm(), [0, 2])
