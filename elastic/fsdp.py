@@ -175,9 +175,10 @@ def _tensors(state: Any) -> tuple[list[tuple[Entry, torch.Tensor]], dict[str, An
                 if _is_dtensor(v):
                     if tuple(v.shape) != tuple(p.shape) or tuple(v.placements) != tuple(p.placements):
                         raise ValueError(
-                            f"elastic.TorchState: optimizer state {k!r} of {n!r} is a DTensor of shape {list(v.shape)}, "
-                            f"placements {tuple(v.placements)}; elastic re-partitions optimizer state laid out as its "
-                            f"parameter (shape {list(p.shape)}, placements {tuple(p.placements)}) only")
+                            f"elastic.TorchState: optimizer state {k!r} of {n!r} is a DTensor of shape "
+                            f"{list(v.shape)}, placements {tuple(v.placements)}; elastic re-partitions optimizer "
+                            f"state laid out as its parameter (shape {list(p.shape)}, placements "
+                            f"{tuple(p.placements)}) only")
                     shards.append((Entry(("optim", n, k), tuple(v.shape), tuple(v.placements), v.dtype),
                                    v._local_tensor))
                 else:
@@ -218,7 +219,8 @@ def commit(state: Any, old: Any) -> tuple[dict[str, Any], list[Any]]:
         need = old["ward"].numel() if same else _offsets(entries, world, prev)[-1]
         ward = old.get("ward")
         c["ward"] = ward if ward is not None and ward.numel() == need else torch.empty(need, dtype=torch.uint8)
-        works = [state.comm.irecv(c["ward"], prev, tag=_TAG), state.comm.isend(own, replicas.buddy(me, world), tag=_TAG)]
+        works = [state.comm.irecv(c["ward"], prev, tag=_TAG),
+                 state.comm.isend(own, replicas.buddy(me, world), tag=_TAG)]
     c["plain"] = values.tree_copy(plain, old.get("plain"))
     return c, works
 
@@ -286,11 +288,22 @@ class RebuildFSDP:
         pending = getattr(state, "_fsdp_pending", None)
         if pending is None:
             raise ElasticError("elastic.RebuildFSDP: no recovery of an FSDP2 state is pending")
-        built = self.build()
-        if not (isinstance(built, tuple) and len(built) == 2):
-            raise TypeError(f"elastic.RebuildFSDP: build() must return (model, optimizer), got {type(built).__name__}")
-        model, opt = built
-        load(model, opt, pending, state.world_size, state.rank)
+        err: Exception | None = None
+        try:            # a failure on some ranks only must not leave the others alone in the commit
+            built = self.build()
+            if not (isinstance(built, tuple) and len(built) == 2):
+                raise TypeError(f"elastic.RebuildFSDP: build() must return (model, optimizer), got "
+                                f"{type(built).__name__}")
+            model, opt = built
+            load(model, opt, pending, state.world_size, state.rank)
+        except Exception as e:  # noqa: BLE001 - raised below, once every survivor knows
+            err = e
+        ok = torch.tensor([int(err is None)])
+        state.comm.all_reduce(ok, op=_min())
+        if err is not None:
+            raise err
+        if not int(ok[0]):
+            raise ValueError("elastic.RebuildFSDP: the rebuilt model did not take the committed state on another rank")
         object.__setattr__(state, "model", model)
         object.__setattr__(state, "optimizer", opt)
         object.__setattr__(state, "_fsdp_pending", None)
@@ -349,7 +362,8 @@ def load(model: torch.nn.Module, opt: torch.optim.Optimizer | None, pending: dic
     groups = []
     for group in opt.param_groups:
         if any(id(p) not in names for p in group["params"]):
-            raise ValueError("elastic.RebuildFSDP: build()'s optimizer holds a parameter that is not one of its model's")
+            raise ValueError("elastic.RebuildFSDP: build()'s optimizer holds a parameter that is not one of "
+                             "its model's")
         groups.append([names[id(p)] for p in group["params"]])
     saved = plain["groups"]
     if [g["params"] for g in saved] != groups:
@@ -363,6 +377,7 @@ def load(model: torch.nn.Module, opt: torch.optim.Optimizer | None, pending: dic
         if e.key[0] == "optim":
             p = params[e.key[1]]
             st.setdefault(index[e.key[1]], {})[e.key[2]] = DTensor.from_local(
-                shards[e.key].to(p._local_tensor.device), p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+                shards[e.key].to(p._local_tensor.device), p.device_mesh, p.placements, run_check=False,
+                shape=p.shape, stride=p.stride())
     opt.load_state_dict({"state": st, "param_groups": [
         {**{k: v for k, v in g.items() if k != "params"}, "params": [index[n] for n in g["params"]]} for g in saved]})

@@ -118,3 +118,28 @@ def test_a_build_on_the_wrong_mesh_is_refused(pg, comm):
             err = str(e)
     del sub_group
     assert_all(me == 0 or ("expected a 1-D mesh over the" in err and f"{n - 1} survivors" in err), err)
+
+
+def test_a_build_that_misfits_on_one_survivor_fails_on_every_survivor(pg, comm):
+    n, me = comm.size, comm.rank
+    model, opt = sharded(init_device_mesh("cpu", (n,)))
+    sub_group = dist.new_group(list(range(1, n)))
+    state = elastic.TorchState(model=model, optimizer=opt, comm=comm)
+
+    def build():
+        model, opt = sharded(DeviceMesh.from_group(sub_group, "cpu"))
+        if me == n - 1:                                 # another global shape on this survivor only
+            model[2].register_parameter("bias", torch.nn.Parameter(torch.zeros(5)))
+        return model, opt
+    state.register_reset_callbacks([elastic.RebuildFSDP(state, build)])
+    state.commit()
+    sub = comm.split(None if me == 0 else 0)
+    err = ""
+    if me != 0:
+        state._rollback(state.generation, sub, list(range(1, n)), n)
+        try:
+            state._callbacks[0]()
+        except ValueError as e:
+            err = str(e)
+    want = "must be a DTensor of shape [3]" if me == n - 1 else "on another rank"
+    assert_all(me == 0 or want in err, err)
