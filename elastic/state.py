@@ -75,6 +75,9 @@ class TorchState:
         if checkpoint_dir is not None and model is None:
             raise ValueError("elastic.TorchState: checkpoint_dir needs a model (ckpt saves a model)")
         object.__setattr__(self, "_fsdp", fsdp.uses_dtensors(model))    # FSDP2: see elastic.fsdp
+        if self._fsdp and checkpoint_dir is not None:
+            raise NotImplementedError("elastic.TorchState: checkpoint_dir with an FSDP2 model is not provided (the "
+                                      "disk path saves ZeroOptimizer and replicated state); save it with ckpt.save")
         object.__setattr__(self, "_fsdp_pending", None)
         object.__setattr__(self, "_names", [])
         object.__setattr__(self, "model", model)

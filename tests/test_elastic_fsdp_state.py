@@ -143,3 +143,13 @@ def test_a_build_that_misfits_on_one_survivor_fails_on_every_survivor(pg, comm):
             err = str(e)
     want = "must be a DTensor of shape [3]" if me == n - 1 else "on another rank"
     assert_all(me == 0 or want in err, err)
+
+
+def test_checkpoint_dir_with_fsdp2_is_refused(pg, comm, tmp_path):
+    model, opt = sharded(init_device_mesh("cpu", (comm.size,)))
+    try:
+        elastic.TorchState(model=model, optimizer=opt, comm=comm, checkpoint_dir=str(tmp_path), checkpoint_every=1)
+        err = ""
+    except NotImplementedError as e:
+        err = str(e)
+    assert_all("checkpoint_dir with an FSDP2 model is not provided" in err, err)
