@@ -16,6 +16,8 @@ What lives where:
     run       the decorator and the recovery (revoke, shrink, new process group, rollback, callbacks)
     replicas  which rank holds whose shard replica (pure)
     reshard   a ZeroOptimizer group's shards joined in parameter order (pure)
+    fsdp      FSDP2 state: local DTensor shards committed with a buddy replica, re-partitioned over
+              the survivors and loaded into the rebuilt model by RebuildFSDP (a reset callback)
     sampler   ElasticSampler: a deterministic global batch re-split over the current ranks (pure)
     values    copies of attribute values per commit
     errors    ElasticError and its kinds
@@ -25,9 +27,10 @@ Layering: accelerators <- mpicomm <- compressed <- zero <- ckpt <- elastic <- be
 from __future__ import annotations
 
 from .errors import ElasticError, ResetCallbackError, ShardsLostError, WorldTooSmallError
+from .fsdp import RebuildFSDP
 from .run import recover, run
 from .sampler import ElasticSampler
 from .state import TorchState
 
-__all__ = ["ElasticError", "ElasticSampler", "ResetCallbackError", "ShardsLostError", "TorchState",
+__all__ = ["ElasticError", "ElasticSampler", "RebuildFSDP", "ResetCallbackError", "ShardsLostError", "TorchState",
            "WorldTooSmallError", "recover", "run"]

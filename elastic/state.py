@@ -8,7 +8,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from . import replicas, reshard, values
+from . import fsdp, replicas, reshard, values
 
 _OWN = frozenset({"model", "optimizer", "checkpoint_dir", "checkpoint_every"})
 _TAG = 29029
@@ -27,11 +27,12 @@ class Commit:
     ward: list[torch.Tensor] = field(default_factory=list)     # ZeroOptimizer: the previous rank's pieces
     other: list[dict[str, Any]] = field(default_factory=list)  # ZeroOptimizer: per group, its non-elementwise state
     keys: list[list[str]] = field(default_factory=list)        # ZeroOptimizer: per group, its elementwise state names
+    fsdp: Any = None                      # FSDP2 model: elastic.fsdp.commit's packed shards and the rest
 
     def nbytes(self) -> int:
         """Bytes of tensors this commit holds."""
         return (values.nbytes(self.model) + values.nbytes(self.optimizer) + values.nbytes(self.attrs)
-                + values.nbytes(self.own) + values.nbytes(self.ward))
+                + values.nbytes(self.own) + values.nbytes(self.ward) + values.nbytes(self.fsdp))
 
 
 def _is_zero(opt: Any) -> bool:
@@ -49,6 +50,9 @@ class TorchState:
     state, the attributes) on this rank and, for a ``zero.ZeroOptimizer``, sends this rank's
     shard to its buddy rank (the next one) and keeps the previous rank's. The last two commits
     are held, so every survivor can roll back to the newest one that all of them completed.
+    An FSDP2 model (``fully_shard`` on a 1-D mesh) has its local DTensor shards (parameters and
+    optimizer state) replicated the same way; register ``elastic.RebuildFSDP(state, build)`` to
+    build it anew on the survivors' mesh after a recovery (see ``elastic.fsdp``).
     Attributes given as keywords (``step=0``) or set later are replicated state; one that cannot
     be copied raises ``TypeError`` naming it.
 
@@ -70,10 +74,11 @@ class TorchState:
             raise ValueError(f"elastic.TorchState: expected checkpoint_every an int >= 1, got {checkpoint_every!r}")
         if checkpoint_dir is not None and model is None:
             raise ValueError("elastic.TorchState: checkpoint_dir needs a model (ckpt saves a model)")
-        if model is not None and any(type(p).__name__ == "DTensor" for p in model.parameters()):
-            raise NotImplementedError("elastic.TorchState: a model with DTensor parameters (FSDP2, tensor "
-                                      "parallel) is not provided: its shards have no replica; use DDP or "
-                                      "zero.ZeroOptimizer")
+        object.__setattr__(self, "_fsdp", fsdp.uses_dtensors(model))    # FSDP2: see elastic.fsdp
+        if self._fsdp and checkpoint_dir is not None:
+            raise NotImplementedError("elastic.TorchState: checkpoint_dir with an FSDP2 model is not provided (the "
+                                      "disk path saves ZeroOptimizer and replicated state); save it with ckpt.save")
+        object.__setattr__(self, "_fsdp_pending", None)
         object.__setattr__(self, "_names", [])
         object.__setattr__(self, "model", model)
         object.__setattr__(self, "optimizer", optimizer)
@@ -184,11 +189,13 @@ class TorchState:
         c = Commit(self.generation + 1, count)
         # the shard pieces leave for the buddy first; the local copies are made while they travel
         works = self._send_shards(c, old) if self.sharded else []
+        if self._fsdp:
+            c.fsdp, works = fsdp.commit(self, old.fsdp)
         for name in self._names:
             c.attrs[name] = values.save(getattr(self, name), old.attrs.get(name))
-        if self.model is not None:
+        if self.model is not None and not self._fsdp:
             c.model = values.tree_copy(self._model_entries(), old.model)
-        if not self.sharded and self.optimizer is not None:
+        if not self.sharded and not self._fsdp and self.optimizer is not None:
             c.optimizer = values.state_dict_copy(self.optimizer, old.optimizer)
         for w in works:
             w.wait()
@@ -245,9 +252,11 @@ class TorchState:
         c = self._commit_of(gen)
         for name in self._names:
             object.__setattr__(self, name, values.restore(getattr(self, name), c.attrs[name]))
-        if self.model is not None:
+        if self.model is not None and not self._fsdp:
             self.model.load_state_dict(values.tree_copy(c.model), strict=not self.sharded)
-        if self.sharded:
+        if self._fsdp:    # loaded into the model rebuilt on the survivors by elastic.RebuildFSDP
+            fsdp.rollback(self, c.fsdp, c.count, new_comm, survivors)
+        elif self.sharded:
             self._rebuild_shards(c, new_comm, survivors, old_world)
             self.optimizer.gather_params()          # the model's weights from the masters
         elif self.optimizer is not None:
@@ -255,7 +264,8 @@ class TorchState:
         object.__setattr__(self, "_comm", new_comm)
         # commits of the old world cannot be rebuilt from in the new one: start afresh
         self._commits.clear()
-        self._commit(c.count)
+        if not self._fsdp:    # an FSDP2 state is committed by RebuildFSDP once it is rebuilt
+            self._commit(c.count)
 
     @torch.no_grad()
     def _restart_from_disk(self, new_comm: Any) -> dict[str, Any]:

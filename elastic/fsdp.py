@@ -1,0 +1,383 @@
+"""FSDP2 (``fully_shard``) state in a TorchState: a commit packs the rank's local shards of every
+DTensor parameter and optimizer state into one buffer, kept here and sent to the buddy rank; a
+recovery re-partitions them over the survivors with the placement rules ckpt uses for N->M
+(``ckpt.dtensor_layout``: torch's chunk semantics, uneven last shards included) and
+``RebuildFSDP``, a reset callback, loads them into the model and optimizer built anew on the
+survivors' mesh. ``new_shard`` and ``local_shape`` are the pure re-partition step."""
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ckpt import dtensor_layout as dl
+
+from .errors import ElasticError, ShardsLostError
+
+
+def _runs(shape: Sequence[int], world: int, rank: int, placements: Sequence[Any]) -> list[tuple[int, int, int]]:
+    return sorted(dl.runs(shape, dl.layout(shape, (world,), (rank,), placements)))
+
+
+def local_shape(shape: Sequence[int], world: int, rank: int, placements: Sequence[Any]) -> tuple[int, ...]:
+    """The local shard shape of ``rank`` of a tensor of global ``shape`` on a 1-D mesh of ``world``."""
+    return dl.local_shape(dl.layout(shape, (world,), (rank,), placements))
+
+
+def new_shard(shape: Sequence[int], placements: Sequence[Any], old_rows: Sequence[torch.Tensor],
+              new_world: int, new_rank: int) -> torch.Tensor:
+    """The local shard of ``new_rank`` on a 1-D mesh of ``new_world`` ranks, built from
+    ``old_rows[r]``: the local shard old rank ``r`` held on a 1-D mesh of ``len(old_rows)`` ranks
+    (``placements`` on both meshes, e.g. ``(Shard(0),)``)."""
+    shape = tuple(int(s) for s in shape)
+    old_world = len(old_rows)
+    if old_world < 1 or not 0 <= new_rank < new_world:
+        raise ValueError(f"expected >= 1 old rows and 0 <= new_rank < new_world, got {old_world} rows, "
+                         f"new_rank={new_rank}, new_world={new_world}")
+    want = local_shape(shape, new_world, new_rank, placements)
+    out = torch.empty(want, dtype=old_rows[0].dtype, device=old_rows[0].device)
+    flat = out.reshape(-1)
+    mine = _runs(shape, new_world, new_rank, placements)
+    filled = 0
+    for r, row in enumerate(old_rows):
+        expect = local_shape(shape, old_world, r, placements)
+        if tuple(row.shape) != expect:
+            raise ValueError(f"old rank {r}: expected a local shard of shape {list(expect)} of global shape "
+                             f"{list(shape)} over {old_world} ranks, got {list(row.shape)}")
+        src = row.reshape(-1)
+        theirs = _runs(shape, old_world, r, placements)
+        i = j = 0
+        while i < len(mine) and j < len(theirs):  # both sorted by full-tensor offset
+            fa, la, na = mine[i]
+            fb, lb, nb = theirs[j]
+            lo, hi = max(fa, fb), min(fa + na, fb + nb)
+            if lo < hi:
+                flat[la + lo - fa:la + hi - fa].copy_(src[lb + lo - fb:lb + hi - fb])
+                filled += hi - lo
+            if fa + na <= fb + nb:
+                i += 1
+            else:
+                j += 1
+    if filled != flat.numel():
+        raise ValueError(f"the old shards cover {filled} of the {flat.numel()} elements of new rank "
+                         f"{new_rank}'s shard of global shape {list(shape)}: are the placements replicated?")
+    return out
+
+
+# -- commit, rollback and rebuild of an FSDP2 model in a TorchState ------------------------------
+
+_TAG = 29129
+_ALIGN = 8      # byte offset of every piece in a packed buffer (a uint8 view re-typed needs it)
+_HEAD = 8       # a packed buffer starts with the digest of its entries (int64)
+
+
+def _is_dtensor(t: Any) -> bool:
+    from ckpt.dtensor import is_dtensor
+
+    return is_dtensor(t)
+
+
+def uses_dtensors(model: Any) -> bool:
+    """Whether ``model`` has DTensor parameters (FSDP2 ``fully_shard``); raises for layouts that
+    elastic cannot re-partition (a mesh of more than one dimension, placements other than Shard)."""
+    if model is None:
+        return False
+    found = False
+    for name, p in model.named_parameters():
+        if not _is_dtensor(p):
+            continue
+        found = True
+        if p.device_mesh.ndim != 1 or any(dl.placement_kind(q)[0] != "shard" for q in p.placements):
+            raise NotImplementedError(
+                f"elastic.TorchState: parameter {name!r} is a DTensor on a {p.device_mesh.ndim}-D mesh with "
+                f"placements {tuple(p.placements)}; elastic re-partitions FSDP2 parameters on a 1-D mesh "
+                "with Shard placements only (fully_shard(module, mesh=init_device_mesh(dev, (world,))))")
+    return found
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One sharded tensor of a commit: ``("model", param)`` or ``("optim", param, state key)``."""
+
+    key: tuple[str, ...]
+    shape: tuple[int, ...]
+    placements: tuple[Any, ...]
+    dtype: torch.dtype
+
+    def nbytes(self, world: int, rank: int) -> int:
+        """Bytes of ``rank``'s local shard on a 1-D mesh of ``world``, padded to the alignment."""
+        n = math.prod(local_shape(self.shape, world, rank, self.placements))
+        size = n * self.dtype.itemsize
+        return -(-size // _ALIGN) * _ALIGN
+
+
+def digest(entries: Sequence[Entry]) -> int:
+    """A digest of the tensors a commit lists (keys, shapes, placements, dtypes), the same on
+    every rank that lists the same ones."""
+    text = repr([(e.key, e.shape, [str(p) for p in e.placements], str(e.dtype)) for e in entries])
+    return zlib.crc32(text.encode())
+
+
+def _offsets(entries: Sequence[Entry], world: int, rank: int) -> list[int]:
+    """Where each entry's local shard of ``rank`` starts in a packed buffer, and its end."""
+    out = [_HEAD]
+    for e in entries:
+        out.append(out[-1] + e.nbytes(world, rank))
+    return out
+
+
+def _view(buf: torch.Tensor, e: Entry, lo: int, world: int, rank: int) -> torch.Tensor:
+    shape = local_shape(e.shape, world, rank, e.placements)
+    n = math.prod(shape) * e.dtype.itemsize
+    return buf[lo:lo + n].view(e.dtype).view(shape)
+
+
+def _names(model: Any) -> dict[int, str]:
+    return {id(p): n for n, p in model.named_parameters()}
+
+
+def _check_mesh(state: Any, name: str, p: Any) -> None:
+    mesh = p.device_mesh
+    coord = mesh.get_coordinate()
+    if mesh.size() != state.world_size or coord is None or int(coord[0]) != state.rank:
+        raise ValueError(
+            f"elastic.TorchState: FSDP2 parameter {name!r} is on a mesh of {mesh.size()} ranks at coordinate "
+            f"{coord}; expected a 1-D mesh over all {state.world_size} ranks of state.comm in rank order "
+            f"(this rank: {state.rank}), e.g. init_device_mesh(dev, (dist.get_world_size(),))")
+
+
+def _tensors(state: Any) -> tuple[list[tuple[Entry, torch.Tensor]], dict[str, Any]]:
+    """The local shards to replicate (in one order on every rank) and the replicated rest."""
+    model, opt = state.model, state.optimizer
+    names = _names(model)
+    shards: list[tuple[Entry, torch.Tensor]] = []
+    plain: dict[str, Any] = {"params": {}, "buffers": dict(model.named_buffers()), "optim": {}, "groups": []}
+    for n, p in model.named_parameters():
+        if _is_dtensor(p):
+            _check_mesh(state, n, p)
+            shards.append((Entry(("model", n), tuple(p.shape), tuple(p.placements), p.dtype), p._local_tensor))
+        else:
+            plain["params"][n] = p
+    if opt is None:
+        return shards, plain
+    for group in opt.param_groups:
+        pnames = []
+        for p in group["params"]:
+            if id(p) not in names:
+                raise ValueError("elastic.TorchState: the optimizer holds a parameter that is not one of the "
+                                 "model's; with an FSDP2 model the optimizer must be over model.parameters()")
+            n = names[id(p)]
+            pnames.append(n)
+            for k, v in sorted(opt.state.get(p, {}).items()):
+                if _is_dtensor(v):
+                    if tuple(v.shape) != tuple(p.shape) or tuple(v.placements) != tuple(p.placements):
+                        raise ValueError(
+                            f"elastic.TorchState: optimizer state {k!r} of {n!r} is a DTensor of shape "
+                            f"{list(v.shape)}, placements {tuple(v.placements)}; elastic re-partitions optimizer "
+                            f"state laid out as its parameter (shape {list(p.shape)}, placements "
+                            f"{tuple(p.placements)}) only")
+                    shards.append((Entry(("optim", n, k), tuple(v.shape), tuple(v.placements), v.dtype),
+                                   v._local_tensor))
+                else:
+                    plain["optim"].setdefault(n, {})[k] = v
+        plain["groups"].append({**{k: v for k, v in group.items() if k != "params"}, "params": pnames})
+    return shards, plain
+
+
+def commit(state: Any, old: Any) -> tuple[dict[str, Any], list[Any]]:
+    """This rank's FSDP2 commit: its local shards packed into one buffer (sent to its buddy, the
+    next rank, while the ward's buffer is received) and a copy of the replicated rest; returns
+    the commit and the transfers to wait for. ``old``: the commit whose memory may be reused."""
+    from . import replicas, values
+
+    if getattr(state, "_fsdp_pending", None) is not None:
+        raise ElasticError("elastic: the FSDP2 model was not rebuilt after the recovery; register "
+                           "elastic.RebuildFSDP(state, build) with state.register_reset_callbacks")
+    if getattr(state.comm, "fault_tolerant", False) and not any(isinstance(fn, RebuildFSDP) for fn in state._callbacks):
+        raise ValueError("elastic.TorchState: an FSDP2 model must be rebuilt on the survivors after a "
+                         "failure; register elastic.RebuildFSDP(state, build) with "
+                         "state.register_reset_callbacks before the first commit")
+    shards, plain = _tensors(state)
+    entries = [e for e, _ in shards]
+    world, me = state.world_size, state.rank
+    old = old or {}
+    same = old.get("entries") == entries and old.get("world") == world
+    offs = old["offs"] if same else _offsets(entries, world, me)
+    own = old.get("own")
+    if own is None or own.numel() != offs[-1]:
+        own = torch.empty(offs[-1], dtype=torch.uint8)
+    own[:_HEAD].view(torch.int64)[0] = digest(entries)
+    for (e, t), lo in zip(shards, offs):
+        _view(own, e, lo, world, me).copy_(t.detach())
+    c = {"entries": entries, "world": world, "offs": offs, "own": own, "ward": None}
+    works = []
+    if world > 1:      # the packed shards travel while the replicated rest is copied
+        prev = replicas.ward(me, world)
+        need = old["ward"].numel() if same else _offsets(entries, world, prev)[-1]
+        ward = old.get("ward")
+        c["ward"] = ward if ward is not None and ward.numel() == need else torch.empty(need, dtype=torch.uint8)
+        works = [state.comm.irecv(c["ward"], prev, tag=_TAG),
+                 state.comm.isend(own, replicas.buddy(me, world), tag=_TAG)]
+    c["plain"] = values.tree_copy(plain, old.get("plain"))
+    return c, works
+
+
+def rollback(state: Any, c: dict[str, Any], count: int, new_comm: Any, survivors: Sequence[int]) -> None:
+    """Re-partition commit ``c`` (of the old world; the ``count``-th user commit) over ``new_comm``
+    (old ranks ``survivors``): every old rank's buffer comes from its owner or its buddy; the new
+    local shards wait in the state for ``RebuildFSDP`` to load them into the rebuilt model."""
+    from . import replicas
+
+    world = c["world"]
+    held = replicas.holders(world, survivors)
+    lost = [s for s, h in enumerate(held) if h is None]
+    if lost:
+        raise ShardsLostError(
+            f"elastic: the FSDP2 shards of old ranks {lost} are lost (each rank and its buddy, the next rank, "
+            f"both failed; survivors: old ranks {list(survivors)})", lost)
+    if not any(isinstance(fn, RebuildFSDP) for fn in state._callbacks):
+        raise ElasticError("elastic: an FSDP2 model must be rebuilt on the survivors: register "
+                           "elastic.RebuildFSDP(state, build) with state.register_reset_callbacks")
+    entries = c["entries"]
+    me = survivors[int(new_comm.rank)]
+    offs = [_offsets(entries, world, s) for s in range(world)]
+    bufs = []
+    for s in range(world):
+        if held[s] == me:
+            buf = c["own"] if s == me else c["ward"]
+        else:
+            buf = torch.empty(offs[s][-1], dtype=torch.uint8)
+        new_comm.broadcast(buf, src=survivors.index(held[s]))
+        bufs.append(buf)
+    ok = torch.tensor([int(all(int(b[:_HEAD].view(torch.int64)[0]) == digest(entries) for b in bufs))])
+    new_comm.all_reduce(ok, op=_min())
+    if not int(ok[0]):
+        raise ElasticError("elastic: the old ranks' FSDP2 commits do not list the same parameters and optimizer "
+                           "state (names, shapes, placements, dtypes); the shards cannot be re-partitioned")
+    n, r = int(new_comm.size), int(new_comm.rank)
+    shards = {e.key: new_shard(e.shape, e.placements, [_view(bufs[s], e, offs[s][i], world, s) for s in range(world)],
+                               n, r)
+              for i, e in enumerate(entries)}
+    object.__setattr__(state, "_fsdp_pending", {"entries": entries, "shards": shards, "plain": c["plain"],
+                                                "count": count})
+
+
+def _min() -> Any:
+    import mpicomm
+
+    return mpicomm.ReduceOp.MIN
+
+
+class RebuildFSDP:
+    """A reset callback: ``build()`` makes the model (``fully_shard`` on a mesh of the current
+    world) and its optimizer anew; they get the committed state re-partitioned over the
+    survivors, become ``state.model`` and ``state.optimizer``, and are committed."""
+
+    def __init__(self, state: Any, build: Callable[[], tuple[torch.nn.Module, torch.optim.Optimizer]]) -> None:
+        if not callable(build):
+            raise TypeError(f"elastic.RebuildFSDP: expected a callable build() -> (model, optimizer), got {build!r}")
+        self.state, self.build = state, build
+        self.__qualname__ = f"RebuildFSDP({getattr(build, '__qualname__', repr(build))})"
+
+    @torch.no_grad()
+    def __call__(self) -> None:
+        state = self.state
+        pending = getattr(state, "_fsdp_pending", None)
+        if pending is None:
+            raise ElasticError("elastic.RebuildFSDP: no recovery of an FSDP2 state is pending")
+        err: Exception | None = None
+        try:            # a failure on some ranks only must not leave the others alone in the commit
+            built = self.build()
+            if not (isinstance(built, tuple) and len(built) == 2):
+                raise TypeError(f"elastic.RebuildFSDP: build() must return (model, optimizer), got "
+                                f"{type(built).__name__}")
+            model, opt = built
+            load(model, opt, pending, state.world_size, state.rank)
+        except Exception as e:  # noqa: BLE001 - raised below, once every survivor knows
+            err = e
+        ok = torch.tensor([int(err is None)])
+        state.comm.all_reduce(ok, op=_min())
+        if err is not None:
+            raise err
+        if not int(ok[0]):
+            raise ValueError("elastic.RebuildFSDP: the rebuilt model did not take the committed state on another rank")
+        object.__setattr__(state, "model", model)
+        object.__setattr__(state, "optimizer", opt)
+        object.__setattr__(state, "_fsdp_pending", None)
+        state._commit(pending["count"])
+
+
+def _check_new(what: str, dst: Any, e: Entry, want: tuple[int, ...], world: int, rank: int) -> None:
+    if not _is_dtensor(dst) or tuple(dst.placements) != e.placements or tuple(dst.shape) != e.shape:
+        got = (f"a DTensor of shape {list(dst.shape)}, placements {tuple(dst.placements)}" if _is_dtensor(dst)
+               else f"a {type(dst).__name__} of shape {list(dst.shape)}")
+        raise ValueError(f"elastic.RebuildFSDP: {what} must be a DTensor of shape {list(e.shape)} with placements "
+                         f"{e.placements} (fully_shard on the survivors' mesh), got {got}")
+    mesh = dst.device_mesh
+    coord = mesh.get_coordinate()
+    if mesh.ndim != 1 or mesh.size() != world or coord is None or int(coord[0]) != rank:
+        raise ValueError(f"elastic.RebuildFSDP: {what} is on a mesh of {mesh.size()} ranks at coordinate {coord}; "
+                         f"expected a 1-D mesh over the {world} survivors (this rank: {rank}), e.g. "
+                         "init_device_mesh(dev, (dist.get_world_size(),)) inside build()")
+    if tuple(dst._local_tensor.shape) != want:
+        raise ValueError(f"elastic.RebuildFSDP: {what} holds a local shard of shape {list(dst._local_tensor.shape)}, "
+                         f"expected {list(want)}")
+
+
+def load(model: torch.nn.Module, opt: torch.optim.Optimizer | None, pending: dict[str, Any],
+         world: int, rank: int) -> None:
+    """Fill a freshly built FSDP2 ``model`` and its ``opt`` (on a 1-D mesh of ``world`` ranks, this
+    one ``rank``) with the re-partitioned local shards and the replicated rest of ``pending``."""
+    from torch.distributed.tensor import DTensor
+
+    from . import values
+
+    shards, plain = pending["shards"], pending["plain"]
+    params = dict(model.named_parameters())
+    had = sorted([e.key[1] for e in pending["entries"] if e.key[0] == "model"] + list(plain["params"]))
+    if sorted(params) != had:
+        raise ValueError(f"elastic.RebuildFSDP: build() made a model with parameters {sorted(params)}; "
+                         f"the committed one had {had}")
+    buffers = dict(model.named_buffers())
+    if sorted(buffers) != sorted(plain["buffers"]):
+        raise ValueError(f"elastic.RebuildFSDP: build() made a model with buffers {sorted(buffers)}; "
+                         f"the committed one had {sorted(plain['buffers'])}")
+    for e in pending["entries"]:
+        p = params[e.key[1]]
+        what = f"parameter {e.key[1]!r}" if e.key[0] == "model" else f"the parameter of optimizer state {e.key}"
+        _check_new(what, p, e, tuple(shards[e.key].shape), world, rank)
+    for e in pending["entries"]:
+        if e.key[0] == "model":
+            params[e.key[1]]._local_tensor.copy_(shards[e.key])
+    for n, v in plain["params"].items():
+        params[n].detach().copy_(v)
+    for n, v in plain["buffers"].items():
+        buffers[n].copy_(v)
+    if opt is None:
+        return
+    names = {id(p): n for n, p in params.items()}
+    groups = []
+    for group in opt.param_groups:
+        if any(id(p) not in names for p in group["params"]):
+            raise ValueError("elastic.RebuildFSDP: build()'s optimizer holds a parameter that is not one of "
+                             "its model's")
+        groups.append([names[id(p)] for p in group["params"]])
+    saved = plain["groups"]
+    if [g["params"] for g in saved] != groups:
+        raise ValueError(f"elastic.RebuildFSDP: build()'s optimizer has parameter groups {groups}; the "
+                         f"committed one had {[g['params'] for g in saved]}")
+    index = {n: i for i, n in enumerate(n for g in groups for n in g)}
+    st: dict[int, dict[str, Any]] = {}
+    for n, kv in plain["optim"].items():
+        st.setdefault(index[n], {}).update(values.tree_copy(kv))
+    for e in pending["entries"]:
+        if e.key[0] == "optim":
+            p = params[e.key[1]]
+            st.setdefault(index[e.key[1]], {})[e.key[2]] = DTensor.from_local(
+                shards[e.key].to(p._local_tensor.device), p.device_mesh, p.placements, run_check=False,
+                shape=p.shape, stride=p.stride())
+    opt.load_state_dict({"state": st, "param_groups": [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": [index[n] for n in g["params"]]} for g in saved]})

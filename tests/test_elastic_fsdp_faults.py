@@ -1,0 +1,58 @@
+"""Fault injection with FSDP2: one rank os._exit(9)s while an FSDP2 model (``fully_shard``) with
+AdamW trains under elastic.run on Open MPI with ULFM; the survivors rebuild the model on their
+mesh (elastic.RebuildFSDP), get the committed DTensor shards re-partitioned, and their final
+weights must equal a single-process plain torch run on the same global batches.
+
+Each case is one job (tests/elastic_fsdp_job.py) launched from a one-process test with a
+timeout; skipped where the MPI beside this Python has no ULFM (the MPICH wheel)."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from elastic_job_lib import BATCH, LR, data, make_model, sampler
+from test_elastic_faults import _launch, _ulfm
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+STEPS = 5
+
+
+def reference(steps: int) -> list[torch.Tensor]:
+    """Final weights after ``steps`` AdamW steps on the global batches, one process, no FSDP."""
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    x, y = data()
+    s = sampler()
+    for step in range(steps):
+        idx = s.global_indices(step)
+        loss = ((model(x[idx]) - y[idx]) ** 2).sum() / BATCH
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+# (ranks, where, victim, step): rank 0 (the store's host) between steps, 3 -> 2 ranks (7 rows:
+# 3+3+1 -> 4+3); a non-zero rank inside backward, 4 -> 3 ranks (3 rows: 1+1+1+0 -> 1+1+1)
+CASES = [(3, "between", 0, 2), (4, "backward", 2, 1)]
+
+
+@pytest.mark.parametrize("n,where,victim,step", CASES, ids=[f"{n}ranks-{w}-rank{v}" for n, w, v, _ in CASES])
+def test_fsdp2_survivors_end_with_the_reference_weights(tmp_path, n, where, victim, step):
+    _ulfm()
+    out = str(tmp_path / "run")
+    proc = _launch(n, [os.path.join(HERE, "elastic_fsdp_job.py"), where, str(victim), str(step), str(STEPS), out],
+                   timeout=180)
+    log = f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert os.path.exists(out + ".json"), log
+    with open(out + ".json") as f:
+        info = json.load(f)
+    assert info["world_size"] == info["dist_world_size"] == info["mesh_size"] == n - 1, (info, log)
+    assert [r["lost"] for r in info["recoveries"]] == [[victim]], (info, log)
+    got = np.load(out + ".npz")
+    for i, ref in enumerate(reference(STEPS)):
+        np.testing.assert_allclose(got[f"p{i}"], ref.numpy(), rtol=1e-5, atol=1e-6, err_msg=f"param {i}\n{log}")
