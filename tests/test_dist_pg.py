@@ -230,6 +230,41 @@ def test_ddp_with_async_buckets_matches_gloo(plain, world):
     assert_close_all(ours, ref.numpy(), atol=1e-6, what="DDP on mpicomm (async buckets) vs gloo")
 
 
+def test_a_blocking_call_returns_a_completed_work(plain, world):
+    """A blocking call (asyncOp False) on the group returns its work completed, with the
+    results in place and every method of a work (reference: numpy's sum)."""
+    t = torch.full((3,), float(world.rank + 1))
+    opts = dist.AllreduceOptions()
+    opts.asyncOp = False
+    work = plain.allreduce([t], opts)
+    done_at_return = work.is_completed()
+    want = np.full(3, world.size * (world.size + 1) / 2)
+    assert_close_all(t, want)
+    got = work.get_future().wait()
+    ok = (done_at_return and work.is_success() and work.exception() is None and work.wait()
+          and work.result()[0] is t and got[0] is t and "completed" in repr(work))
+    assert_all(ok, f"completed at return {done_at_return}, {work!r}, future {got}")
+
+
+def test_a_blocking_call_waiting_for_a_late_peer_naps(plain, world):
+    """A blocking call whose peer comes late completes with the right result, and its
+    thread spends a fraction of the wait on the CPU (it yields, then naps, between tests)."""
+    if world.size == 1:
+        pytest.skip("needs 2 ranks")
+    import time
+    late = world.size - 1
+    t = torch.full((4,), float(world.rank + 1))
+    world.Barrier()
+    if world.rank == late:
+        time.sleep(0.5)
+    wall, cpu = time.monotonic(), time.thread_time()
+    dist.all_reduce(t)
+    wall, cpu = time.monotonic() - wall, time.thread_time() - cpu
+    assert_close_all(t, np.full(4, world.size * (world.size + 1) / 2))
+    napped = world.rank == late or wall < 0.3 or cpu < 0.5 * wall
+    assert_all(napped, f"rank {world.rank} waited {wall:.3f} s using {cpu:.3f} s of CPU")
+
+
 def test_wait_with_a_timeout_raises_and_the_call_goes_on(plain, world):
     if world.size == 1:
         pytest.skip("needs 2 ranks")

@@ -4,7 +4,10 @@ A work wraps the mpicomm Work(s) of one process-group call; completion, futures 
 ``wait(timeout)`` are mpicomm's :class:`~mpicomm.work.BaseWork`. ``async_op=True`` hands it to
 mpicomm's progress thread, which completes it (results in place, future set, ``.then``
 callbacks run) without the caller polling; a blocking call, and any call below
-MPI_THREAD_MULTIPLE, is tested on the caller's thread. The deadline thread (``_deadlines``)
+MPI_THREAD_MULTIPLE, is tested on the caller's thread: a blocking call first in a tight loop
+for :data:`SPIN_S` (done by then, it returns a completed work made without a deadline: most
+small calls), then keeping its deadline, yielding the core and later napping between tests so
+that a long wait does not hold a core the peers may need. The deadline thread (``_deadlines``)
 keeps the deadline of a work on the progress thread, the waiting caller that of any other:
 past the process group's timeout the work fails with
 :class:`ProcessGroupTimeoutError` in the caller (``wait()``, the future), as gloo's does, and the
@@ -19,7 +22,9 @@ from __future__ import annotations
 import atexit
 import datetime
 import logging
+import os
 import sys
+import threading
 import time
 from typing import Callable, Sequence
 
@@ -31,6 +36,15 @@ from ..work import BaseWork, Work
 from . import _deadlines
 
 _log = logging.getLogger("mpicomm")
+#: A blocking call tests its MPI operation in a tight loop for this long (seconds, at most half
+#: its timeout) before it sets up a deadline and waits with :meth:`MpicommWork._block`.
+SPIN_S = 200e-6
+#: ``_block`` yields the core between tests (``sched_yield``) until the call has waited this
+#: long, then naps between tests, each nap a twentieth of the time waited so far (so a wait
+#: ends at most ~5% late) and at most :data:`MAX_NAP_S` (a deadline is seen at most that late).
+YIELD_S = 2e-3
+MAX_NAP_S = 1e-3
+_monotonic = time.monotonic
 # (description, MPI works) of every call that timed out in this process: MPI may still hold them
 _left_pending: list[tuple[str, list]] = []
 
@@ -57,6 +71,19 @@ def _report_pending() -> None:
         pass
 
 
+def finished_by(inner: Sequence[Work], until: float) -> bool:
+    """Test the mpicomm works ``inner`` (held by this thread alone) in a tight loop until every
+    one is done (True) or monotonic time ``until`` has passed (False)."""
+    while True:
+        for w in inner:
+            if not w._done and not w._test():
+                break
+        else:
+            return True
+        if _monotonic() >= until:
+            return False
+
+
 def _describe(tensors: Sequence) -> str:
     parts, total = [], 0
     for t in tensors:
@@ -80,7 +107,7 @@ class MpicommWork(BaseWork, dist.Work):
     def __init__(self, pg, call: str, seq: int, inner: Sequence[Work],
                  finish: Sequence[Callable[[], None]], result: list, described: Sequence,
                  timeout: datetime.timedelta, source: Work | None = None,
-                 record=None) -> None:
+                 record=None, started: float | None = None) -> None:
         super().__init__(result)
         self._record = record  # the profiler event, ended when the work completes
         self._pg = pg
@@ -99,7 +126,7 @@ class MpicommWork(BaseWork, dist.Work):
             self._finish = []
             self._settle(None)
             return
-        self._start = time.monotonic()
+        self._start = time.monotonic() if started is None else started
         limit = timeout.total_seconds()
         self._deadline = _deadlines.Deadline(
             self._start + limit, self._expire, notice=self._start + limit / 2,
@@ -111,23 +138,45 @@ class MpicommWork(BaseWork, dist.Work):
             self._deadline_key = _deadlines.watch(self._deadline)
         super()._launch_threaded()
 
+    @classmethod
+    def completed(cls, pg, call: str, seq: int, result: list, source=None) -> "MpicommWork":
+        """A blocking call that completed on the caller's thread, its results in place: the
+        work it returns, made without a deadline (what ``__init__`` does for it, cheaper)."""
+        work = cls.__new__(cls)
+        dist.Work.__init__(work)
+        work._result = result if isinstance(result, list) else list(result)
+        work._lock = threading.RLock()
+        work._done, work._error, work._event = True, None, None
+        work._future = work._future_source = None
+        work._record, work._pg, work._call, work._seq, work._source = None, pg, call, seq, source
+        work._inner, work._finish, work._described = [], [], ()
+        work._timeout, work._deadline_key, work._deadline = None, None, None
+        return work
+
     def _block(self) -> None:
-        """Test on this thread until done, keeping the deadline here (no other thread woken).
-        Only this thread holds the inner works (the work is not the progress thread's): they
-        are tested directly, without their locks."""
-        d, inner = self._deadline, self._inner
+        """Test on this thread until done, keeping the deadline here (no other thread woken):
+        tests in a tight loop for :data:`SPIN_S` since the call began, then yields the core
+        between tests, then naps (see :data:`YIELD_S`). Only this thread holds the inner works
+        (the work is not the progress thread's): they are tested directly, without their locks."""
+        d, inner, began = self._deadline, self._inner, self._start
         while not self._done:
             if all(w._done or w._test() for w in inner):
                 with self._lock:
                     if not self._done:
                         self._test()
                 return
-            now = time.monotonic()
+            now = _monotonic()
             if now >= d.notice and not d.noticed:
                 d.noticed = True
                 d.on_notice()
             if now >= d.due:
                 self._expire()
+                return
+            waited = now - began
+            if waited >= YIELD_S:
+                time.sleep(min(MAX_NAP_S, waited / 20, max(d.due - now, 0.0)))
+            elif waited >= SPIN_S:
+                os.sched_yield()
 
     # -- completion -------------------------------------------------------------------------
 
