@@ -175,8 +175,9 @@ class MpicommProcessGroup(dist.ProcessGroup):
 
     def allreduce(self, tensors, opts=None):
         op, factor = self._reduce_op(opts, "allreduce")
-        if any(t.is_sparse for t in tensors):
-            return self._sparse_allreduce(tensors, opts, op)
+        for t in tensors:
+            if t.is_sparse:
+                return self._sparse_allreduce(tensors, opts, op)
 
         def start():
             return [self.comm.all_reduce(t, op=op, async_op=True, factor=factor) for t in tensors]

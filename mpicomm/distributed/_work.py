@@ -104,6 +104,10 @@ class MpicommWork(BaseWork, dist.Work):
     """A pending (or finished) process-group call: ``wait(timeout=None)``, ``is_completed()``,
     ``get_future()``, ``result()``, ``exception()``."""
 
+    # what a work completed on the caller's thread keeps as it is (see `completed`)
+    _record = _source = _deadline_key = _deadline = _timeout = None
+    _described: Sequence = ()
+
     def __init__(self, pg, call: str, seq: int, inner: Sequence[Work],
                  finish: Sequence[Callable[[], None]], result: list, described: Sequence,
                  timeout: datetime.timedelta, source: Work | None = None,
@@ -146,11 +150,10 @@ class MpicommWork(BaseWork, dist.Work):
         dist.Work.__init__(work)
         work._result = result if isinstance(result, list) else list(result)
         work._lock = threading.RLock()
-        work._done, work._error, work._event = True, None, None
-        work._future = work._future_source = None
-        work._record, work._pg, work._call, work._seq, work._source = None, pg, call, seq, source
-        work._inner, work._finish, work._described = [], [], ()
-        work._timeout, work._deadline_key, work._deadline = None, None, None
+        work._done, work._inner, work._finish = True, [], []
+        work._pg, work._call, work._seq = pg, call, seq
+        if source is not None:
+            work._source = source
         return work
 
     def _block(self) -> None:
