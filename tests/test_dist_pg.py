@@ -246,23 +246,18 @@ def test_a_blocking_call_returns_a_completed_work(plain, world):
     assert_all(ok, f"completed at return {done_at_return}, {work!r}, future {got}")
 
 
-def test_a_blocking_call_waiting_for_a_late_peer_naps(plain, world):
-    """A blocking call whose peer comes late completes with the right result, and its
-    thread spends a fraction of the wait on the CPU (it yields, then naps, between tests)."""
+def test_a_blocking_call_waiting_for_a_late_peer_completes(plain, world):
+    """A blocking call whose peer comes long after the spin (the caller then keeps the deadline
+    and yields between tests) completes with the right result (reference: numpy's sum)."""
     if world.size == 1:
         pytest.skip("needs 2 ranks")
     import time
-    late = world.size - 1
     t = torch.full((4,), float(world.rank + 1))
     world.Barrier()
-    if world.rank == late:
-        time.sleep(0.5)
-    wall, cpu = time.monotonic(), time.thread_time()
+    if world.rank == world.size - 1:
+        time.sleep(0.3)
     dist.all_reduce(t)
-    wall, cpu = time.monotonic() - wall, time.thread_time() - cpu
     assert_close_all(t, np.full(4, world.size * (world.size + 1) / 2))
-    napped = world.rank == late or wall < 0.3 or cpu < 0.5 * wall
-    assert_all(napped, f"rank {world.rank} waited {wall:.3f} s using {cpu:.3f} s of CPU")
 
 
 def test_wait_with_a_timeout_raises_and_the_call_goes_on(plain, world):

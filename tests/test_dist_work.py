@@ -1,5 +1,5 @@
 """The process group's blocking wait (mpicomm.distributed._work) on stand-in operations, no MPI:
-a long wait naps between tests, a wait past the timeout raises and refuses the group."""
+a long wait yields the core between tests, a wait past the timeout raises and refuses the group."""
 from __future__ import annotations
 
 import datetime
@@ -63,16 +63,19 @@ def test_finished_by_tests_until_done_or_the_time_is_up():
     assert time.monotonic() - began >= 0.01 and never.tests > 0
 
 
-def test_a_long_blocking_wait_naps_between_tests():
-    """A wait of 0.4 s tests the operation a few hundred times (tight spinning would test it
-    hundreds of thousands of times, tens of thousands on a loaded machine), and ends once the
-    operation is done, not before."""
+def test_a_long_blocking_wait_yields_the_core_between_tests(monkeypatch):
+    """Past the spin a waiting call yields the core before each further test (it does not
+    sleep: MPI progresses the operation only in its tests), and ends once the operation is
+    done, not before."""
+    yields = []
+    monkeypatch.setattr(_work, "_yield", lambda: yields.append(time.monotonic()))
     began = time.monotonic()
-    op = _Operation(at=began + 0.4)
+    op = _Operation(at=began + 0.1)
     work = _work_on(op, _Group(), timeout_s=60)
     assert work.wait() and work.is_completed() and op._done
-    assert time.monotonic() - began >= 0.4
-    assert op.tests < 8000, f"{op.tests} tests in a 0.4 s wait"
+    assert time.monotonic() - began >= 0.1
+    assert yields and yields[0] - began >= _work.SPIN_S, "yielded before the spin was over"
+    assert op.tests - len(yields) <= op.tests // 2, f"{op.tests} tests, {len(yields)} yields"
 
 
 def test_a_blocking_wait_past_the_timeout_raises_and_refuses_the_group(monkeypatch):

@@ -6,8 +6,8 @@ mpicomm's progress thread, which completes it (results in place, future set, ``.
 callbacks run) without the caller polling; a blocking call, and any call below
 MPI_THREAD_MULTIPLE, is tested on the caller's thread: a blocking call first in a tight loop
 for :data:`SPIN_S` (done by then, it returns a completed work made without a deadline: most
-small calls), then keeping its deadline, yielding the core and later napping between tests so
-that a long wait does not hold a core the peers may need. The deadline thread (``_deadlines``)
+small calls), then keeping its deadline and yielding the core between tests, so that a long
+wait gives the core to a peer rank that needs it. The deadline thread (``_deadlines``)
 keeps the deadline of a work on the progress thread, the waiting caller that of any other:
 past the process group's timeout the work fails with
 :class:`ProcessGroupTimeoutError` in the caller (``wait()``, the future), as gloo's does, and the
@@ -37,14 +37,12 @@ from . import _deadlines
 
 _log = logging.getLogger("mpicomm")
 #: A blocking call tests its MPI operation in a tight loop for this long (seconds, at most half
-#: its timeout) before it sets up a deadline and waits with :meth:`MpicommWork._block`.
+#: its timeout) before it sets up a deadline and waits with :meth:`MpicommWork._block`, which
+#: from then on yields the core between tests. It never sleeps: MPI progresses a non-blocking
+#: collective only inside its tests (a nap between them would stall every step of a large one).
 SPIN_S = 200e-6
-#: ``_block`` yields the core between tests (``sched_yield``) until the call has waited this
-#: long, then naps between tests, each nap a twentieth of the time waited so far (so a wait
-#: ends at most ~5% late) and at most :data:`MAX_NAP_S` (a deadline is seen at most that late).
-YIELD_S = 2e-3
-MAX_NAP_S = 1e-3
 _monotonic = time.monotonic
+_yield = os.sched_yield  # another thread or process runnable on this core runs first
 # (description, MPI works) of every call that timed out in this process: MPI may still hold them
 _left_pending: list[tuple[str, list]] = []
 
@@ -159,8 +157,8 @@ class MpicommWork(BaseWork, dist.Work):
     def _block(self) -> None:
         """Test on this thread until done, keeping the deadline here (no other thread woken):
         tests in a tight loop for :data:`SPIN_S` since the call began, then yields the core
-        between tests, then naps (see :data:`YIELD_S`). Only this thread holds the inner works
-        (the work is not the progress thread's): they are tested directly, without their locks."""
+        between tests. Only this thread holds the inner works (the work is not the progress
+        thread's): they are tested directly, without their locks."""
         d, inner, began = self._deadline, self._inner, self._start
         while not self._done:
             if all(w._done or w._test() for w in inner):
@@ -175,11 +173,8 @@ class MpicommWork(BaseWork, dist.Work):
             if now >= d.due:
                 self._expire()
                 return
-            waited = now - began
-            if waited >= YIELD_S:
-                time.sleep(min(MAX_NAP_S, waited / 20, max(d.due - now, 0.0)))
-            elif waited >= SPIN_S:
-                os.sched_yield()
+            if now - began >= SPIN_S:
+                _yield()
 
     # -- completion -------------------------------------------------------------------------
 
