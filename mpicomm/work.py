@@ -44,16 +44,18 @@ class BaseWork:
     and may implement ``_block()`` (block until done) and ``_describe()``.
     """
 
+    # the state of a new work (class attributes: one handle less to set up per call)
+    _done = False
+    _error: BaseException | None = None
+    _future: torch.futures.Future | None = None
+    _future_source: torch.futures.Future | None = None
+    # set when only the progress thread completes this work: waiters wait on it
+    _event: threading.Event | None = None
+
     def __init__(self, result: Sequence = ()) -> None:
         super().__init__()
         self._result = result if isinstance(result, list) else list(result)
         self._lock = threading.RLock()
-        self._done = False
-        self._error: BaseException | None = None
-        self._future: torch.futures.Future | None = None
-        self._future_source: torch.futures.Future | None = None
-        # set when only the progress thread completes this work: waiters wait on it
-        self._event: threading.Event | None = None
 
     # -- what subclasses provide ------------------------------------------------------------
 

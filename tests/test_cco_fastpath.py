@@ -144,11 +144,13 @@ def test_fast_path_declines_what_it_cannot_do(comm, monkeypatch):
     assert_all(buf.tolist() == [float(r) for r in range(comm.size) for _ in range(2)], str(buf))
 
 
-def test_all_reduce_remembers_a_tensor_only_while_it_is_the_same(comm, monkeypatch):
+@pytest.mark.parametrize("async_op", [False, True], ids=["blocking", "async"])
+def test_all_reduce_remembers_a_tensor_only_while_it_is_the_same(comm, monkeypatch, async_op):
     """all_reduce reuses the last fast call's MPI buffer for the same tensor; every change of its
     memory, size, dtype, layout or the op is seen (reference: the n ranks' values, chosen so that
     a stale buffer, type or op gives other numbers)."""
     taken = _spy_general_paths(comm, monkeypatch)
+    comm = _Waiting(comm) if async_op else comm
     n, r = comm.size, comm.rank
     sums = sum(range(1, n + 1))
     t = torch.full((4,), float(r + 1))
@@ -156,6 +158,10 @@ def test_all_reduce_remembers_a_tensor_only_while_it_is_the_same(comm, monkeypat
         t.fill_(float(r + 1))
         comm.all_reduce(t)
         assert_all(t.tolist() == [sums] * 4, f"sum {t}")
+    t.share_memory_()                                    # other memory, version not counted
+    t.fill_(float(r + 1))
+    comm.all_reduce(t)
+    assert_all(t.tolist() == [sums] * 4, f"after share_memory_ {t}")
     t.resize_(2)                                         # same memory, fewer bytes
     t.fill_(float(r + 1))
     comm.all_reduce(t)
@@ -187,7 +193,7 @@ def test_all_reduce_remembers_a_tensor_only_while_it_is_the_same(comm, monkeypat
     comm.all_reduce(big)
     comm.all_reduce(big)
     assert_all(big.eq(sums * n).all().item(), f"big {big[:3]}")
-    assert_all(taken == [True] * 8 + [False, True, True], f"fast path taken {taken}")
+    assert_all(taken == [True] * 9 + [False, True, True], f"fast path taken {taken}")
 
 
 @pytest.mark.parametrize("async_op", [False, True], ids=["blocking", "async"])
@@ -205,6 +211,10 @@ def test_pair_calls_remember_tensors_only_while_they_are_the_same(comm, monkeypa
         out.zero_()
         c.all_gather_into_tensor(out, x)
         assert_all(out.tolist() == gathered, f"gather {out}")
+    out.share_memory_()                                  # output in other memory, not counted
+    out.zero_()
+    c.all_gather_into_tensor(out, x)
+    assert_all(out.tolist() == gathered, f"gather after share_memory_ {out}")
     x.set_(torch.full((3,), float(r + 2)))               # input in other memory
     c.all_gather_into_tensor(out, x)
     assert_all(out.tolist() == [g + 1 for g in gathered], f"gather after set_ {out}")
@@ -234,7 +244,7 @@ def test_pair_calls_remember_tensors_only_while_they_are_the_same(comm, monkeypa
     t.fill_(float(r))
     c.broadcast(t, src=n - 1)
     assert_all(t.tolist() == [float(n - 1)] * 2, f"strided broadcast {t}")
-    assert_all(taken == [True] * 4 + [False] + [True] * 3 + [False, True] + [True] * 2
+    assert_all(taken == [True] * 5 + [False] + [True] * 3 + [False, True] + [True] * 2
                + [False], f"fast path taken {taken}")
 
 

@@ -230,6 +230,36 @@ def test_ddp_with_async_buckets_matches_gloo(plain, world):
     assert_close_all(ours, ref.numpy(), atol=1e-6, what="DDP on mpicomm (async buckets) vs gloo")
 
 
+def test_a_blocking_call_returns_a_completed_work(plain, world):
+    """A blocking call (asyncOp False) on the group returns its work completed, with the
+    results in place and every method of a work (reference: numpy's sum)."""
+    t = torch.full((3,), float(world.rank + 1))
+    opts = dist.AllreduceOptions()
+    opts.asyncOp = False
+    work = plain.allreduce([t], opts)
+    done_at_return = work.is_completed()
+    want = np.full(3, world.size * (world.size + 1) / 2)
+    assert_close_all(t, want)
+    got = work.get_future().wait()
+    ok = (done_at_return and work.is_success() and work.exception() is None and work.wait()
+          and work.result()[0] is t and got[0] is t and "completed" in repr(work))
+    assert_all(ok, f"completed at return {done_at_return}, {work!r}, future {got}")
+
+
+def test_a_blocking_call_waiting_for_a_late_peer_completes(plain, world):
+    """A blocking call whose peer comes long after the spin (the caller then keeps the deadline
+    and yields between tests) completes with the right result (reference: numpy's sum)."""
+    if world.size == 1:
+        pytest.skip("needs 2 ranks")
+    import time
+    t = torch.full((4,), float(world.rank + 1))
+    world.Barrier()
+    if world.rank == world.size - 1:
+        time.sleep(0.3)
+    dist.all_reduce(t)
+    assert_close_all(t, np.full(4, world.size * (world.size + 1) / 2))
+
+
 def test_wait_with_a_timeout_raises_and_the_call_goes_on(plain, world):
     if world.size == 1:
         pytest.skip("needs 2 ranks")

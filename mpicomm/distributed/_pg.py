@@ -2,20 +2,24 @@
 from __future__ import annotations
 
 import datetime
+import time
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from .. import observe, progress_thread
+from ..observe import _profiler
 from ..communicator import Communicator
 from ..ops import ReduceOp
 from ._ops import op_name, to_mpicomm
 from . import _monitored
+from . import _work
 from ._work import MpicommWork
 
 BACKEND_NAME = "mpicomm"
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+_NO_TIME = datetime.timedelta(0)  # torch's options: a timeout not set
 
 
 class MpicommProcessGroup(dist.ProcessGroup):
@@ -77,7 +81,7 @@ class MpicommProcessGroup(dist.ProcessGroup):
 
         ``async_op=True`` (``opts.asyncOp``) hands the work to the progress thread and returns
         (the deadline thread keeps its deadline); a blocking call tests it on this thread until
-        done, keeping the deadline itself. Past the timeout the work fails and the caller's
+        done: a short spin (``_work.SPIN_S``), then keeping the deadline itself. Past the timeout the work fails and the caller's
         ``wait()`` raises. Below MPI_THREAD_MULTIPLE every call completes before it returns.
         Under a profiler the call records one ``mpicomm:<call>`` event, and completes on the
         progress thread (an async event).
@@ -90,13 +94,25 @@ class MpicommProcessGroup(dist.ProcessGroup):
         self._seq += 1
         timeout = self.timeout
         t = getattr(opts, "timeout", None)
-        if isinstance(t, datetime.timedelta) and t.total_seconds() > 0:
+        if isinstance(t, datetime.timedelta) and t > _NO_TIME:
             timeout = t
         if blocking is None:
             blocking = not getattr(opts, "asyncOp", True)
-        record = observe.begin_event(f"{BACKEND_NAME}:{call}", described)
+        record = (observe.begin_event(f"{BACKEND_NAME}:{call}", described)
+                  if _profiler._is_profiler_enabled else None)
+        began = time.monotonic()
         if record is None:
             inner = [w for w in start() if w is not None]
+            # A blocking call that completes within a short spin returns a completed work:
+            # no deadline to set up (the timeout, counted from `began`, is far off).
+            if blocking and _work.finished_by(
+                    inner, began + min(_work.SPIN_S, timeout.total_seconds() / 2)):
+                for w in inner:
+                    if w._error is not None:
+                        raise w._error
+                for step in finish:
+                    step()
+                return MpicommWork.completed(self, call, self._seq, result, source)
         else:
             try:
                 with observe.quiet():  # the communicator's own events stay out: one per call
@@ -105,7 +121,7 @@ class MpicommProcessGroup(dist.ProcessGroup):
                 record.end()
                 raise
         work = MpicommWork(self, call, self._seq, inner, finish, result, described, timeout,
-                           source=source, record=record)
+                           source=source, record=record, started=began)
         threaded = progress_thread.enabled() and (not blocking or record is not None)
         if threaded:
             work._launch_threaded()
@@ -159,8 +175,9 @@ class MpicommProcessGroup(dist.ProcessGroup):
 
     def allreduce(self, tensors, opts=None):
         op, factor = self._reduce_op(opts, "allreduce")
-        if any(t.is_sparse for t in tensors):
-            return self._sparse_allreduce(tensors, opts, op)
+        for t in tensors:
+            if t.is_sparse:
+                return self._sparse_allreduce(tensors, opts, op)
 
         def start():
             return [self.comm.all_reduce(t, op=op, async_op=True, factor=factor) for t in tensors]

@@ -4,7 +4,10 @@ A work wraps the mpicomm Work(s) of one process-group call; completion, futures 
 ``wait(timeout)`` are mpicomm's :class:`~mpicomm.work.BaseWork`. ``async_op=True`` hands it to
 mpicomm's progress thread, which completes it (results in place, future set, ``.then``
 callbacks run) without the caller polling; a blocking call, and any call below
-MPI_THREAD_MULTIPLE, is tested on the caller's thread. The deadline thread (``_deadlines``)
+MPI_THREAD_MULTIPLE, is tested on the caller's thread: a blocking call first in a tight loop
+for :data:`SPIN_S` (done by then, it returns a completed work made without a deadline: most
+small calls), then keeping its deadline and yielding the core between tests, so that a long
+wait gives the core to a peer rank that needs it. The deadline thread (``_deadlines``)
 keeps the deadline of a work on the progress thread, the waiting caller that of any other:
 past the process group's timeout the work fails with
 :class:`ProcessGroupTimeoutError` in the caller (``wait()``, the future), as gloo's does, and the
@@ -19,7 +22,9 @@ from __future__ import annotations
 import atexit
 import datetime
 import logging
+import os
 import sys
+import threading
 import time
 from typing import Callable, Sequence
 
@@ -31,6 +36,13 @@ from ..work import BaseWork, Work
 from . import _deadlines
 
 _log = logging.getLogger("mpicomm")
+#: A blocking call tests its MPI operation in a tight loop for this long (seconds, at most half
+#: its timeout) before it sets up a deadline and waits with :meth:`MpicommWork._block`, which
+#: from then on yields the core between tests. It never sleeps: MPI progresses a non-blocking
+#: collective only inside its tests (a nap between them would stall every step of a large one).
+SPIN_S = 200e-6
+_monotonic = time.monotonic
+_yield = os.sched_yield  # another thread or process runnable on this core runs first
 # (description, MPI works) of every call that timed out in this process: MPI may still hold them
 _left_pending: list[tuple[str, list]] = []
 
@@ -57,6 +69,19 @@ def _report_pending() -> None:
         pass
 
 
+def finished_by(inner: Sequence[Work], until: float) -> bool:
+    """Test the mpicomm works ``inner`` (held by this thread alone) in a tight loop until every
+    one is done (True) or monotonic time ``until`` has passed (False)."""
+    while True:
+        for w in inner:
+            if not w._done and not w._test():
+                break
+        else:
+            return True
+        if _monotonic() >= until:
+            return False
+
+
 def _describe(tensors: Sequence) -> str:
     parts, total = [], 0
     for t in tensors:
@@ -77,10 +102,14 @@ class MpicommWork(BaseWork, dist.Work):
     """A pending (or finished) process-group call: ``wait(timeout=None)``, ``is_completed()``,
     ``get_future()``, ``result()``, ``exception()``."""
 
+    # what a work completed on the caller's thread keeps as it is (see `completed`)
+    _record = _source = _deadline_key = _deadline = _timeout = None
+    _described: Sequence = ()
+
     def __init__(self, pg, call: str, seq: int, inner: Sequence[Work],
                  finish: Sequence[Callable[[], None]], result: list, described: Sequence,
                  timeout: datetime.timedelta, source: Work | None = None,
-                 record=None) -> None:
+                 record=None, started: float | None = None) -> None:
         super().__init__(result)
         self._record = record  # the profiler event, ended when the work completes
         self._pg = pg
@@ -99,7 +128,7 @@ class MpicommWork(BaseWork, dist.Work):
             self._finish = []
             self._settle(None)
             return
-        self._start = time.monotonic()
+        self._start = time.monotonic() if started is None else started
         limit = timeout.total_seconds()
         self._deadline = _deadlines.Deadline(
             self._start + limit, self._expire, notice=self._start + limit / 2,
@@ -111,23 +140,41 @@ class MpicommWork(BaseWork, dist.Work):
             self._deadline_key = _deadlines.watch(self._deadline)
         super()._launch_threaded()
 
+    @classmethod
+    def completed(cls, pg, call: str, seq: int, result: list, source=None) -> "MpicommWork":
+        """A blocking call that completed on the caller's thread, its results in place: the
+        work it returns, made without a deadline (what ``__init__`` does for it, cheaper)."""
+        work = cls.__new__(cls)
+        dist.Work.__init__(work)
+        work._result = result if isinstance(result, list) else list(result)
+        work._lock = threading.RLock()
+        work._done, work._inner, work._finish = True, [], []
+        work._pg, work._call, work._seq = pg, call, seq
+        if source is not None:
+            work._source = source
+        return work
+
     def _block(self) -> None:
-        """Test on this thread until done, keeping the deadline here (no other thread woken).
-        Only this thread holds the inner works (the work is not the progress thread's): they
-        are tested directly, without their locks."""
-        d, inner = self._deadline, self._inner
+        """Test on this thread until done, keeping the deadline here (no other thread woken):
+        tests in a tight loop for :data:`SPIN_S` since the call began, then yields the core
+        between tests. Only this thread holds the inner works (the work is not the progress
+        thread's): they are tested directly, without their locks."""
+        d, inner, began = self._deadline, self._inner, self._start
         while not self._done:
             if all(w._done or w._test() for w in inner):
                 with self._lock:
                     if not self._done:
                         self._test()
                 return
-            now = time.monotonic()
+            now = _monotonic()
             if now >= d.notice and not d.noticed:
                 d.noticed = True
                 d.on_notice()
             if now >= d.due:
                 self._expire()
+                return
+            if now - began >= SPIN_S:
+                _yield()
 
     # -- completion -------------------------------------------------------------------------
 
