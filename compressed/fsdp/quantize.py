@@ -141,9 +141,9 @@ def quantize_rows(x: torch.Tensor, lay: Layout, out: torch.Tensor | None = None)
     if nb is not None:
         scale, q = _split(out, lay)
         if x.dtype == torch.bfloat16 and x.is_contiguous():
-            nb.quantize_bf16(x.view(torch.uint16).numpy(), lay.edges, scale.numpy(), q.numpy())
+            nb.quantize_bf16(x.view(torch.uint16).numpy(), lay.edges, scale.numpy(), q.numpy(), -1)
         else:
-            nb.quantize(x.float().contiguous().numpy(), lay.edges, scale.numpy(), q.numpy())
+            nb.quantize(x.float().contiguous().numpy(), lay.edges, scale.numpy(), q.numpy(), -1)
         out[:, 4 * lay.nblocks + lay.n:].zero_()
         return out
     blocks = _blocks(x, lay)
@@ -197,8 +197,8 @@ def reduce_rows(packed: torch.Tensor, lay: Layout, own: torch.Tensor, rank: int,
     if nb is not None:
         total = torch.empty(lay.n, dtype=torch.float32)
         scale, q = _split(packed, lay)
-        nb.reduce_rows(scale.numpy(), q.numpy(), lay.edges, own.float().numpy(), rank,
-                       float(factor), total.numpy())
+        nb.reduce_into(scale.numpy(), q.numpy(), lay.edges, own.float().numpy(), False, rank,
+                       float(factor), total.numpy(), False)
         return total
     values = dequantize_rows(packed, lay)
     total = torch.zeros(lay.n, dtype=torch.float32, device=packed.device)
