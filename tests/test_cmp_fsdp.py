@@ -126,10 +126,13 @@ def test_bad_calls_raise_everywhere(groups, world):
         for bits in (1, 4, 16, True, "8"):
             with pytest.raises(ValueError, match=r"expected bits in \(8,\)"):
                 QuantizedAllGather(bits=bits)
-            with pytest.raises(ValueError, match=r"expected bits in \(8,\)"):
-                QuantizedReduceScatter(bits=bits)
             with pytest.raises(ValueError, match=r"weight_bits: expected bits in \(None, 8\)"):
                 quantize_comms(torch.nn.Linear(2, 2), weight_bits=bits)
+        for bits in (4, 16, True, "8", 0):
+            with pytest.raises(ValueError, match=r"expected bits in \(8, 1\)"):
+                QuantizedReduceScatter(bits=bits)
+            with pytest.raises(ValueError, match=r"grad_bits: expected bits in \(None, 8, 1\)"):
+                quantize_comms(torch.nn.Linear(2, 2), grad_bits=bits)
         with pytest.raises(ValueError, match="positive number of elements"):
             QuantizedAllGather(block=0)
         with pytest.raises(ValueError, match="no FSDPModule under Sequential"):

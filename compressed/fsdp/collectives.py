@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 from . import wires
+from .onebit import OnebitState
 from .quantize import Layout, _numba, dequantize_into, layout, quantize_rows, reduce_rows
 
 __all__ = ["QuantizedAllGather", "QuantizedReduceScatter", "check_bits", "DEFAULT_BLOCK"]
@@ -234,16 +235,35 @@ class QuantizedAllGather(_Quantized, AllGather):
 
 
 class QuantizedReduceScatter(_Quantized, ReduceScatter):
-    """FSDP2's gradient reduce-scatter with the chunk bound for each peer sent as int8 per block.
+    """FSDP2's gradient reduce-scatter with the chunk bound for each peer sent as int8 per block
+    (``bits=8``) or as signs with error feedback (``bits=1``).
 
-    An all-to-all moves the int8 chunks and scales; each rank sums, in fp32 and rank order, its
-    own chunk (exact) and the dequantized chunks of its peers, applies the op (SUM, AVG, or
-    FSDP2's PREMUL_SUM divide factor) and writes its shard in the reduce dtype.
+    ``bits=8``: an all-to-all moves the int8 chunks and scales; each rank sums, in fp32 and
+    rank order, its own chunk (exact) and the dequantized chunks of its peers, applies the op
+    (SUM, AVG, or FSDP2's PREMUL_SUM divide factor) and writes its shard in the reduce dtype.
+
+    ``bits=1``: the 1-bit engine's reduce-scatter phase (``compressed.fsdp.onebit``): one scale
+    per rank and call, the worker error kept by this object (``state_dict()``), so each
+    FSDPModule needs its own; at one rank the gradient passes exactly. Always blocking: with
+    ``async_op=True`` it returns a work already completed.
     """
 
     def __init__(self, bits: int = 8, block: int = DEFAULT_BLOCK,
                  segments: Sequence[int] | None = None) -> None:
-        super().__init__(bits, block, segments, "QuantizedReduceScatter", (8,))
+        super().__init__(bits, block, segments, "QuantizedReduceScatter", (8, 1))
+        self.onebit = OnebitState() if self.bits == 1 else None
+
+    def state_dict(self) -> dict:
+        """The 1-bit worker error (``OnebitState.state_dict``); empty for ``bits=8``."""
+        return self.onebit.state_dict() if self.onebit is not None else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take what ``state_dict`` gave (at the same rank count and shard size)."""
+        if self.onebit is not None:
+            self.onebit.load_state_dict(state)
+        elif state:
+            raise ValueError("QuantizedReduceScatter(bits=8) keeps no state; got "
+                             f"{sorted(state)}")
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op=dist.ReduceOp.SUM,
@@ -258,8 +278,16 @@ class QuantizedReduceScatter(_Quantized, ReduceScatter):
             raise ValueError("QuantizedReduceScatter: expected floating-point gradients, got "
                              f"{input_tensor.dtype}")
         factor = _op_factor(op, world)
+        if self.onebit is not None:
+            self.onebit.shape_check(world, m)
         if world == 1 or m == 0:
             _write(output_tensor, input_tensor.reshape(world, m)[rank].float(), factor)
+            return _Done() if async_op else None
+        if self.onebit is not None:
+            kind = getattr(op, "op", op)
+            mult = 1.0 if kind == _RED.AVG else world * (1.0 if factor is None else factor)
+            self.onebit.reduce_scatter(output_tensor, input_tensor, group,
+                                       _communicator(group, False), mult)
             return _Done() if async_op else None
         lay = self._layout(m)
         comm = _communicator(group, async_op)
