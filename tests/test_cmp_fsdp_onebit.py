@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 import mpicomm  # noqa: F401 - registers the backend
-from compressed.fsdp import QuantizedReduceScatter
+from compressed.fsdp import QuantizedReduceScatter, quantize_comms
 from mpitest import assert_all, assert_close_all
 
 pytestmark = pytest.mark.mpi(min_size=1)
@@ -80,3 +81,98 @@ def test_onebit_reduce_scatter_matches_simulation(groups, world, backend, dtype,
         got_e = comm.state_dict()["worker_error"].double().numpy()
         assert_close_all(got_e, errors[rank], rtol=1e-4, atol=1e-5 * float(np.abs(errors[rank]).max()),
                          what=f"step {step} worker error")
+
+
+# ---------------------------------------------------------------------------------------------
+# on FSDP2, and the error state through ckpt
+
+def _fsdp_model(mesh, seed=0, weight_bits=8):
+    from test_cmp_fsdp import _model, _shard_all
+    model = _shard_all(_model(seed), mesh)
+    quantize_comms(model, weight_bits=weight_bits, grad_bits=1)
+    return model
+
+
+def _backward(model, rank: int, steps: int) -> None:
+    x = torch.randn(4, 12, generator=torch.Generator().manual_seed(7 + rank))
+    for _ in range(steps):
+        model.zero_grad()
+        torch.nn.functional.mse_loss(model(x).float(), torch.zeros(4, 5)).backward()
+
+
+def test_fsdp_gradients_match_simulation(groups, world):
+    """FSDP2's sharded gradients after each of 3 backward passes (same weights, same local
+    gradients: the error feedback alone changes the result) against the simulation."""
+    from test_cmp_fsdp import _local_grads, _rows, _unrow
+    rank, size = world.rank, world.size
+    mesh = init_device_mesh("cpu", (size,))
+    model = _fsdp_model(mesh, weight_bits=None)  # exact weights: the plain model's gradients
+    x = torch.randn(4, 12, generator=torch.Generator().manual_seed(7 + rank))
+    everyone = world.allgather([[g.numpy() for g in layer] for layer in _local_grads(x)])
+    errors = {}
+    for step in range(3):
+        model.zero_grad()
+        torch.nn.functional.mse_loss(model(x), torch.zeros(4, 5)).backward()
+        for li, idx in enumerate((0, 2)):
+            full = [torch.from_numpy(t) for t in everyone[0][li]]
+            rows = [np.stack(_rows([torch.from_numpy(t) for t in everyone[r][li]], size)[0])
+                    for r in range(size)]
+            if size == 1:
+                mean = rows[0][0]
+            else:
+                e = errors.setdefault(idx, [np.zeros(size * (-(-rows[0].shape[1] // 8) * 8))
+                                            for _ in range(size)])
+                mean = simulate_step(rows, e)[rank]
+            expected = _unrow(mean, full, size, rank)
+            got = [p.grad._local_tensor.detach().double().numpy()
+                   for p in model[idx].parameters()]
+            for g, want in zip(got, expected):
+                assert_close_all(g, want, rtol=1e-5, atol=1e-6 * max(1.0, float(np.abs(want).max(
+                    initial=0))), what=f"step {step} layer {idx} gradient")
+
+
+def test_error_state_through_ckpt(groups, world, comm, shared_tmp_path):
+    """ckpt.save / ckpt.load of GradientErrors: bit-identical at the same size; at one rank (a
+    sub-communicator of each rank alone) the new error is the mean of the saved ones, per
+    parameter position; the checkpoint holds fp32 masters and errors only."""
+    from mpi4py import MPI
+
+    import ckpt
+    from compressed.fsdp import GradientErrors
+    from compressed.fsdp.error_state import unpack
+    rank, size = world.rank, world.size
+    mesh = init_device_mesh("cpu", (size,))
+    model = _fsdp_model(mesh)
+    _backward(model, rank, 2)
+    state = GradientErrors(model)
+    assert_all(sorted(state.targets) == ["0", "2"], str(sorted(state.targets)))
+    mine = state.per_rank_state_dict()["modules"]
+    assert_all(all(float(v["worker_error"].abs().max()) > 0 for v in mine.values()) or size == 1,
+               "no error feedback after two steps")
+    ckpt.save(shared_tmp_path / "e", model=model, comm=comm, state={"grad_errors": state})
+    fresh = _fsdp_model(mesh, seed=3)
+    ckpt.load(shared_tmp_path / "e", model=fresh, comm=comm,
+              state={"grad_errors": GradientErrors(fresh)})
+    again = GradientErrors(fresh).per_rank_state_dict()["modules"]
+    assert_all(all(torch.equal(again[k]["worker_error"], mine[k]["worker_error"]) for k in mine),
+               "errors not bit-identical after a same-size load")
+    # N -> 1: every rank alone loads the checkpoint saved by all
+    saved = world.allgather({k: (v["shapes"], v["worker_error"].numpy()) for k, v in mine.items()})
+    alone = None
+    for r in range(size):  # new_group is collective: every rank creates every 1-rank group
+        g = dist.new_group([r])
+        if r == rank:
+            alone = g
+    from torch.distributed.device_mesh import DeviceMesh
+    solo = _fsdp_model(DeviceMesh.from_group(alone, "cpu"), seed=4)
+    ckpt.load(shared_tmp_path / "e", model=solo, comm=MPI.COMM_SELF,
+              state={"grad_errors": GradientErrors(solo)})
+    got = GradientErrors(solo).per_rank_state_dict()["modules"]
+    for k in mine:
+        shapes = saved[0][k][0]
+        owed = [sum(parts) / size for parts in zip(*[
+            unpack(torch.from_numpy(s[k][1]), shapes, size) for s in saved])]
+        have = unpack(got[k]["worker_error"], shapes, 1)
+        assert_close_all(torch.cat([h.reshape(-1) for h in have]).numpy(),
+                         torch.cat([o.reshape(-1) for o in owed]).numpy(), rtol=1e-6, atol=1e-7,
+                         what=f"module {k} error at 1 rank")

@@ -52,6 +52,8 @@ class OnebitState:
             self.world, self.m = world, m
             self.worker_error = torch.zeros(world * padded_row(m), dtype=torch.float32,
                                             device=device)
+        elif self.worker_error.device != device:  # loaded on the host, used on the device
+            self.worker_error = self.worker_error.to(device)
         return self.worker_error
 
     def _comm(self, group: dist.ProcessGroup, direct) -> Compressor:
