@@ -31,10 +31,11 @@ def test_curve_fsdp(tmp_path):
         assert common.validate_record(rec) == [], rec
         assert rec["steps"] == 3 and rec["wrong"] == 0
     # the first step's loss comes before any update: every replica starts from the same weights
-    r16, q8 = (by[name]["losses"] for name in train_curve.FSDP_CURVES)
-    assert abs(q8[0] - r16[0]) <= 1e-2 * r16[0]
+    r16, q8, q1 = (by[name]["losses"] for name in train_curve.FSDP_CURVES)
+    assert abs(q8[0] - r16[0]) <= 1e-2 * r16[0] and abs(q1[0] - r16[0]) <= 1e-2 * r16[0]
     assert by["fsdp2-mpicomm-q8"]["bytes_per_step"] is None
     assert "with int8 weights and gradients (fsdp2-mpicomm-q8)" in stdout
+    assert "with int8 weights and 1-bit gradients (fsdp2-mpicomm-q1)" in stdout
 
 
 def test_collectives_q8_peer(tmp_path):
