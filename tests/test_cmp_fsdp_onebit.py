@@ -176,3 +176,30 @@ def test_error_state_through_ckpt(groups, world, comm, shared_tmp_path):
         assert_close_all(torch.cat([h.reshape(-1) for h in have]).numpy(),
                          torch.cat([o.reshape(-1) for o in owed]).numpy(), rtol=1e-6, atol=1e-7,
                          what=f"module {k} error at 1 rank")
+
+
+def test_error_layout_pack_unpack(world):
+    """``pack`` / ``unpack`` (pure): FSDP2's dim-0 chunks with padding at 1-4 ranks, and the
+    N -> M rule keeps the mean owed per parameter position (2 saved ranks -> 3)."""
+    from compressed.fsdp.error_state import pack, unpack
+    g = torch.Generator().manual_seed(3)
+    shapes = [[7, 3], [5], [1, 4]]
+    params = [torch.randn(*s, generator=g, dtype=torch.float64) for s in shapes]
+    for w in (1, 2, 3, 4):
+        packed = pack(params, w)
+        m = sum(-(-s[0] // w) * int(np.prod(s[1:], dtype=np.int64)) for s in shapes)
+        assert packed.numel() == w * (-(-m // 8) * 8) and packed.dtype == torch.float32
+        rows = packed.view(w, -1)
+        # row j starts with dim-0 chunk j of the first parameter (7 rows of 3, chunk ceil(7/w))
+        c = -(-7 // w)
+        want = torch.zeros(c * w, 3, dtype=torch.float64)
+        want[:7] = params[0]
+        assert torch.equal(rows[:, :c * 3], want.reshape(w, c * 3).float())
+        back = unpack(packed, shapes, w)
+        assert all(torch.equal(b, p.float().double()) for b, p in zip(back, params))
+    saved = [pack([p * (i + 1) for p in params], 2) for i in range(2)]
+    owed = [sum(parts) / 2 for parts in zip(*[unpack(s, shapes, 2) for s in saved])]
+    three = pack(owed, 3)
+    assert all(torch.allclose(a, b.float().double()) for a, b in zip(unpack(three, shapes, 3), owed))
+    with pytest.raises(ValueError, match="expected .* for parameters"):
+        unpack(three, shapes, 4)
