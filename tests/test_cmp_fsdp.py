@@ -72,6 +72,29 @@ def test_all_gather_matches_simulation(groups, world, backend, dtype, async_op):
                "own slice exact")
 
 
+def test_calls_in_flight_and_reuse(groups, world):
+    """Two async all-gathers of one shape in flight at once (waited in reverse order) and the
+    same shape called again: the reused send/receive buffers never mix two calls' data."""
+    group, rank, size = groups["mpicomm"], world.rank, world.size
+    segments = (24, 9)
+    n = sum(segments)
+    comm = QuantizedAllGather(bits=8, block=BLOCK, segments=segments)
+    outs, works = [], []
+    for k in range(3):
+        out = torch.empty(size * n)
+        inp = out.narrow(0, rank * n, n)
+        inp.copy_(_shard(rank + 17 * k, n, torch.float32, segments))
+        outs.append(out)
+        works.append(comm(out, inp, group, async_op=k < 2))
+    for work in reversed(works[:2]):
+        work.wait()
+    for k, out in enumerate(outs):
+        rows = [_shard(r + 17 * k, n, torch.float32, segments).double().numpy() for r in range(size)]
+        expected = np.concatenate([rows[r] if r == rank else _sim(rows[r], segments, torch.float32)
+                                   for r in range(size)])
+        assert_close_all(out.double(), expected, what=f"call {k}")
+
+
 def _op(name: str):
     return {"sum": (dist.ReduceOp.SUM, 1.0), "avg": (dist.ReduceOp.AVG, None),
             "premul": (dist.ReduceOp.PREMUL_SUM(0.25), 0.25)}[name]

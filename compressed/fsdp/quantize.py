@@ -113,15 +113,20 @@ def _blocks(x: torch.Tensor, lay: Layout) -> torch.Tensor:
     return x.view(rows, lay.nblocks, lay.block)
 
 
+_NUMBA: list = []  # [the numba kernel module, or None when numba does not import], once
+
+
 def _numba(t: torch.Tensor):
     """The numba kernels for a CPU tensor, or None (CUDA, no numba, or forced off)."""
-    if t.device.type != "cpu" or os.environ.get(ENV, "").strip().lower() == "numpy":
+    if not t.is_cpu or os.environ.get(ENV, "").strip().lower() == "numpy":
         return None
-    try:
-        from . import _numba_int8
-    except ImportError:
-        return None
-    return _numba_int8
+    if not _NUMBA:
+        try:
+            from . import _numba_int8 as kernels
+        except ImportError:
+            kernels = None
+        _NUMBA.append(kernels)
+    return _NUMBA[0]
 
 
 def _split(packed: torch.Tensor, lay: Layout):
