@@ -1,10 +1,12 @@
 """FSDP2 custom collectives that move int8 per block: the weight all-gather and the gradient
-reduce-scatter (``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter``).
+reduce-scatter (``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter``); the
+reduce-scatter also as 1-bit signs with error feedback (``bits=1``, ``onebit``).
 
 Both run on any torch.distributed process group (mpicomm, gloo, NCCL): the payload is one
 uint8 tensor on the caller's device moved by ``all_gather_into_tensor`` / ``all_to_all_single``.
 With ``async_op=True`` they return a work whose ``wait()`` waits for the transfer and then
-dequantizes into FSDP2's output.
+dequantizes into FSDP2's output. On the CPU (fp32 / bf16) the fused numba kernels read and
+write FSDP2's tensors in place and the packed rows live in pooled buffers (``wires``).
 """
 from __future__ import annotations
 
