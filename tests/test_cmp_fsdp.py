@@ -320,3 +320,29 @@ def test_training_then_checkpoint_holds_masters(groups, world, comm, shared_tmp_
     loaded = [p.full_tensor().detach() for p in fresh.parameters()]
     assert_all(all(torch.equal(a, b) for a, b in zip(loaded, masters)), "loaded != masters")
     assert_all(all(p.dtype == torch.float32 for p in loaded), "a saved tensor is not fp32")
+
+
+def test_prefetched_async_unshard_matches_blocking(groups, world):
+    """FSDP2's explicit prefetching with async unshards (the quantized all-gather's async work,
+    waited by FSDP2) gives bit for bit the blocking run's losses and gradients."""
+    mesh = init_device_mesh("cpu", (world.size,))
+
+    def make(prefetch: bool):
+        model = _shard_all(_model(), mesh)
+        quantize_comms(model, weight_bits=8, grad_bits=8, block=BLOCK)
+        if prefetch:
+            for layer in (model[0], model[2]):
+                layer._set_unshard_async_op(True)  # torch's (private) switch for prefetches
+            model[0].set_modules_to_forward_prefetch([model[2]])
+            model[2].set_modules_to_backward_prefetch([model[0]])
+        return model
+    plain, fetched = make(False), make(True)
+    for step in range(2):
+        x = torch.randn(4, 12, generator=torch.Generator().manual_seed(step + world.rank))
+        losses = [m(x).pow(2).mean() for m in (plain, fetched)]
+        for loss in losses:
+            loss.backward()
+        grads = [torch.cat([p.grad._local_tensor.reshape(-1) for p in m.parameters()])
+                 for m in (plain, fetched)]
+        assert_all(float(losses[0]) == float(losses[1]) and torch.equal(*grads),
+                   f"step {step}: prefetched run differs from the blocking one")
