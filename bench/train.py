@@ -104,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "peers always compute in bfloat16)")
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb (25)")
+    p.add_argument("--fsdp-prefetch", action="store_true",
+                   help="FSDP2 peers: explicit prefetching with async unshards (the next "
+                        "layer's all-gather issued during this layer's forward / backward)")
     p.add_argument("--onebit-warmup", type=_count(0), default=None,
                    help="steps the 1-bit hook averages exactly (default: --warmup - 1, so the "
                         "last warm-up step and every timed step are compressed)")

@@ -47,3 +47,13 @@ def test_collectives_q8_peer(tmp_path):
                    for p in ("mpicomm-pg", "mpicomm-pg-q8")} - {("broadcast", "mpicomm-pg-q8")}
     assert all(r["wrong"] == 0 for r in recs)
     assert "peer mpicomm-pg-q8 skipped for broadcast" in stdout
+
+
+def test_train_fsdp_prefetch(tmp_path):
+    """bench train --fsdp-prefetch: the FSDP2 peers with explicit prefetching and async
+    unshards (the quantized all-gather's async path) train, replicas agreeing."""
+    _, recs = _run(tmp_path, "train", "--hidden", "32", "--layers", "2", "--batch", "4",
+                   "--steps", "1", "--warmup", "1", "--rounds", "1", "--fsdp-prefetch",
+                   "--peers", "fsdp2-mpicomm-r16,fsdp2-mpicomm-q8")
+    assert [r["peer"] for r in recs] == ["fsdp2-mpicomm-r16", "fsdp2-mpicomm-q8"]
+    assert all(r["wrong"] == 0 and r["trained_steps"] > 0 for r in recs)
