@@ -14,7 +14,8 @@ Peers (each its own replica of the same model, same initial weights, same data):
   group, ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32 (r32) or bfloat16
   (r16))``: bf16 compute, gradients reduce-scattered in the reduce dtype;
 - ``fsdp2-mpicomm-q8``: ``fsdp2-mpicomm-r16`` with ``compressed.fsdp.quantize_comms`` (int8
-  weight all-gathers and gradient reduce-scatters); step time compared with r16's.
+  weight all-gathers and gradient reduce-scatters); step time compared with r16's;
+- ``fsdp2-mpicomm-q1``: the same with 1-bit gradient reduce-scatters (``grad_bits=1``).
 
 ``--dtype bfloat16`` runs the DDP peers on a bfloat16 model (bf16 gradients in DDP's buckets);
 the FSDP2 peers always keep float32 master weights and compute in bfloat16.
@@ -103,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "peers always compute in bfloat16)")
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb (25)")
+    p.add_argument("--fsdp-prefetch", action="store_true",
+                   help="FSDP2 peers: explicit prefetching with async unshards (the next "
+                        "layer's all-gather issued during this layer's forward / backward)")
     p.add_argument("--onebit-warmup", type=_count(0), default=None,
                    help="steps the 1-bit hook averages exactly (default: --warmup - 1, so the "
                         "last warm-up step and every timed step are compressed)")
@@ -112,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="instead: loss against step for Adam, OnebitAdam, ZeroOneAdam, LAMB, OnebitLamb")
     p.add_argument("--curve-steps", type=_count(1), default=100, help="steps of --curve (100)")
     p.add_argument("--curve-fsdp", action="store_true",
-                   help="with --curve: also FSDP2 + Adam, fsdp2-mpicomm-r16 and fsdp2-mpicomm-q8")
+                   help="with --curve: also FSDP2 + Adam, fsdp2-mpicomm-r16, -q8 and -q1")
     p.add_argument("--freeze-step", type=_count(1), default=20,
                    help="--curve: OnebitAdam's and OnebitLamb's freeze_step, ZeroOneAdam's "
                         "var_freeze_step (default 20)")
@@ -148,7 +152,8 @@ def _header(args, ranks: int, params: int) -> tuple[str, list[str]]:
                      "reduce_scatter of all gradients in the reduce dtype")
         extra.append("fsdp2-mpicomm-q8: fsdp2-mpicomm-r16 with compressed.fsdp.quantize_comms "
                      "(int8 weight all-gathers and gradient reduce-scatters, one fp32 scale per "
-                     "512 elements); its weights are checked across ranks only")
+                     "512 elements); fsdp2-mpicomm-q1: the same with 1-bit gradients (error "
+                     "feedback); their weights are checked across ranks only")
     return what, extra
 
 
@@ -243,7 +248,7 @@ def _step_record(rep, args, mpi_comm, params: int, name: str, peer, rounds: list
     fsdp = name in FSDP_PEERS
     grad_dtype = grad_dtype_of(name, args.dtype)
     return dict(rep.base("step"), peer=name, model=describe(args), params=params,
-                grad_bytes=params * {"float32": 4, "int8": 1}.get(grad_dtype, 2),
+                grad_bytes=int(params * {"float32": 4, "int8": 1, "1bit": 1 / 8}.get(grad_dtype, 2)),
                 dtype="bfloat16" if fsdp else args.dtype, grad_dtype=grad_dtype,
                 batch=args.batch, steps=args.steps, rounds=args.rounds,
                 step_ms=mid["step"] * 1e3, step_ms_min=min(means) * 1e3,

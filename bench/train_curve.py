@@ -21,7 +21,7 @@ from .train_peers import batch, build_model, describe, make_fsdp_peer
 __all__ = ["CURVES", "FSDP_CURVES", "run_curve", "curve_main"]
 
 CURVES = ("adam", "onebit-adam", "zero-one-adam", "lamb", "onebit-lamb")
-FSDP_CURVES = ("fsdp2-mpicomm-r16", "fsdp2-mpicomm-q8")  # with --curve-fsdp
+FSDP_CURVES = ("fsdp2-mpicomm-r16", "fsdp2-mpicomm-q8", "fsdp2-mpicomm-q1")  # --curve-fsdp
 
 
 def _counting_comm(mpi_comm):
@@ -165,9 +165,13 @@ def curve_main(args, mpi_comm, mcomm, teacher, rep) -> int:
              f"({b / a if a else float('nan'):.2f}x Adam's; compressed from step "
              f"{args.freeze_step + 1})")
     if all(name in curves for name in FSDP_CURVES):
-        r16, q8 = (curves[name]["losses"][-1] for name in FSDP_CURVES)
+        r16, q8, q1 = (curves[name]["losses"][-1] for name in FSDP_CURVES)
+
+        def ratio(x: float) -> str:
+            return f"{x / r16 if r16 else float('nan'):.3f}x r16's"
         rep.note(f"loss after {args.curve_steps} steps: FSDP2 Adam {r16:.6f} (fsdp2-mpicomm-r16), "
-                 f"{q8:.6f} with int8 weights and gradients (fsdp2-mpicomm-q8): "
-                 f"{q8 / r16 if r16 else float('nan'):.3f}x r16's (bytes/step '-': not counted)")
+                 f"{q8:.6f} with int8 weights and gradients (fsdp2-mpicomm-q8): {ratio(q8)}, "
+                 f"{q1:.6f} with int8 weights and 1-bit gradients (fsdp2-mpicomm-q1): "
+                 f"{ratio(q1)} (bytes/step '-': not counted)")
     return rep.finish("all losses finite (#wrong = 0)",
                       title=f"{describe(args)}, {mpi_comm.Get_size()} ranks: exact and 1-bit optimizers")

@@ -12,9 +12,9 @@ from . import models
 
 DDP_PEERS = ("mpicomm", "gloo", "mpicomm-hook", "onebit-hook")
 FSDP_PEERS = ("fsdp2-mpicomm-r32", "fsdp2-gloo-r32", "fsdp2-mpicomm-r16", "fsdp2-gloo-r16",
-              "fsdp2-mpicomm-q8")
+              "fsdp2-mpicomm-q8", "fsdp2-mpicomm-q1")
 #: FSDP2 peers whose collectives quantize (compressed.fsdp): checked across ranks only
-QUANTIZED = ("fsdp2-mpicomm-q8",)
+QUANTIZED = ("fsdp2-mpicomm-q8", "fsdp2-mpicomm-q1")
 PEERS = DDP_PEERS + FSDP_PEERS
 EXACT = ("mpicomm", "gloo", "mpicomm-hook")  # must match gloo's weights
 
@@ -83,9 +83,9 @@ def reference_of(name: str) -> str:
 
 
 def grad_dtype_of(name: str, ddp_dtype: str) -> str:
-    """The dtype gradients travel in: FSDP2's reduce dtype, int8 for a quantized peer."""
+    """The dtype gradients travel in: FSDP2's reduce dtype, int8 or 1bit for a quantized peer."""
     if name in QUANTIZED:
-        return "int8"
+        return "1bit" if name.endswith("-q1") else "int8"
     if name in FSDP_PEERS:
         return "float32" if name.endswith("-r32") else "bfloat16"
     return ddp_dtype
@@ -100,9 +100,21 @@ def _fsdp_no_sync(model):
         model.set_requires_gradient_sync(True)
 
 
+def _prefetch(units) -> None:
+    """FSDP2's explicit prefetching: each unit's forward all-gathers the next unit's weights and
+    each backward the previous unit's, as async unshards (torch's private switch for them)."""
+    for i, unit in enumerate(units):
+        unit._set_unshard_async_op(True)
+        if i + 1 < len(units):
+            unit.set_modules_to_forward_prefetch([units[i + 1]])
+        if i > 0:
+            unit.set_modules_to_backward_prefetch([units[i - 1]])
+
+
 def make_fsdp_peer(name: str, args, groups: dict) -> Peer:
     """FSDP2 on the mpicomm or gloo group, bf16 parameters, reduce dtype float32 or bfloat16;
-    ``-q8``: reduce dtype bfloat16, int8 weight all-gathers and gradient reduce-scatters."""
+    ``-q8``: reduce dtype bfloat16, int8 weight all-gathers and gradient reduce-scatters;
+    ``-q1``: the same with 1-bit gradient reduce-scatters (error feedback per module)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
@@ -113,10 +125,12 @@ def make_fsdp_peer(name: str, args, groups: dict) -> Peer:
     mesh = DeviceMesh.from_group(pg, "cpu")
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
     model = build_model(args, seed=0)
-    for layer in model:
-        if any(True for _ in layer.parameters()):
-            fully_shard(layer, mesh=mesh, mp_policy=policy)
+    units = [layer for layer in model if any(True for _ in layer.parameters())]
+    for layer in units:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
+    if getattr(args, "fsdp_prefetch", False):
+        _prefetch(units)
     numel = sum(p.numel() for p in build_model(args, seed=0).parameters())
     n = pg.size()
     flat = torch.zeros(-(-numel // n) * n, dtype=reduce_dtype)
@@ -124,8 +138,9 @@ def make_fsdp_peer(name: str, args, groups: dict) -> Peer:
     if name in QUANTIZED:
         from compressed.fsdp import QuantizedReduceScatter, quantize_comms
 
-        quantize_comms(model, weight_bits=8, grad_bits=8)
-        scatter = QuantizedReduceScatter(bits=8)
+        bits = 1 if name.endswith("-q1") else 8
+        quantize_comms(model, weight_bits=8, grad_bits=bits)
+        scatter = QuantizedReduceScatter(bits=bits)
 
         def comm_alone():
             flat.zero_()

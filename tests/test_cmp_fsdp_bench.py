@@ -31,10 +31,11 @@ def test_curve_fsdp(tmp_path):
         assert common.validate_record(rec) == [], rec
         assert rec["steps"] == 3 and rec["wrong"] == 0
     # the first step's loss comes before any update: every replica starts from the same weights
-    r16, q8 = (by[name]["losses"] for name in train_curve.FSDP_CURVES)
-    assert abs(q8[0] - r16[0]) <= 1e-2 * r16[0]
+    r16, q8, q1 = (by[name]["losses"] for name in train_curve.FSDP_CURVES)
+    assert abs(q8[0] - r16[0]) <= 1e-2 * r16[0] and abs(q1[0] - r16[0]) <= 1e-2 * r16[0]
     assert by["fsdp2-mpicomm-q8"]["bytes_per_step"] is None
     assert "with int8 weights and gradients (fsdp2-mpicomm-q8)" in stdout
+    assert "with int8 weights and 1-bit gradients (fsdp2-mpicomm-q1)" in stdout
 
 
 def test_collectives_q8_peer(tmp_path):
@@ -46,3 +47,13 @@ def test_collectives_q8_peer(tmp_path):
                    for p in ("mpicomm-pg", "mpicomm-pg-q8")} - {("broadcast", "mpicomm-pg-q8")}
     assert all(r["wrong"] == 0 for r in recs)
     assert "peer mpicomm-pg-q8 skipped for broadcast" in stdout
+
+
+def test_train_fsdp_prefetch(tmp_path):
+    """bench train --fsdp-prefetch: the FSDP2 peers with explicit prefetching and async
+    unshards (the quantized all-gather's async path) train, replicas agreeing."""
+    _, recs = _run(tmp_path, "train", "--hidden", "32", "--layers", "2", "--batch", "4",
+                   "--steps", "1", "--warmup", "1", "--rounds", "1", "--fsdp-prefetch",
+                   "--peers", "fsdp2-mpicomm-r16,fsdp2-mpicomm-q8")
+    assert [r["peer"] for r in recs] == ["fsdp2-mpicomm-r16", "fsdp2-mpicomm-q8"]
+    assert all(r["wrong"] == 0 and r["trained_steps"] > 0 for r in recs)

@@ -37,12 +37,15 @@ def _quantize_block(x, lo, hi, s, q):
 
 
 @_jit
-def quantize(x, edges, scale, q):
-    """Rows of fp32 ``x`` into fp32 ``scale`` (rows, blocks) and int8 ``q`` (rows, n)."""
+def quantize(x, edges, scale, q, skip):
+    """Rows of fp32 ``x`` into fp32 ``scale`` (rows, blocks) and int8 ``q`` (rows, n); row
+    ``skip`` is left unwritten (-1: none)."""
     nb = edges.shape[0] - 1
     bits = np.empty(1, np.uint32)
     amax = bits.view(np.float32)
     for r in range(x.shape[0]):
+        if r == skip:
+            continue
         xr, qr, sr = x[r], q[r], scale[r]
         xu = xr.view(np.uint32)
         for b in range(nb):
@@ -73,7 +76,7 @@ def _abs_bits_max16(xu, lo, hi):
 
 
 @_jit
-def quantize_bf16(x, edges, scale, q):
+def quantize_bf16(x, edges, scale, q, skip):
     """``quantize`` for bf16 rows given as their uint16 bits (widened to fp32 exactly)."""
     nb = edges.shape[0] - 1
     width = 1
@@ -82,6 +85,8 @@ def quantize_bf16(x, edges, scale, q):
     wide = np.empty(width, np.uint32)
     values = wide.view(np.float32)
     for r in range(x.shape[0]):
+        if r == skip:
+            continue
         xr, qr, sr = x[r], q[r], scale[r]
         for b in range(nb):
             lo, hi = edges[b], edges[b + 1]
@@ -156,20 +161,41 @@ def _accumulate_block(q, lo, hi, s, total):
 
 
 @_jit
-def reduce_rows(scale, q, edges, own, rank, factor, total):
-    """fp32 ``total`` (n) = factor * sum over rows in order (row ``rank``: ``own``, exact)."""
+def reduce_into(scale, q, edges, own, own_bits, rank, factor, out, out_bits):
+    """``out`` (n) = factor * the fp32 sum over rows in order, row ``rank`` replaced by ``own``
+    (exact). ``own`` / ``out``: fp32, or bf16 as uint16 bits when ``own_bits`` / ``out_bits``
+    (widened exactly; rounded to nearest even, NaN kept NaN). ``out`` may alias ``own``."""
     nb = edges.shape[0] - 1
-    n = total.shape[0]
-    total[:] = 0.0
+    n = out.shape[0]
+    total = np.zeros(n, np.float32)
+    wide = total.view(np.uint32)
     for r in range(q.shape[0]):
-        if r == rank:
+        if r != rank:
+            qr, sr = q[r], scale[r]
+            for b in range(nb):
+                _accumulate_block(qr, edges[b], edges[b + 1], sr[b], total)
+        elif own_bits:
+            tmp = np.empty(n, np.uint32)
+            ftmp = tmp.view(np.float32)
+            for i in range(n):
+                tmp[i] = np.uint32(own[i]) << np.uint32(16)
+            for i in range(n):
+                total[i] += ftmp[i]
+        else:
             for i in range(n):
                 total[i] += own[i]
-            continue
-        qr, sr = q[r], scale[r]
-        for b in range(nb):
-            _accumulate_block(qr, edges[b], edges[b + 1], sr[b], total)
     if factor != 1.0:
         f = np.float32(factor)
         for i in range(n):
             total[i] *= f
+    if out_bits:
+        for i in range(n):
+            u = wide[i]
+            if (u & _ABS) > _INF:
+                out[i] = np.uint16(0x7FC0)
+            else:
+                up = u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))
+                out[i] = np.uint16(up >> np.uint32(16))
+    else:
+        for i in range(n):
+            out[i] = total[i]

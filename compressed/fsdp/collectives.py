@@ -1,10 +1,12 @@
 """FSDP2 custom collectives that move int8 per block: the weight all-gather and the gradient
-reduce-scatter (``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter``).
+reduce-scatter (``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter``); the
+reduce-scatter also as 1-bit signs with error feedback (``bits=1``, ``onebit``).
 
 Both run on any torch.distributed process group (mpicomm, gloo, NCCL): the payload is one
 uint8 tensor on the caller's device moved by ``all_gather_into_tensor`` / ``all_to_all_single``.
 With ``async_op=True`` they return a work whose ``wait()`` waits for the transfer and then
-dequantizes into FSDP2's output.
+dequantizes into FSDP2's output. On the CPU (fp32 / bf16) the fused numba kernels read and
+write FSDP2's tensors in place and the packed rows live in pooled buffers (``wires``).
 """
 from __future__ import annotations
 
@@ -14,7 +16,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
-from .quantize import Layout, dequantize_into, layout, quantize_rows, reduce_rows
+from . import wires
+from .onebit import OnebitState
+from .quantize import Layout, _numba, dequantize_into, layout, quantize_rows, reduce_rows
 
 __all__ = ["QuantizedAllGather", "QuantizedReduceScatter", "check_bits", "DEFAULT_BLOCK"]
 
@@ -79,6 +83,9 @@ class _Done(dist.Work):
         return True
 
 
+_MPICOMM_PG: list = []  # [the mpicomm process group class, or None], once looked up
+
+
 def _communicator(group: dist.ProcessGroup, async_op: bool):
     """The mpicomm Communicator under ``group`` for a blocking call, else None.
 
@@ -88,13 +95,37 @@ def _communicator(group: dist.ProcessGroup, async_op: bool):
     """
     if async_op:
         return None
-    try:
-        from mpicomm.distributed._pg import MpicommProcessGroup
-    except ImportError:
-        return None
-    if not isinstance(group, MpicommProcessGroup) or group.comm is None or group._broken:
+    if not _MPICOMM_PG:
+        try:
+            from mpicomm.distributed._pg import MpicommProcessGroup
+        except ImportError:
+            MpicommProcessGroup = None
+        _MPICOMM_PG.append(MpicommProcessGroup)
+    cls = _MPICOMM_PG[0]
+    if cls is None or not isinstance(group, cls) or group.comm is None or group._broken:
         return None  # a destroyed or broken group: its own path raises the clear error
     return group.comm
+
+
+def _host(t: torch.Tensor, rows: int):
+    """``(numpy (rows, -1) view, bf16 bits?)`` of a contiguous fp32 / bf16 CPU tensor, else
+    None (other dtypes and devices take the torch path)."""
+    if t.dtype == torch.float32 and t.is_cpu and t.is_contiguous():
+        return t.numpy().reshape(rows, -1), False
+    if t.dtype == torch.bfloat16 and t.is_cpu and t.is_contiguous():
+        return t.view(torch.uint16).numpy().reshape(rows, -1), True
+    return None
+
+
+def _move(start: Callable[[bool], dist.Work | None], then: Callable[[], None],
+          wire: wires.Wire, async_op: bool):
+    """``_finish`` that gives ``wire`` back to the pool once ``then`` has run."""
+    def then_release() -> None:
+        try:
+            then()
+        finally:
+            wires.release(wire)
+    return _finish(start, then_release, async_op)
 
 
 def _finish(start: Callable[[bool], dist.Work | None], then: Callable[[], None], async_op: bool):
@@ -122,6 +153,14 @@ class _Quantized:
                              "quantize_comms(..., None) to leave a side unquantized")
         self.block = _check_block(block, what)
         self.segments = tuple(int(s) for s in segments) if segments else None
+        self._layouts: dict[int, Layout] = {}
+
+    def _layout(self, n: int) -> Layout:
+        """The row layout for rows of ``n`` (kept per instance)."""
+        lay = self._layouts.get(n)
+        if lay is None:
+            lay = self._layouts[n] = _row_layout(n, self.block, self.segments)
+        return lay
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype,
                  device: torch.device) -> torch.Tensor:
@@ -156,16 +195,36 @@ class QuantizedAllGather(_Quantized, AllGather):
         if not output_tensor.dtype.is_floating_point:
             return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group,
                                                async_op=async_op)
-        out = output_tensor.view(world, n)
-        if out[rank].data_ptr() != input_tensor.data_ptr():
-            out[rank].copy_(input_tensor.reshape(-1))
+        itemsize = output_tensor.element_size()
+        if (output_tensor.is_contiguous() and input_tensor.is_contiguous()
+                and output_tensor.data_ptr() + rank * n * itemsize == input_tensor.data_ptr()):
+            pass  # FSDP2's case: the input already is this rank's slice of the output
+        else:
+            output_tensor.view(world, n)[rank].copy_(input_tensor.reshape(-1))
         if world == 1 or n == 0:
             return _Done() if async_op else None
-        lay = _row_layout(n, self.block, self.segments)
+        lay = self._layout(n)
+        comm = _communicator(group, async_op)
+        kernels = _numba(input_tensor) if input_tensor.dtype == output_tensor.dtype else None
+        x = _host(input_tensor, 1) if kernels is not None else None
+        out = _host(output_tensor, world) if x is not None else None
+        if out is not None:  # the CPU path: fused kernels on reused buffers
+            wire = wires.acquire(lay, 1, world)
+            (kernels.quantize_bf16 if x[1] else kernels.quantize)(
+                x[0], lay.edges, wire.send_scale, wire.send_q, -1)
+
+            def start(async_: bool):
+                if comm is not None:
+                    return comm.all_gather_into_tensor(wire.recv, wire.send)
+                return dist.all_gather_into_tensor(wire.recv, wire.send, group=group,
+                                                   async_op=async_)
+
+            def dequantize() -> None:
+                (kernels.dequantize_bf16 if out[1] else kernels.dequantize)(
+                    wire.recv_scale, wire.recv_q, lay.edges, out[0], rank)
+            return _move(start, dequantize, wire, async_op)
         row = quantize_rows(input_tensor.reshape(1, n), lay)
         gathered = torch.empty(world, lay.nbytes, dtype=torch.uint8, device=row.device)
-
-        comm = _communicator(group, async_op)
 
         def start(async_: bool):
             if comm is not None:
@@ -173,21 +232,40 @@ class QuantizedAllGather(_Quantized, AllGather):
             return dist.all_gather_into_tensor(gathered, row, group=group, async_op=async_)
 
         def dequantize() -> None:
-            dequantize_into(gathered, lay, out, skip=rank)
+            dequantize_into(gathered, lay, output_tensor.view(world, n), skip=rank)
         return _finish(start, dequantize, async_op)
 
 
 class QuantizedReduceScatter(_Quantized, ReduceScatter):
-    """FSDP2's gradient reduce-scatter with the chunk bound for each peer sent as int8 per block.
+    """FSDP2's gradient reduce-scatter with the chunk bound for each peer sent as int8 per block
+    (``bits=8``) or as signs with error feedback (``bits=1``).
 
-    An all-to-all moves the int8 chunks and scales; each rank sums, in fp32 and rank order, its
-    own chunk (exact) and the dequantized chunks of its peers, applies the op (SUM, AVG, or
-    FSDP2's PREMUL_SUM divide factor) and writes its shard in the reduce dtype.
+    ``bits=8``: an all-to-all moves the int8 chunks and scales; each rank sums, in fp32 and
+    rank order, its own chunk (exact) and the dequantized chunks of its peers, applies the op
+    (SUM, AVG, or FSDP2's PREMUL_SUM divide factor) and writes its shard in the reduce dtype.
+
+    ``bits=1``: the 1-bit engine's reduce-scatter phase (``compressed.fsdp.onebit``): one scale
+    per rank and call, the worker error kept by this object (``state_dict()``), so each
+    FSDPModule needs its own; at one rank the gradient passes exactly. Always blocking: with
+    ``async_op=True`` it returns a work already completed.
     """
 
     def __init__(self, bits: int = 8, block: int = DEFAULT_BLOCK,
                  segments: Sequence[int] | None = None) -> None:
-        super().__init__(bits, block, segments, "QuantizedReduceScatter", (8,))
+        super().__init__(bits, block, segments, "QuantizedReduceScatter", (8, 1))
+        self.onebit = OnebitState() if self.bits == 1 else None
+
+    def state_dict(self) -> dict:
+        """The 1-bit worker error (``OnebitState.state_dict``); empty for ``bits=8``."""
+        return self.onebit.state_dict() if self.onebit is not None else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take what ``state_dict`` gave (at the same rank count and shard size)."""
+        if self.onebit is not None:
+            self.onebit.load_state_dict(state)
+        elif state:
+            raise ValueError("QuantizedReduceScatter(bits=8) keeps no state; got "
+                             f"{sorted(state)}")
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op=dist.ReduceOp.SUM,
@@ -202,15 +280,41 @@ class QuantizedReduceScatter(_Quantized, ReduceScatter):
             raise ValueError("QuantizedReduceScatter: expected floating-point gradients, got "
                              f"{input_tensor.dtype}")
         factor = _op_factor(op, world)
-        chunks = input_tensor.reshape(world, m)
+        if self.onebit is not None:
+            self.onebit.shape_check(world, m)
         if world == 1 or m == 0:
-            _write(output_tensor, chunks[rank].float(), factor)
+            _write(output_tensor, input_tensor.reshape(world, m)[rank].float(), factor)
             return _Done() if async_op else None
-        lay = _row_layout(m, self.block, self.segments)
+        if self.onebit is not None:
+            kind = getattr(op, "op", op)
+            mult = 1.0 if kind == _RED.AVG else world * (1.0 if factor is None else factor)
+            self.onebit.reduce_scatter(output_tensor, input_tensor, group,
+                                       _communicator(group, False), mult)
+            return _Done() if async_op else None
+        lay = self._layout(m)
+        comm = _communicator(group, async_op)
+        kernels = _numba(input_tensor)
+        x = _host(input_tensor, world) if kernels is not None else None
+        out = _host(output_tensor, 1) if x is not None else None
+        if out is not None:  # the CPU path: fused kernels on reused buffers
+            wire = wires.acquire(lay, world, world)
+            # this rank's own chunk is never sent: its row stays as it is
+            (kernels.quantize_bf16 if x[1] else kernels.quantize)(
+                x[0], lay.edges, wire.send_scale, wire.send_q, rank)
+
+            def start(async_: bool):
+                if comm is not None:
+                    return comm.all_to_all_single(wire.recv, wire.send)
+                return dist.all_to_all_single(wire.recv, wire.send, group=group,
+                                              async_op=async_)
+
+            def reduce() -> None:
+                kernels.reduce_into(wire.recv_scale, wire.recv_q, lay.edges, x[0][rank], x[1],
+                                    rank, 1.0 if factor is None else factor, out[0][0], out[1])
+            return _move(start, reduce, wire, async_op)
+        chunks = input_tensor.reshape(world, m)
         send = quantize_rows(chunks, lay)
         recv = torch.empty_like(send)
-
-        comm = _communicator(group, async_op)
 
         def start(async_: bool):
             if comm is not None:

@@ -17,10 +17,11 @@ def _segments(module: FSDPModule) -> tuple[int, ...]:
 
 def quantize_comms(module: torch.nn.Module, weight_bits: int | None = 8,
                    grad_bits: int | None = 8, block: int = DEFAULT_BLOCK) -> list[str]:
-    """Install int8 weight all-gathers / gradient reduce-scatters on every FSDPModule under
-    ``module``; ``None`` leaves that side as FSDP2's own. Returns the modules' names."""
+    """Install int8 weight all-gathers and int8 (``grad_bits=8``) or 1-bit (``grad_bits=1``,
+    error feedback per module) gradient reduce-scatters on every FSDPModule under ``module``;
+    ``None`` leaves that side as FSDP2's own. Returns the modules' names."""
     weight_bits = check_bits(weight_bits, (None, 8), "quantize_comms weight_bits")
-    grad_bits = check_bits(grad_bits, (None, 8), "quantize_comms grad_bits")
+    grad_bits = check_bits(grad_bits, (None, 8, 1), "quantize_comms grad_bits")
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"quantize_comms: expected a torch.nn.Module, got {type(module).__name__}")
     found = [(name or "<root>", m) for name, m in module.named_modules()

@@ -113,15 +113,20 @@ def _blocks(x: torch.Tensor, lay: Layout) -> torch.Tensor:
     return x.view(rows, lay.nblocks, lay.block)
 
 
+_NUMBA: list = []  # [the numba kernel module, or None when numba does not import], once
+
+
 def _numba(t: torch.Tensor):
     """The numba kernels for a CPU tensor, or None (CUDA, no numba, or forced off)."""
-    if t.device.type != "cpu" or os.environ.get(ENV, "").strip().lower() == "numpy":
+    if not t.is_cpu or os.environ.get(ENV, "").strip().lower() == "numpy":
         return None
-    try:
-        from . import _numba_int8
-    except ImportError:
-        return None
-    return _numba_int8
+    if not _NUMBA:
+        try:
+            from . import _numba_int8 as kernels
+        except ImportError:
+            kernels = None
+        _NUMBA.append(kernels)
+    return _NUMBA[0]
 
 
 def _split(packed: torch.Tensor, lay: Layout):
@@ -141,9 +146,9 @@ def quantize_rows(x: torch.Tensor, lay: Layout, out: torch.Tensor | None = None)
     if nb is not None:
         scale, q = _split(out, lay)
         if x.dtype == torch.bfloat16 and x.is_contiguous():
-            nb.quantize_bf16(x.view(torch.uint16).numpy(), lay.edges, scale.numpy(), q.numpy())
+            nb.quantize_bf16(x.view(torch.uint16).numpy(), lay.edges, scale.numpy(), q.numpy(), -1)
         else:
-            nb.quantize(x.float().contiguous().numpy(), lay.edges, scale.numpy(), q.numpy())
+            nb.quantize(x.float().contiguous().numpy(), lay.edges, scale.numpy(), q.numpy(), -1)
         out[:, 4 * lay.nblocks + lay.n:].zero_()
         return out
     blocks = _blocks(x, lay)
@@ -197,8 +202,8 @@ def reduce_rows(packed: torch.Tensor, lay: Layout, own: torch.Tensor, rank: int,
     if nb is not None:
         total = torch.empty(lay.n, dtype=torch.float32)
         scale, q = _split(packed, lay)
-        nb.reduce_rows(scale.numpy(), q.numpy(), lay.edges, own.float().numpy(), rank,
-                       float(factor), total.numpy())
+        nb.reduce_into(scale.numpy(), q.numpy(), lay.edges, own.float().numpy(), False, rank,
+                       float(factor), total.numpy(), False)
         return total
     values = dequantize_rows(packed, lay)
     total = torch.zeros(lay.n, dtype=torch.float32, device=packed.device)

@@ -1,0 +1,105 @@
+"""The 1-bit gradient reduce-scatter of one FSDP parameter group: the 1-bit engine's
+reduce-scatter phase with error feedback, on FSDP2's (ranks x shard) rows.
+
+Each rank forms ``x = g + e`` over its whole padded gradient (rows of ``m`` padded to ``m8``, a
+multiple of 8 elements, zeros there), sends the signs of row ``j`` to rank ``j`` with one scale
+``s = sqrt(sum(x**2) / (ranks * m8))`` and keeps ``e = x - s * sign(x)`` (sign +1 at 0); rank
+``j`` gets ``mean_i(s_i * sign(x_i[j]))`` (``compressed.engine.reduce_scatter``), times the
+rank count for SUM (and FSDP2's PREMUL_SUM factor). The worker error ``e`` (fp32, ranks x m8
+elements) is this state's: one per FSDPModule.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..compressor import Compressor
+
+__all__ = ["OnebitState", "padded_row"]
+
+
+def padded_row(m: int) -> int:
+    """Row length on the wire: ``m`` rounded up to a multiple of 8 (signs pack 8 per byte)."""
+    return -(-m // 8) * 8
+
+
+class OnebitState:
+    """Worker error and compressor of one FSDP parameter group's 1-bit reduce-scatter."""
+
+    def __init__(self) -> None:
+        self.world: int | None = None
+        self.m: int | None = None
+        self.worker_error: torch.Tensor | None = None
+        self._compressor: Compressor | None = None
+        self._group_id: int | None = None
+        self._rows: torch.Tensor | None = None
+        self._out: torch.Tensor | None = None
+
+    def shape_check(self, world: int, m: int) -> None:
+        """Raise unless this state is unused or belongs to calls of ``world`` x ``m``."""
+        if self.m is not None and (self.world, self.m) != (world, m):
+            raise ValueError(
+                f"QuantizedReduceScatter(bits=1): its error feedback belongs to one FSDP "
+                f"parameter group ({self.world} ranks x {self.m} elements), now called with "
+                f"{world} x {m}; give every FSDPModule its own (quantize_comms does)")
+
+    def errors(self, world: int, m: int, device: torch.device) -> torch.Tensor:
+        """The worker error (fp32, world x padded_row(m)), zeros when new."""
+        self.shape_check(world, m)
+        if self.worker_error is None:
+            self.world, self.m = world, m
+            self.worker_error = torch.zeros(world * padded_row(m), dtype=torch.float32,
+                                            device=device)
+        elif self.worker_error.device != device:  # loaded on the host, used on the device
+            self.worker_error = self.worker_error.to(device)
+        return self.worker_error
+
+    def _comm(self, group: dist.ProcessGroup, direct) -> Compressor:
+        if self._compressor is None or self._group_id != id(group):
+            self._compressor = Compressor(direct if direct is not None else group,
+                                          hierarchical=False)
+            self._group_id = id(group)
+        return self._compressor
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup,
+                       direct: Any, mult: float) -> None:
+        """``output`` (m) = ``mult`` x the 1-bit mean of every rank's row ``rank`` of ``input``
+        (world x m), error feedback updated. ``direct``: the mpicomm Communicator or None."""
+        world, m = group.size(), output.numel()
+        e = self.errors(world, m, input.device)
+        m8 = padded_row(m)
+        rows = input.reshape(world, m)
+        if m8 == m and input.is_contiguous():
+            flat = input.reshape(-1)
+        else:
+            if self._rows is None:
+                self._rows = torch.zeros(world, m8, dtype=torch.float32, device=input.device)
+            self._rows[:, :m].copy_(rows)
+            flat = self._rows.view(-1)
+        if self._out is None:
+            self._out = torch.empty(m8, dtype=torch.float32, device=input.device)
+        self._comm(group, direct).compressed_reduce_scatter(flat, self._out, e)
+        mean = self._out[:m]
+        output.view(-1).copy_(mean if mult == 1.0 else mean * mult)
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"world_size", "numel", "worker_error"}`` (None before the first call)."""
+        return {"world_size": self.world, "numel": self.m, "worker_error": self.worker_error}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take a worker error saved for ``world_size`` ranks x ``numel`` (checked at the next
+        call against the group it runs on)."""
+        world, m, e = state["world_size"], state["numel"], state["worker_error"]
+        if e is None:
+            self.world = self.m = self.worker_error = None
+            return
+        world, m = int(world), int(m)
+        if e.numel() != world * padded_row(m):
+            raise ValueError(f"QuantizedReduceScatter(bits=1): a worker error of {e.numel()} "
+                             f"elements cannot belong to {world} ranks x {m} elements; expected "
+                             f"{world * padded_row(m)}")
+        device = self.worker_error.device if self.worker_error is not None else e.device
+        self.world, self.m = world, m
+        self.worker_error = e.detach().to(device, torch.float32).reshape(-1).clone()

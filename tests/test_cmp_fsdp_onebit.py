@@ -1,0 +1,205 @@
+"""compressed.fsdp's 1-bit gradient reduce-scatter (bits=1, error feedback) against a float64
+simulation of the 1-bit engine's reduce-scatter phase over several steps: uneven shards (rows
+not a multiple of 8), bf16 and fp32, SUM/AVG/PREMUL_SUM, on mpicomm and gloo groups; FSDP2's
+gradients with quantize_comms(grad_bits=1); the error state through ckpt."""
+from __future__ import annotations
+
+import datetime
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+import mpicomm  # noqa: F401 - registers the backend
+from compressed.fsdp import QuantizedReduceScatter, quantize_comms
+from mpitest import assert_all, assert_close_all
+
+pytestmark = pytest.mark.mpi(min_size=1)
+
+
+@pytest.fixture(scope="module")
+def groups(world):
+    dist.init_process_group("mpicomm", timeout=datetime.timedelta(seconds=120))
+    gloo = dist.new_group(backend="gloo")
+    yield {"mpicomm": dist.group.WORLD, "gloo": gloo}
+    dist.destroy_process_group()
+
+
+def simulate_step(rows: list[np.ndarray], errors: list[np.ndarray]) -> list[np.ndarray]:
+    """One 1-bit reduce-scatter in float64: ``rows[i]`` (world, m) is rank i's input, ``errors[i]``
+    (world * m8) its worker error, updated; returns each rank's mean estimate of its row."""
+    world, m = rows[0].shape
+    m8 = -(-m // 8) * 8
+    signs, scales = [], []
+    for i in range(world):
+        g = np.zeros((world, m8))
+        g[:, :m] = rows[i]
+        x = g.reshape(-1) + errors[i]
+        s = float(np.float32(np.sqrt(np.sum(x * x) / x.size)))
+        sign = np.where(x >= 0, 1.0, -1.0)
+        errors[i] = x - s * sign
+        signs.append(sign.reshape(world, m8)[:, :m])
+        scales.append(s)
+    return [sum(scales[i] * signs[i][j] for i in range(world)) / world for j in range(world)]
+
+
+def _input(step: int, rank: int, world: int, m: int, dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    scale = torch.logspace(-2, 1, m)  # magnitudes that differ along the row
+    return (torch.randn(world, m, generator=g) * scale).to(dtype)
+
+
+@pytest.mark.parametrize("backend,dtype,opname,m", [
+    ("mpicomm", torch.float32, "avg", 13), ("mpicomm", torch.bfloat16, "sum", 16),
+    ("gloo", torch.float32, "premul", 21), ("gloo", torch.bfloat16, "avg", 5)])
+def test_onebit_reduce_scatter_matches_simulation(groups, world, backend, dtype, opname, m):
+    group, rank, size = groups[backend], world.rank, world.size
+    comm = QuantizedReduceScatter(bits=1)
+    op, mult = {"sum": (dist.ReduceOp.SUM, size), "avg": (dist.ReduceOp.AVG, 1.0),
+                "premul": (dist.ReduceOp.PREMUL_SUM(0.25), 0.25 * size)}[opname]
+    m8 = -(-m // 8) * 8
+    errors = [np.zeros(size * m8) for _ in range(size)]
+    for step in range(3):
+        inputs = [_input(step, r, size, m, dtype) for r in range(size)]
+        out = torch.empty(m, dtype=dtype)
+        work = comm(out, inputs[rank].reshape(-1).clone(), group, op,
+                    async_op=opname == "avg")
+        if work is not None:
+            work.wait()
+            assert_all(work.is_completed(), "work not completed after wait()")
+        if size == 1:  # nothing travels: the gradient passes exactly
+            expected = (inputs[0][0].double() * mult).to(dtype).double().numpy()
+            assert_all(bool(np.array_equal(out.double().numpy(), expected)), "not exact at 1 rank")
+            continue
+        means = simulate_step([t.double().numpy() for t in inputs], errors)
+        expected = torch.from_numpy(means[rank] * mult).to(dtype).double().numpy()
+        rtol = 2 ** -7 if dtype == torch.bfloat16 else 1e-5
+        assert_close_all(out.double(), expected, rtol=rtol, atol=1e-6 * float(np.abs(expected).max()),
+                         what=f"step {step} output ({backend} {dtype} {opname})")
+        got_e = comm.state_dict()["worker_error"].double().numpy()
+        assert_close_all(got_e, errors[rank], rtol=1e-4, atol=1e-5 * float(np.abs(errors[rank]).max()),
+                         what=f"step {step} worker error")
+
+
+# ---------------------------------------------------------------------------------------------
+# on FSDP2, and the error state through ckpt
+
+def _fsdp_model(mesh, seed=0, weight_bits=8):
+    from test_cmp_fsdp import _model, _shard_all
+    model = _shard_all(_model(seed), mesh)
+    quantize_comms(model, weight_bits=weight_bits, grad_bits=1)
+    return model
+
+
+def _backward(model, rank: int, steps: int) -> None:
+    x = torch.randn(4, 12, generator=torch.Generator().manual_seed(7 + rank))
+    for _ in range(steps):
+        model.zero_grad()
+        torch.nn.functional.mse_loss(model(x).float(), torch.zeros(4, 5)).backward()
+
+
+def test_fsdp_gradients_match_simulation(groups, world):
+    """FSDP2's sharded gradients after each of 3 backward passes (same weights, same local
+    gradients: the error feedback alone changes the result) against the simulation."""
+    from test_cmp_fsdp import _local_grads, _rows, _unrow
+    rank, size = world.rank, world.size
+    mesh = init_device_mesh("cpu", (size,))
+    model = _fsdp_model(mesh, weight_bits=None)  # exact weights: the plain model's gradients
+    x = torch.randn(4, 12, generator=torch.Generator().manual_seed(7 + rank))
+    everyone = world.allgather([[g.numpy() for g in layer] for layer in _local_grads(x)])
+    errors = {}
+    for step in range(3):
+        model.zero_grad()
+        torch.nn.functional.mse_loss(model(x), torch.zeros(4, 5)).backward()
+        for li, idx in enumerate((0, 2)):
+            full = [torch.from_numpy(t) for t in everyone[0][li]]
+            rows = [np.stack(_rows([torch.from_numpy(t) for t in everyone[r][li]], size)[0])
+                    for r in range(size)]
+            if size == 1:
+                mean = rows[0][0]
+            else:
+                e = errors.setdefault(idx, [np.zeros(size * (-(-rows[0].shape[1] // 8) * 8))
+                                            for _ in range(size)])
+                mean = simulate_step(rows, e)[rank]
+            expected = _unrow(mean, full, size, rank)
+            got = [p.grad._local_tensor.detach().double().numpy()
+                   for p in model[idx].parameters()]
+            for g, want in zip(got, expected):
+                assert_close_all(g, want, rtol=1e-5, atol=1e-6 * max(1.0, float(np.abs(want).max(
+                    initial=0))), what=f"step {step} layer {idx} gradient")
+
+
+def test_error_state_through_ckpt(groups, world, comm, shared_tmp_path):
+    """ckpt.save / ckpt.load of GradientErrors: bit-identical at the same size; at one rank (a
+    sub-communicator of each rank alone) the new error is the mean of the saved ones, per
+    parameter position; the checkpoint holds fp32 masters and errors only."""
+    from mpi4py import MPI
+
+    import ckpt
+    from compressed.fsdp import GradientErrors
+    from compressed.fsdp.error_state import unpack
+    rank, size = world.rank, world.size
+    mesh = init_device_mesh("cpu", (size,))
+    model = _fsdp_model(mesh)
+    _backward(model, rank, 2)
+    state = GradientErrors(model)
+    assert_all(sorted(state.targets) == ["0", "2"], str(sorted(state.targets)))
+    mine = state.per_rank_state_dict()["modules"]
+    assert_all(all(float(v["worker_error"].abs().max()) > 0 for v in mine.values()) or size == 1,
+               "no error feedback after two steps")
+    ckpt.save(shared_tmp_path / "e", model=model, comm=comm, state={"grad_errors": state})
+    fresh = _fsdp_model(mesh, seed=3)
+    ckpt.load(shared_tmp_path / "e", model=fresh, comm=comm,
+              state={"grad_errors": GradientErrors(fresh)})
+    again = GradientErrors(fresh).per_rank_state_dict()["modules"]
+    assert_all(all(torch.equal(again[k]["worker_error"], mine[k]["worker_error"]) for k in mine),
+               "errors not bit-identical after a same-size load")
+    # N -> 1: every rank alone loads the checkpoint saved by all
+    saved = world.allgather({k: (v["shapes"], v["worker_error"].numpy()) for k, v in mine.items()})
+    alone = None
+    for r in range(size):  # new_group is collective: every rank creates every 1-rank group
+        g = dist.new_group([r])
+        if r == rank:
+            alone = g
+    from torch.distributed.device_mesh import DeviceMesh
+    solo = _fsdp_model(DeviceMesh.from_group(alone, "cpu"), seed=4)
+    ckpt.load(shared_tmp_path / "e", model=solo, comm=MPI.COMM_SELF,
+              state={"grad_errors": GradientErrors(solo)})
+    got = GradientErrors(solo).per_rank_state_dict()["modules"]
+    for k in mine:
+        shapes = saved[0][k][0]
+        owed = [sum(parts) / size for parts in zip(*[
+            unpack(torch.from_numpy(s[k][1]), shapes, size) for s in saved])]
+        have = unpack(got[k]["worker_error"], shapes, 1)
+        assert_close_all(torch.cat([h.reshape(-1) for h in have]).numpy(),
+                         torch.cat([o.reshape(-1) for o in owed]).numpy(), rtol=1e-6, atol=1e-7,
+                         what=f"module {k} error at 1 rank")
+
+
+def test_error_layout_pack_unpack(world):
+    """``pack`` / ``unpack`` (pure): FSDP2's dim-0 chunks with padding at 1-4 ranks, and the
+    N -> M rule keeps the mean owed per parameter position (2 saved ranks -> 3)."""
+    from compressed.fsdp.error_state import pack, unpack
+    g = torch.Generator().manual_seed(3)
+    shapes = [[7, 3], [5], [1, 4]]
+    params = [torch.randn(*s, generator=g, dtype=torch.float64) for s in shapes]
+    for w in (1, 2, 3, 4):
+        packed = pack(params, w)
+        m = sum(-(-s[0] // w) * int(np.prod(s[1:], dtype=np.int64)) for s in shapes)
+        assert packed.numel() == w * (-(-m // 8) * 8) and packed.dtype == torch.float32
+        rows = packed.view(w, -1)
+        # row j starts with dim-0 chunk j of the first parameter (7 rows of 3, chunk ceil(7/w))
+        c = -(-7 // w)
+        want = torch.zeros(c * w, 3, dtype=torch.float64)
+        want[:7] = params[0]
+        assert torch.equal(rows[:, :c * 3], want.reshape(w, c * 3).float())
+        back = unpack(packed, shapes, w)
+        assert all(torch.equal(b, p.float().double()) for b, p in zip(back, params))
+    saved = [pack([p * (i + 1) for p in params], 2) for i in range(2)]
+    owed = [sum(parts) / 2 for parts in zip(*[unpack(s, shapes, 2) for s in saved])]
+    three = pack(owed, 3)
+    assert all(torch.allclose(a, b.float().double()) for a, b in zip(unpack(three, shapes, 3), owed))
+    with pytest.raises(ValueError, match="expected .* for parameters"):
+        unpack(three, shapes, 4)
