@@ -162,19 +162,32 @@ class TorchState:
         if self.checkpoint_dir is not None and self._count % self.checkpoint_every == 0:
             from . import disk
 
+            self.wait_checkpoint()      # (ckpt.save would wait for it too) and the leftovers go
             object.__setattr__(self, "_saving", disk.save(self, self._count))
 
     def wait_checkpoint(self) -> None:
-        """Wait for the checkpoint save in flight, if any (raises its failure on every rank)."""
+        """Wait for the checkpoint save in flight, if any (raises its failure on every rank); once
+        it succeeded, rank 0 removes what saves cut short left in ``checkpoint_dir``."""
         handle, self._saving = self._saving, None
         if handle is not None:
             handle.wait()
+            self._sweep()
+
+    def _sweep(self) -> None:
+        """Rank 0 removes the working directories of saves cut short (none is in flight now)."""
+        from . import disk
+
+        if self.checkpoint_dir is not None and self.rank == 0:
+            disk.sweep(self.checkpoint_dir)
 
     def _resume(self) -> None:
         """Load the newest checkpoint of ``checkpoint_dir`` at the current world size, if it holds one."""
         from . import disk
 
-        if self.checkpoint_dir is None or not disk.newest_exists(self, self._comm):
+        if self.checkpoint_dir is None:
+            return
+        self._sweep()       # no save of this run is in flight at a resume
+        if not disk.newest_exists(self, self._comm):
             return
         info = disk.load(self)
         object.__setattr__(self, "_count", info["commits"])
