@@ -226,8 +226,9 @@ class TorchState:
         return {k: v for k, v in sd.items() if id(v) not in held}
 
     def _send_shards(self, c: Commit, old: Commit) -> list[Any]:
-        """Copy this rank's shard pieces into ``c`` and start exchanging them with the buddies;
-        return the transfers to wait for."""
+        """Start exchanging this rank's shard pieces with the buddies (sent from the live
+        tensors, which a commit does not change) and copy them into ``c`` while they travel;
+        return the transfers to wait for. Buffers of ``old`` are reused (no allocation)."""
         opt = self.optimizer
         pieces = []
         for gi, g in enumerate(opt.groups):
@@ -237,18 +238,17 @@ class TorchState:
             c.other.append(values.save(other)[1])
             pieces.append(g.master)
             pieces.extend(elementwise[k] for k in names)
-        c.own = values.tree_copy(pieces, old.own)
+        pieces = [t.detach() for t in pieces]
+        c.own = _buffers_like(pieces, old.own)
         comm, world = opt.comm, int(opt.comm.size)
-        if world == 1:
-            return []
-        olds = old.ward if len(old.ward) == len(c.own) else [None] * len(c.own)
-        c.ward = [o if o is not None and o.shape == t.shape and o.dtype == t.dtype else torch.empty_like(t)
-                  for t, o in zip(c.own, olds)]
-        me = int(comm.rank)
         works = []
-        for i, (mine, theirs) in enumerate(zip(c.own, c.ward)):
-            works.append(comm.irecv(theirs, replicas.ward(me, world), tag=_TAG + i))
-            works.append(comm.isend(mine, replicas.buddy(me, world), tag=_TAG + i))
+        if world > 1:
+            c.ward = _buffers_like(pieces, old.ward)
+            me = int(comm.rank)
+            for i, (mine, theirs) in enumerate(zip(pieces, c.ward)):
+                works.append(comm.irecv(theirs, replicas.ward(me, world), tag=_TAG + i))
+                works.append(comm.isend(mine, replicas.buddy(me, world), tag=_TAG + i))
+        _copy_polling(c.own, pieces, works)
         return works
 
     # -- rollback (run by elastic.run on every survivor) ----------------------------------------
@@ -327,3 +327,27 @@ class TorchState:
                 i += 1
             full.append((master, elementwise, values.restore(None, ("value", c.other[gi]))))
         opt.rebind(new_comm, full)
+
+
+#: Elements copied between two tests of the exchange in flight (each test moves it along).
+COPY_CHUNK = 1 << 20
+
+
+def _buffers_like(tensors: list[torch.Tensor], reuse: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Buffers shaped as ``tensors``: those of ``reuse`` where they match, else fresh ones."""
+    olds = reuse if len(reuse) == len(tensors) else [None] * len(tensors)
+    return [o if o is not None and o.shape == t.shape and o.dtype == t.dtype and o.device == t.device
+            and o.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format)
+            for t, o in zip(tensors, olds)]
+
+
+def _copy_polling(dst: list[torch.Tensor], src: list[torch.Tensor], works: list[Any]) -> None:
+    """Copy ``src`` into ``dst`` in chunks, testing the transfers ``works`` between chunks so that
+    MPI moves them on while the copy runs (no progress thread needed)."""
+    pending = list(works)
+    for d, t in zip(dst, src):
+        d, t = d.view(-1), t.reshape(-1)
+        for lo in range(0, t.numel(), COPY_CHUNK):
+            d[lo:lo + COPY_CHUNK].copy_(t[lo:lo + COPY_CHUNK])
+            while pending and pending[0].is_completed():
+                pending.pop(0)
