@@ -168,9 +168,10 @@ class TorchState:
     def wait_checkpoint(self) -> None:
         """Wait for the checkpoint save in flight, if any (raises its failure on every rank); once
         it succeeded, rank 0 removes what saves cut short left in ``checkpoint_dir``."""
-        handle, self._saving = self._saving, None
+        handle = self._saving
         if handle is not None:
-            handle.wait()
+            handle.wait()           # a failure leaves it in _saving, for the recovery to settle
+            object.__setattr__(self, "_saving", None)
             self._sweep()
 
     def _sweep(self) -> None:
