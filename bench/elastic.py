@@ -121,6 +121,7 @@ def part_failure(args, comm, stamp: str) -> dict:
     total = time.perf_counter() - t0
     with open(stamp) as f:
         death = float(f.read())
+    state.comm.barrier()        # every survivor has read it before rank 0 removes its folder
     r = state.recoveries[0]
     return {"ranks": f"{comm.size}->{state.world_size}", "detect_s": r["started_at"] - death,
             "recover_s": marks["first_commit"] - death, "in_recovery_s": r["recover_s"],

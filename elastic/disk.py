@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import os
 import random
+import re
+import shutil
 from typing import Any
 
 import torch
@@ -54,6 +56,9 @@ def _items(state: Any) -> dict[str, Any]:
     return {f"attr.{name}": _item(getattr(state, name)) for name in state._names}
 
 
+_WORKDIR = re.compile(r"\.step[0-9]+\.tmp-[0-9a-f]+")   # ckpt's working directory of a save into step<N>
+
+
 def path_for(directory: str, count: int) -> str:
     """Where the checkpoint taken after commit number ``count`` goes."""
     return os.path.join(directory, f"step{count}")
@@ -69,6 +74,23 @@ def save(state: Any, count: int) -> Any:
     return ckpt.save(path_for(state.checkpoint_dir, count), model=state.model, optimizer=state.optimizer,
                      comm=_comm(state), step=count, extra={_COUNT: count}, state=_items(state),
                      overwrite=True, async_save=True)
+
+
+def sweep(directory: str) -> list[str]:
+    """Remove the working directories ``.step<N>.tmp-*`` that saves cut short left in
+    ``directory``; returns their names. Published ``step<N>`` and ``latest`` are never touched.
+    Call it (on one rank) only when no save into ``directory`` is in flight."""
+    try:
+        names = sorted(os.listdir(directory))
+    except FileNotFoundError:
+        return []
+    gone = []
+    for name in names:
+        path = os.path.join(directory, name)
+        if _WORKDIR.fullmatch(name) and os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+            gone.append(name)
+    return gone
 
 
 def _comm(state: Any) -> Any:

@@ -162,19 +162,33 @@ class TorchState:
         if self.checkpoint_dir is not None and self._count % self.checkpoint_every == 0:
             from . import disk
 
+            self.wait_checkpoint()      # (ckpt.save would wait for it too) and the leftovers go
             object.__setattr__(self, "_saving", disk.save(self, self._count))
 
     def wait_checkpoint(self) -> None:
-        """Wait for the checkpoint save in flight, if any (raises its failure on every rank)."""
-        handle, self._saving = self._saving, None
+        """Wait for the checkpoint save in flight, if any (raises its failure on every rank); once
+        it succeeded, rank 0 removes what saves cut short left in ``checkpoint_dir``."""
+        handle = self._saving
         if handle is not None:
-            handle.wait()
+            handle.wait()           # a failure leaves it in _saving, for the recovery to settle
+            object.__setattr__(self, "_saving", None)
+            self._sweep()
+
+    def _sweep(self) -> None:
+        """Rank 0 removes the working directories of saves cut short (none is in flight now)."""
+        from . import disk
+
+        if self.checkpoint_dir is not None and self.rank == 0:
+            disk.sweep(self.checkpoint_dir)
 
     def _resume(self) -> None:
         """Load the newest checkpoint of ``checkpoint_dir`` at the current world size, if it holds one."""
         from . import disk
 
-        if self.checkpoint_dir is None or not disk.newest_exists(self, self._comm):
+        if self.checkpoint_dir is None:
+            return
+        self._sweep()       # no save of this run is in flight at a resume
+        if not disk.newest_exists(self, self._comm):
             return
         info = disk.load(self)
         object.__setattr__(self, "_count", info["commits"])
@@ -213,8 +227,9 @@ class TorchState:
         return {k: v for k, v in sd.items() if id(v) not in held}
 
     def _send_shards(self, c: Commit, old: Commit) -> list[Any]:
-        """Copy this rank's shard pieces into ``c`` and start exchanging them with the buddies;
-        return the transfers to wait for."""
+        """Start exchanging this rank's shard pieces with the buddies (sent from the live
+        tensors, which a commit does not change) and copy them into ``c`` while they travel;
+        return the transfers to wait for. Buffers of ``old`` are reused (no allocation)."""
         opt = self.optimizer
         pieces = []
         for gi, g in enumerate(opt.groups):
@@ -224,18 +239,17 @@ class TorchState:
             c.other.append(values.save(other)[1])
             pieces.append(g.master)
             pieces.extend(elementwise[k] for k in names)
-        c.own = values.tree_copy(pieces, old.own)
+        pieces = [t.detach() for t in pieces]
+        c.own = _buffers_like(pieces, old.own)
         comm, world = opt.comm, int(opt.comm.size)
-        if world == 1:
-            return []
-        olds = old.ward if len(old.ward) == len(c.own) else [None] * len(c.own)
-        c.ward = [o if o is not None and o.shape == t.shape and o.dtype == t.dtype else torch.empty_like(t)
-                  for t, o in zip(c.own, olds)]
-        me = int(comm.rank)
         works = []
-        for i, (mine, theirs) in enumerate(zip(c.own, c.ward)):
-            works.append(comm.irecv(theirs, replicas.ward(me, world), tag=_TAG + i))
-            works.append(comm.isend(mine, replicas.buddy(me, world), tag=_TAG + i))
+        if world > 1:
+            c.ward = _buffers_like(pieces, old.ward)
+            me = int(comm.rank)
+            for i, (mine, theirs) in enumerate(zip(pieces, c.ward)):
+                works.append(comm.irecv(theirs, replicas.ward(me, world), tag=_TAG + i))
+                works.append(comm.isend(mine, replicas.buddy(me, world), tag=_TAG + i))
+        _copy_polling(c.own, pieces, works)
         return works
 
     # -- rollback (run by elastic.run on every survivor) ----------------------------------------
@@ -314,3 +328,27 @@ class TorchState:
                 i += 1
             full.append((master, elementwise, values.restore(None, ("value", c.other[gi]))))
         opt.rebind(new_comm, full)
+
+
+#: Elements copied between two tests of the exchange in flight (each test moves it along).
+COPY_CHUNK = 1 << 20
+
+
+def _buffers_like(tensors: list[torch.Tensor], reuse: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Buffers shaped as ``tensors``: those of ``reuse`` where they match, else fresh ones."""
+    olds = reuse if len(reuse) == len(tensors) else [None] * len(tensors)
+    return [o if o is not None and o.shape == t.shape and o.dtype == t.dtype and o.device == t.device
+            and o.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format)
+            for t, o in zip(tensors, olds)]
+
+
+def _copy_polling(dst: list[torch.Tensor], src: list[torch.Tensor], works: list[Any]) -> None:
+    """Copy ``src`` into ``dst`` in chunks, testing the transfers ``works`` between chunks so that
+    MPI moves them on while the copy runs (no progress thread needed)."""
+    pending = list(works)
+    for d, t in zip(dst, src):
+        d, t = d.view(-1), t.reshape(-1)
+        for lo in range(0, t.numel(), COPY_CHUNK):
+            d[lo:lo + COPY_CHUNK].copy_(t[lo:lo + COPY_CHUNK])
+            while pending and pending[0].is_completed():
+                pending.pop(0)

@@ -43,9 +43,10 @@ def test_checkpoint_arguments_are_checked():
         elastic.TorchState(model=model, checkpoint_dir="/tmp/x", checkpoint_every=2).checkpoint_every = 3
 
 
-def _disk_run(ckdir: str, steps: int, stop: int | None = None):
+def _disk_run(ckdir: str, steps: int, stop: int | None = None, after_commit=None):
     """Train on one rank with a checkpoint every 3 commits; ``stop``: leave after that step
-    without waiting for the save in flight (as a killed job would)."""
+    without waiting for the save in flight (as a killed job would); ``after_commit(state)``:
+    called after every commit."""
     comm = mpicomm.Communicator(MPI.COMM_SELF)
     model = make_model()
     opt = torch.optim.Adam(model.parameters(), lr=LR)
@@ -70,6 +71,8 @@ def _disk_run(ckdir: str, steps: int, stop: int | None = None):
             state.log = state.log + [state.step]
             state.step += 1
             state.commit()
+            if after_commit is not None:
+                after_commit(state)
             if state.step == stop:
                 raise Stop
 
@@ -95,6 +98,55 @@ def test_checkpoint_dir_resumes_from_the_newest_checkpoint(tmp_path):
     assert second == first[6:7] + [second[-1]]        # the generators continue from their saved state
     for p, ref in zip(model.parameters(), reference(8)):
         torch.testing.assert_close(p.detach(), ref, rtol=1e-5, atol=1e-6)
+
+
+def _tree(path: str) -> dict[str, bytes]:
+    os = __import__("os")
+    out = {}
+    for root, _, files in os.walk(path):
+        for f in files:
+            with open(os.path.join(root, f), "rb") as fh:
+                out[os.path.relpath(os.path.join(root, f), path)] = fh.read()
+    return out
+
+
+def test_leftovers_of_cut_short_saves_are_removed(tmp_path):
+    if WORLD.Get_size() > 1:
+        pytest.skip("one rank writes into its own directory")
+    os = __import__("os")
+    ckdir = str(tmp_path / "ck")
+    _disk_run(ckdir, 8, stop=7)
+    __import__("ckpt").wait_pending()
+    published = _tree(ckdir)                      # step3, step6, latest
+    stale = [".step9.tmp-0123456789ab", ".step6.tmp-fedcba987654"]   # cut short: a new step, a re-save
+    for name in stale:
+        os.makedirs(os.path.join(ckdir, name, "sub"))
+        with open(os.path.join(ckdir, name, "INCOMPLETE"), "w") as f:
+            f.write("{}\n")
+    kept = [".step9.tmp-notes.txt", "step12.tmp-0123456789ab", "mine"]   # not a save's working dir
+    for name in kept:
+        os.makedirs(os.path.join(ckdir, name))
+    state, _, _ = _disk_run(ckdir, 8)             # the resume removes them (no save is in flight)
+    assert state.resumed["commits"] == 6
+    names = sorted(os.listdir(ckdir))
+    assert not set(stale) & set(names), names
+    assert set(kept) <= set(names), names
+    now = _tree(ckdir)
+    assert {k: now[k] for k in published} == published          # every published file, byte for byte
+    # a save that succeeds removes what one cut short left meanwhile (here: made after commit 7)
+    seen = []
+
+    def plant(state):
+        if state.commits == 7:
+            os.makedirs(os.path.join(ckdir, stale[0]))
+        seen.append((state.commits, os.path.isdir(os.path.join(ckdir, stale[0]))))
+
+    state, _, _ = _disk_run(ckdir, 9, after_commit=plant)   # resumes from step6, saves step9, waits
+    assert seen == [(7, True), (8, True), (9, True)], seen   # still there while step9's save runs
+    names = sorted(os.listdir(ckdir))
+    assert "step9" in names and stale[0] not in names, names
+    with open(os.path.join(ckdir, "latest")) as f:
+        assert f.read().strip() == "step9"
 
 
 def test_run_checks_its_arguments():
