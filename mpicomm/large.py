@@ -14,7 +14,7 @@ from typing import Callable, Iterator
 import mpi4py
 from mpi4py import MPI
 
-from .requests import Requests
+from .requests import Requests, kept_on_failure
 
 _INT_MAX = 2 ** 31 - 1
 _fromaddress = MPI.buffer.fromaddress
@@ -59,7 +59,11 @@ def in_pieces(blocking: Callable, nonblocking: Callable, count: int,
             blocking(*args(start, n))
 
     def run_nonblocking() -> Requests:
-        return Requests.together([nonblocking(*args(start, n)) for start, n in _ranges(count)])
+        posted: list = []
+        with kept_on_failure(posted):
+            for start, n in _ranges(count):
+                posted.append(nonblocking(*args(start, n)))
+        return Requests.together(posted)
 
     return run_blocking, run_nonblocking
 
@@ -79,7 +83,11 @@ def reduce_scatter_pieces(comm: MPI.Intracomm, send: list, recv: list, per_rank:
             comm.Reduce(*args(*block))
 
     def run_nonblocking() -> Requests:
-        return Requests.together([comm.Ireduce(*args(*block)) for block in blocks])
+        posted: list = []
+        with kept_on_failure(posted):
+            for block in blocks:
+                posted.append(comm.Ireduce(*args(*block)))
+        return Requests.together(posted)
 
     return run_blocking, run_nonblocking
 

@@ -39,7 +39,7 @@ from mpi4py import MPI
 from . import kernels16, large
 from .device_paths import DevicePolicy
 from .ops import ReduceOp
-from .requests import Requests
+from .requests import Requests, kept_on_failure
 
 #: The dtypes reduced here.
 DTYPES = (torch.bfloat16, torch.float16)
@@ -313,36 +313,40 @@ def _segments(mem, comm, tag, src, blocks, res, dtype, plan, gather, dest, seg, 
         slot = slots[k % width]
         _, m = part(me, k)
         if m:
-            recv1[k] = [comm.Irecv(buf(slot[r, :m]), r, tag) for r in peers]
+            for r in peers:  # appended one by one: each is in recv1 as soon as it is posted
+                recv1[k].append(comm.Irecv(buf(slot[r, :m]), r, tag))
         for j in peers:
             a, mj = part(j, k)
             if mj:
                 send1[k].append(comm.Isend(buf(src[a:a + mj]), j, tag))
 
-    for k in range(width):
-        post(k)
-    for k in range(k_all):
-        if recv1[k]:
-            yield recv1[k]
-        a, m = part(me, k)
-        out = res[k * seg:k * seg + m]
-        if m:
-            mem.combine(slots[k % width, :, :m], src[a:a + m], me, out, dtype, plan)
-        if k + width < k_all:
-            post(k + width)
-        if gather is None:
-            continue
-        if dest is not None:  # results of the other owners land where this rank's sends read
-            if send1[k]:
-                yield send1[k]
-                send1[k] = []
-            for j in peers:
-                aj, mj = part(j, k)
-                if mj:
-                    phase2.append(comm.Irecv(buf(dest[aj:aj + mj]), j, tag2))
-        if m:
-            for j in (peers if gather == "all" else [gather] if gather != me else []):
-                phase2.append(comm.Isend(buf(out), j, tag2))
-    rest = phase2 + [r for reqs in send1 for r in reqs]
-    if rest:
-        yield rest
+    # an MPI error (a peer died, the communicator was revoked) or a close leaves this frame with
+    # requests still pending over slots and the caller's tensors
+    with kept_on_failure(recv1, send1, phase2, slots):
+        for k in range(width):
+            post(k)
+        for k in range(k_all):
+            if recv1[k]:
+                yield recv1[k]
+            a, m = part(me, k)
+            out = res[k * seg:k * seg + m]
+            if m:
+                mem.combine(slots[k % width, :, :m], src[a:a + m], me, out, dtype, plan)
+            if k + width < k_all:
+                post(k + width)
+            if gather is None:
+                continue
+            if dest is not None:  # results of the other owners land where this rank's sends read
+                if send1[k]:
+                    yield send1[k]
+                    send1[k] = []
+                for j in peers:
+                    aj, mj = part(j, k)
+                    if mj:
+                        phase2.append(comm.Irecv(buf(dest[aj:aj + mj]), j, tag2))
+            if m:
+                for j in (peers if gather == "all" else [gather] if gather != me else []):
+                    phase2.append(comm.Isend(buf(out), j, tag2))
+        rest = phase2 + [r for reqs in send1 for r in reqs]
+        if rest:
+            yield rest

@@ -6,6 +6,7 @@ A call that is more than one MPI request (``large``: one per piece of a count be
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Iterable, Iterator, Sequence
 
 from mpi4py import MPI
@@ -13,6 +14,21 @@ from mpi4py import MPI
 #: What calls that failed midway left behind (their phases, requests and buffers): MPI may still
 #: read or write that memory, so it is never freed (one entry per failed call).
 ABANDONED: list = []
+
+
+@contextlib.contextmanager
+def kept_on_failure(*posted, _abandoned: list = ABANDONED) -> Iterator[None]:
+    """Keep ``posted`` (the lists a call puts its requests in) for the life of the process if
+    the block raises: a pending request whose Python object is collected is freed
+    (``MPI_Request_free``), and Open MPI ends the job when such a freed receive later fails
+    ("Recv error after request freed"), as it does when a peer dies or the communicator is revoked.
+    A generator's frame is collected when an exception leaves it or when it is closed (also as
+    the interpreter exits, after the module's globals are gone: hence the bound list)."""
+    try:
+        yield
+    except BaseException:
+        _abandoned.append(posted)
+        raise
 
 
 class Requests:

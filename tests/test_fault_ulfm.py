@@ -80,6 +80,18 @@ def test_a_rank_that_dies_inside_a_call_fails_it_on_every_survivor(tmp_path, cas
     _run_case(tmp_path, case, victim)
 
 
+#: docs/failures.md's workaround for Open MPI's rendezvous crash: messages up to 8 MiB go eagerly
+EAGER_8M = {"OMPI_MCA_btl_tcp_eager_limit": str(8 << 20), "OMPI_MCA_btl_tcp_max_send_size": str(8 << 20)}
+
+
+def test_a_rank_that_dies_inside_a_pipelined_16_bit_call_fails_it_on_every_survivor(tmp_path):
+    """12 MiB in reduce16's pipelined segments (4 MiB messages), with the eager limit raised
+    above the message size (without it Open MPI itself crashed a survivor in about 1 run of 5:
+    scripts/ulfm_rendezvous_bug.py)."""
+    _run_case(tmp_path, "half_pipelined", victim=1, MPICOMM_REDUCE16_SEGMENT=str(4 << 20),
+              **EAGER_8M)
+
+
 def test_hierarchical_compressed_allreduce_names_ranks_of_the_whole_communicator(tmp_path):
     """2 nodes of 2 ranks (simulated): the victim dies in its node phase, the other node waits
     in the cross-node phase; every survivor raises, naming rank 2 of the 4."""
