@@ -12,10 +12,12 @@ each in worker processes started here. Without DeepSpeed the table says that it 
 figure of your own can be given with ``--reference-s`` and is labelled as such). FSDP2 rows
 (``--fsdp2-ranks``): the same model under ``fully_shard`` with AdamW, ckpt save + load beside torch
 DCP save + fsync of its files + load, and ckpt's async save (the first, which allocates its host
-memory, and one in steady state).
+memory, and one in steady state). New-directory rows (``--new-dir-reps R``): the FSDP2 model saved
+into a new directory every repetition, ckpt beside DCP + ``os.sync()``, with ckpt's phases.
 
 Where the parts live: ``bench.ckpt_deepspeed`` (the DeepSpeed workers), ``bench.ckpt_fsdp2`` (the
-FSDP2 rows); here the rest, ``main`` calling one function per part in the order of the rows.
+FSDP2 rows), ``bench.ckpt_newdir`` (the new-directory rows); here the rest, ``main`` calling one
+function per part in the order of the rows.
 """
 from __future__ import annotations
 
@@ -56,6 +58,10 @@ def _parser() -> argparse.ArgumentParser:
                         "(save + fsync + load), async save first and steady (default 2, or 1 in a 1-rank run; "
                         "0 skips them)")
     p.add_argument("--fsdp2-reps", type=int, default=2, help="FSDP2 save/load repetitions, best kept (default 2)")
+    p.add_argument("--new-dir-reps", type=int, default=0, metavar="R",
+                   help="also the new-directory rows: the FSDP2 model saved into a new directory each of R "
+                        "repetitions by ckpt (fsync; sync=False + os.sync()) and torch DCP (+ os.sync()), loaded "
+                        "back, ckpt's phases timed (default 0: skip)")
     p.add_argument("--json", default=None, help="write the records as JSON to this file")
     p.add_argument("--simulate-ranks", type=int, default=None, metavar="N",
                    help="instead: simulate the planning of an N-rank save and load in this one process, beside "
@@ -401,6 +407,12 @@ def main(argv: list[str]) -> int:
             gc.collect()
             ckpt_fsdp2.run(world, args.fsdp2_ranks, args.layers, args.hidden, run.base,
                            args.fsdp2_reps, run.emit)
+            gc.collect()
+        if args.new_dir_reps > 0 and args.fsdp2_ranks:  # 3b. a new directory every save
+            from bench import ckpt_newdir
+
+            ckpt_newdir.run(world, args.fsdp2_ranks, args.layers, args.hidden, run.base, args.new_dir_reps,
+                            run.emit)
             gc.collect()
         nosync_s = _save_nosync(run) if args.no_sync else None
         reference, ref_note = _deepspeed(run, total)

@@ -44,6 +44,31 @@ def _clear(model, opt) -> None:
             st["step"].zero_()
 
 
+def build(group, layers: int, hidden: int, rank: int):
+    """``layers`` x Linear(hidden, hidden) under ``fully_shard`` (per layer, then the whole) on
+    ``group``, with AdamW after one step: its state filled."""
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = DeviceMesh.from_group(group, "cpu")
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = torch.nn.Sequential(*[torch.nn.Linear(hidden, hidden) for _ in range(layers)])
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p._local_tensor.normal_(0, 0.02, generator=torch.Generator().manual_seed(rank))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model(torch.randn(2, hidden)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    return model, opt
+
+
 def run(world, ranks: int, layers: int, hidden: int, base: str, reps: int,
         emit: Callable[..., dict]) -> None:
     """Measure and emit the FSDP2 rows on the first ``ranks`` ranks of ``world`` (collective over
@@ -54,8 +79,6 @@ def run(world, ranks: int, layers: int, hidden: int, base: str, reps: int,
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
 
     import ckpt
     import mpicomm
@@ -67,21 +90,7 @@ def run(world, ranks: int, layers: int, hidden: int, base: str, reps: int,
     results = None
     wrong = [0, 0]  # loads that did not give back the saved state: ckpt, DCP
     if member:
-        mesh = DeviceMesh.from_group(group, "cpu")
-        torch.manual_seed(0)
-        with torch.device("meta"):
-            model = torch.nn.Sequential(*[torch.nn.Linear(hidden, hidden) for _ in range(layers)])
-        for layer in model:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        model.to_empty(device="cpu")
-        with torch.no_grad():
-            for p in model.parameters():
-                p._local_tensor.normal_(0, 0.02, generator=torch.Generator().manual_seed(comm.rank))
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        model(torch.randn(2, hidden)).sum().backward()
-        opt.step()
-        opt.zero_grad()
+        model, opt = build(group, layers, hidden, comm.rank)
         want = _digest(model, opt)
         nbytes = sum(p.numel() * 4 * 3 for p in model.parameters())
         mc = comm.mpi_comm

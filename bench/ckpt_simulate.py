@@ -381,34 +381,37 @@ def dcp_local_plan(rank: int, n: int, shapes, layout: str, group: int) -> Measur
 
 
 def dcp_other_plans(template: Any, n: int, layout: str, group: int, deadline: float) -> list[Any]:
-    """Every rank's local plan: ``template`` (rank 0's) with each shard's chunk as torch's
-    ``compute_local_shape_and_global_offset`` gives it on that rank (DCP's own rule, on each
-    rank's fake mesh); other items as on rank 0. Raises TimeoutError past ``deadline``."""
+    """Every rank's local plan: ``template`` (rank 0's) with each shard's chunk as torch's rule
+    gives it on that rank (``_compute_local_shape_and_global_offset``, which
+    ``compute_local_shape_and_global_offset`` calls with the rank's mesh coordinate: here the
+    coordinate is computed, no fake world is made per rank); other items as on rank 0. Raises
+    TimeoutError past ``deadline``."""
     import dataclasses
 
     import torch
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
     places = placements(layout)
+    shape_of_mesh = mesh_shape(layout, n, group)
     plans = [template]
     for q in range(1, n):
-        with fake_world(q, n, mesh_shape(layout, n, group)) as mesh:
-            boxes: dict[tuple[int, ...], tuple[Any, Any]] = {}
-            items = []
-            for it in template.items:
-                if it.type != WriteItemType.SHARD:
-                    items.append(it)
-                    continue
-                shape = tuple(it.tensor_data.size)
-                if shape not in boxes:
-                    sizes, offsets = compute_local_shape_and_global_offset(shape, mesh, places)
-                    boxes[shape] = torch.Size(sizes), torch.Size(offsets)
-                sizes, offsets = boxes[shape]
-                items.append(WriteItem(index=MetadataIndex(it.index.fqn, offsets), type=WriteItemType.SHARD,
-                                       tensor_data=TensorWriteData(ChunkStorageMetadata(offsets, sizes),
-                                                                   it.tensor_data.properties, it.tensor_data.size)))
+        coord = [q] if len(shape_of_mesh) == 1 else [q // shape_of_mesh[1], q % shape_of_mesh[1]]  # row-major, as init_device_mesh
+        boxes: dict[tuple[int, ...], tuple[Any, Any]] = {}
+        items = []
+        for it in template.items:
+            if it.type != WriteItemType.SHARD:
+                items.append(it)
+                continue
+            shape = tuple(it.tensor_data.size)
+            if shape not in boxes:
+                sizes, offsets = _compute_local_shape_and_global_offset(shape, shape_of_mesh, coord, places)
+                boxes[shape] = torch.Size(sizes), torch.Size(offsets)
+            sizes, offsets = boxes[shape]
+            items.append(WriteItem(index=MetadataIndex(it.index.fqn, offsets), type=WriteItemType.SHARD,
+                                   tensor_data=TensorWriteData(ChunkStorageMetadata(offsets, sizes),
+                                                               it.tensor_data.properties, it.tensor_data.size)))
         plans.append(dataclasses.replace(template, items=items))
         if time.perf_counter() > deadline:
             raise TimeoutError

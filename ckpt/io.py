@@ -13,6 +13,7 @@ from mpi4py import MPI
 
 from mpicomm.faults import is_failure, surface
 
+from . import direct_io
 from .checksum import Piece, block_ranges, crc32
 from .byte_ranges import IOItem, batches, chunk, coalesce
 
@@ -141,15 +142,32 @@ def _close(fh: MPI.File, failed: BaseException | None) -> None:
             raise
 
 
+def _all_direct(mpi_comm: MPI.Comm, fd: int | None) -> bool:
+    """True when every rank opened the file with O_DIRECT (``fd``); else closes ``fd``."""
+    ok = _rounds(mpi_comm, int(fd is None)) == 0  # collective: MPI-IO unless every rank can
+    if not ok and fd is not None:
+        os.close(fd)
+    return ok
+
+
 def write_items(mpi_comm: MPI.Comm, filename: str, items: Sequence[IOItem],
                 buffers: Sequence[torch.Tensor], *, file_size: int, block_size: int,
-                chunk_bytes: int = DEFAULT_CHUNK_BYTES, sync: bool = True) -> list[Piece]:
+                chunk_bytes: int = DEFAULT_CHUNK_BYTES, sync: bool = True, direct_io_ok: bool = True) -> list[Piece]:
     """Collectively create ``filename`` of ``file_size`` bytes and write this rank's items from
     ``buffers`` (their raw bytes); return the CRC of every written piece within each block.
-    Large host ranges are written in place, one collective call each; small or device ranges
-    are packed into a staging buffer of at most ``chunk_bytes`` and written through a file view.
-    Checksums run in a thread alongside the writes; with ``sync`` the kernel is asked to start
-    writing each round back as soon as it is written, and the file is synced at the end."""
+
+    With ``direct_io_ok`` and where every rank's file system takes O_DIRECT, each rank writes its
+    ranges on its own, past the page cache (``direct_io``), in staged chunks of ``chunk_bytes``.
+    Else MPI-IO: large host ranges are written in place, one collective call each; small or
+    device ranges are packed into a staging buffer of at most ``chunk_bytes`` and written
+    through a file view. Checksums run in a thread alongside the writes; with ``sync`` the kernel
+    is asked to start writing each round back as soon as it is written, and the file is synced
+    at the end."""
+    fd = direct_io.open_direct(filename, True) if direct_io_ok else None
+    if _all_direct(mpi_comm, fd):
+        chunks = chunk(coalesce(items), chunk_bytes, block_size)
+        return direct_io.write(filename, fd, chunks, [byte_view(b) for b in buffers], file_size=file_size,
+                               block_size=block_size, staging_bytes=chunk_bytes, sync=sync, host=_host)
     host = {i for i, b in enumerate(buffers) if b.device.type == "cpu"}
     rounds = _plan(items, host, chunk_bytes, block_size)
     views = [byte_view(b) for b in buffers]
@@ -223,17 +241,26 @@ def write_items(mpi_comm: MPI.Comm, filename: str, items: Sequence[IOItem],
 
 def read_items(mpi_comm: MPI.Comm, filename: str, items: Sequence[IOItem],
                dests: Sequence[torch.Tensor], file_dtypes: Sequence[torch.dtype], *,
-               block_size: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES, unchecked: set[int] = frozenset()
-               ) -> list[Piece]:
+               block_size: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES, unchecked: set[int] = frozenset(),
+               direct_io_ok: bool = True) -> list[Piece]:
     """Collectively read this rank's items into ``dests`` (flat views, converting from
     ``file_dtypes`` where they differ); return the CRC of every piece read within each block,
     except those read into the dests numbered in ``unchecked`` (bytes another rank reports).
-    Large ranges land in place, one collective call each (their checksums computed in a
-    thread while the next round is read); small, converted or device ranges go through a file
-    view into a staging buffer of at most ``chunk_bytes``."""
+
+    With ``direct_io_ok`` and where every rank's file system takes O_DIRECT, each rank reads
+    its ranges on its own, past the page cache (``direct_io``), in staged chunks of
+    ``chunk_bytes``. Else MPI-IO: large ranges land in place, one collective call each (their
+    checksums computed in a thread while the next round is read); small, converted or device
+    ranges go through a file view into a staging buffer of at most ``chunk_bytes``."""
     direct = [d.dtype == fd and d.device.type == "cpu" and d.is_contiguous()
               for d, fd in zip(dests, file_dtypes)]
     itemsize = {i: torch.empty(0, dtype=fd).element_size() for i, fd in enumerate(file_dtypes)}
+    fd = direct_io.open_direct(filename, False) if direct_io_ok else None
+    if _all_direct(mpi_comm, fd):
+        chunks = chunk(coalesce(items), chunk_bytes, block_size, itemsize)
+        views = [byte_view(d) if ok else None for d, ok in zip(dests, direct)]
+        return direct_io.read(fd, chunks, dests, views, file_dtypes, itemsize, block_size=block_size,
+                              staging_bytes=chunk_bytes, unchecked=set(unchecked))
     in_place = {i for i, ok in enumerate(direct) if ok}
     rounds = _plan(items, in_place, chunk_bytes, block_size, itemsize)
     nrounds = _rounds(mpi_comm, len(rounds))

@@ -21,7 +21,7 @@ def test_bench_ckpt_small_run(n, save, load, tmp_path):
     launch = [*mpiexec_cmd(n), sys.executable] if n > 1 else [sys.executable]
     proc = subprocess.run(
         [*launch, "-m", "bench", "ckpt", "--layers", "2", "--hidden", "96", "--save-ranks",
-         str(save), "--load-ranks", str(load), "--deepspeed", "no", "--no-sync", "--dir",
+         str(save), "--load-ranks", str(load), "--deepspeed", "no", "--no-sync", "--new-dir-reps", "2", "--dir",
          str(tmp_path), "--json", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -34,8 +34,12 @@ def test_bench_ckpt_small_run(n, save, load, tmp_path):
     for op in ("disk write+fdatasync", "ckpt.save (fsync)", "ckpt.load", "ckpt save + load",
                "DeepSpeed save+convert+load", "ckpt.save (no fsync)", "FSDP2 ckpt save + load",
                "FSDP2 DCP save + load", "FSDP2 time DCP / ckpt", "FSDP2 async save, first: blocks",
-               "FSDP2 async save: blocks", "FSDP2 async save, background: blocks"):
+               "FSDP2 async save: blocks", "FSDP2 async save, background: blocks", "new dir: ckpt.save (fsync)",
+               "new dir: ckpt.save nosync + os.sync", "new dir: DCP save + os.sync", "new dir: ckpt.load",
+               "new dir: DCP load", "new dir: time DCP / ckpt"):
         assert op in ops, ops
+    newdir = next(r for r in records if r["op"] == "new dir: ckpt.load")
+    assert "state checked" in newdir["note"] and "read data" in newdir["note"], newdir
     loaded = next(r for r in records if r["op"] == "ckpt.load")
     assert loaded["note"] == "state checked" and loaded["size_bytes"] == 2 * (96 * 96 + 96) * 12
     assert loaded["ranks"] == load

@@ -68,7 +68,7 @@ import json, os, signal, sys, time
 import torch
 from mpi4py import MPI
 import ckpt
-from ckpt import checksum, commit, io
+from ckpt import checksum, commit, direct_io, io
 
 mode, root = sys.argv[1], sys.argv[2]
 world = MPI.COMM_WORLD
@@ -96,7 +96,7 @@ if mode in ("kill-mid-write", "kill-before-publish", "kill-before-manifest"):
     torch.manual_seed(2)
     second = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
     if mode == "kill-mid-write" and rank == size - 1:
-        real, calls = io._round, []
+        real, real_direct, calls = io._round, direct_io._pwrite, []
 
         def dying_round(fh, batch, mem, call):
             calls.append(1)
@@ -104,7 +104,13 @@ if mode in ("kill-mid-write", "kill-before-publish", "kill-before-manifest"):
                 die()
             return real(fh, batch, mem, call)
 
-        io._round = dying_round
+        def dying_write(fd, mem, offset):  # the same, where the data goes by O_DIRECT
+            calls.append(1)
+            if len(calls) == 2:
+                die()
+            return real_direct(fd, mem, offset)
+
+        io._round, direct_io._pwrite = dying_round, dying_write
     if mode == "kill-before-publish" and rank == 0:
         commit.publish = lambda *a, **k: die()  # data and manifest written, not yet renamed
     if mode == "kill-before-manifest" and rank == 0:

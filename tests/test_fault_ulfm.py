@@ -73,7 +73,7 @@ def test_a_killed_rank_raises_on_survivors_who_shrink_and_reinit_the_process_gro
     ("half_async", 2),     # async 16-bit (reduce16): the victim dies inside the call
     ("process_group", 0),  # dist.all_reduce async; rank 0 (the store's host) dies
     ("compressed", 1),     # 1-bit allreduce: the victim dies entering phase 2
-    ("checkpoint", 1),     # ckpt.save: the victim dies in an MPI-IO round
+    ("checkpoint", 1),     # ckpt.save: the victim dies writing the data
     ("zero_step", 0),      # ZeroOptimizer stage 2: the victim dies in its reduce-scatter
 ])
 def test_a_rank_that_dies_inside_a_call_fails_it_on_every_survivor(tmp_path, case, victim):
