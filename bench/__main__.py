@@ -9,7 +9,7 @@ PROGRAMS = {
     "demo": ("bench.demo", "the main job: a short showcase (collectives, compression, network)"),
     "collectives": ("bench.collectives", "collectives vs raw mpi4py and gloo, OSU/nccl-tests style"),
     "compressed": ("bench.compressed", "1-bit compressed allreduce vs fp32 allreduce"),
-    "ckpt": ("bench.ckpt", "sharded checkpoint save/load with MPI-IO"),
+    "ckpt": ("bench.ckpt", "sharded checkpoint save/load (O_DIRECT or MPI-IO)"),
     "train": ("bench.train", "data-parallel training: DDP on mpicomm, gloo, mpicomm and 1-bit hooks"),
     "plot": ("bench.plot", "draw saved JSON runs: log-log, one panel per op, min-max bands"),
     "zero": ("bench.zero", "ZeroOptimizer vs DDP and FSDP2: step time, overlap, memory, bytes per step"),
