@@ -76,13 +76,13 @@ _PLAIN_MAX = 256
 
 def _plain(t):
     """(MPI spec, address, bytes, elements, dtype) of a contiguous host ``torch.Tensor`` of a
-    dtype MPI moves unchanged; None for anything else.
+    dtype MPI moves unchanged, without torch's negative bit; None for anything else.
 
     Cached by (address, bytes, dtype): ``fromaddress`` costs about 1 us, the lookup a tenth of
     that. An entry describes only memory and a datatype, so it serves any tensor that has them
     (what a tensor is made of is read on every call); a stale one names memory no call touches.
     """
-    if type(t) is not _Tensor or not t.is_cpu or not t.is_contiguous():
+    if type(t) is not _Tensor or not t.is_cpu or not t.is_contiguous() or t.is_neg():
         return None
     key = (t.data_ptr(), t.nbytes, t.dtype)
     found = _PLAIN.get(key)
