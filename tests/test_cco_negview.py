@@ -21,13 +21,13 @@ def _vals(rank: int, n: int, seed: int = 0) -> np.ndarray:
     return np.arange(1, n + 1, dtype=np.float64) * (rank + 1) + seed
 
 
-def _t(data: np.ndarray, neg: bool) -> torch.Tensor:
-    """A float32 tensor that torch reads as ``data``: a neg view of -data when ``neg``."""
+def _t(data: np.ndarray, neg: bool, dtype=torch.float32) -> torch.Tensor:
+    """A tensor that torch reads as ``data``: a neg view of -data when ``neg``."""
     if neg:
-        t = torch._neg_view(torch.tensor(-data, dtype=torch.float32))
+        t = torch._neg_view(torch.tensor(-data, dtype=dtype))
         assert t.is_neg()
         return t
-    return torch.tensor(data, dtype=torch.float32)
+    return torch.tensor(data, dtype=dtype)
 
 
 def _check(got: torch.Tensor, want: np.ndarray) -> None:
@@ -125,6 +125,24 @@ def test_in_place_all_gather_neg_input(comm):
     inp = torch._neg_view(out[r * k:(r + 1) * k])
     comm.all_gather_into_tensor(out, inp)
     _check(out, np.concatenate([_vals(q, k) for q in range(n)]))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64, torch.int32],
+                         ids=str)
+def test_neg_view_dtypes(comm, dtype):
+    """Other dtypes (bf16/fp16 reduce on mpicomm's own 16-bit path) with neg views in and out."""
+    n, r, k = comm.size, comm.rank, 4
+    every = [_vals(q, k) for q in range(n)]  # small integers: exact in every dtype here
+    x = _t(every[r], True, dtype)
+    comm.all_reduce(x)
+    _check(x, np.sum(every, axis=0))
+    big = [_vals(q, k * n, seed=1) for q in range(n)]
+    out = _t(np.zeros(k), True, dtype)
+    comm.reduce_scatter_tensor(out, _t(big[r], True, dtype))
+    _check(out, np.sum(big, axis=0)[r * k:(r + 1) * k])
+    gathered = _t(np.zeros(k * n), True, dtype)
+    comm.all_gather_into_tensor(gathered, _t(every[r], True, dtype))
+    _check(gathered, np.concatenate(every))
 
 
 @pytest.fixture
