@@ -177,3 +177,35 @@ def test_neg_view_process_group(comm, pg):
     src = [_vals(q, k * n, seed=2) for q in range(n)]
     dist.all_to_all_single(a2a, _t(src[r], True))
     _check(a2a, np.concatenate([src[q][r * k:(r + 1) * k] for q in range(n)]))
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_neg_view_compressed_allreduce(comm, where):
+    """The 1-bit compressed allreduce reads a neg-view input and writes a neg-view output as
+    torch reads them: the same as on plain tensors holding those values."""
+    from compressed import Compressor
+    from compressed.wire_format import padded_size
+
+    n, r, k = comm.size, comm.rank, 8
+    data = _vals(r, k)
+    results = []
+    for neg_in, neg_out in ((False, False), (where != "output", where != "input")):
+        out = _t(np.zeros(k), neg_out)
+        we = torch.zeros(padded_size(k, n))
+        se = torch.zeros(padded_size(k, n) // n)
+        Compressor(comm).allreduce_into(_t(data, neg_in), out, we, se)
+        results.append(out.resolve_neg().double().numpy())
+    np.testing.assert_array_equal(results[1], results[0])
+
+
+def test_neg_view_compressed_error_buffer_refused(comm):
+    from compressed import Compressor
+    from compressed.wire_format import padded_size
+
+    n, k = comm.size, 8
+    we = torch._neg_view(torch.zeros(padded_size(k, n)))
+    se = torch.zeros(padded_size(k, n) // n)
+    with pytest.raises(ValueError, match=r"worker_error must not be a tensor with torch's "
+                                         r"negative bit set \(is_neg\(\)\): pass "
+                                         r"worker_error.resolve_neg\(\)"):
+        Compressor(comm).allreduce_into(torch.ones(k), torch.zeros(k), we, se)
