@@ -140,7 +140,8 @@ def broadcast(method: Callable) -> Callable:
                     and type(src) is int and 0 <= src < self.size):
                 last = self._last_bcast
                 if (tensor is last[0] and tensor.data_ptr() == last[1] and tensor.nbytes == last[2]
-                        and tensor.dtype is last[3] and tensor.is_contiguous() and tensor.is_cpu):
+                        and tensor.dtype is last[3] and tensor.is_contiguous() and tensor.is_cpu
+                        and not tensor.is_neg()):
                     spec = last[4]
                 else:
                     t = _plain(tensor)
@@ -180,7 +181,8 @@ def all_gather_into_tensor(method: Callable) -> Callable:
                         and input_tensor.nbytes == last[4] and output_tensor.nbytes == last[5]
                         and input_tensor.dtype is last[6] and output_tensor.dtype is last[6]
                         and input_tensor.is_contiguous() and output_tensor.is_contiguous()
-                        and input_tensor.is_cpu and output_tensor.is_cpu):
+                        and input_tensor.is_cpu and output_tensor.is_cpu
+                        and not (input_tensor.is_neg() or output_tensor.is_neg())):
                     send, recv = last[7], last[8]
                 else:
                     pair = _pair(input_tensor, output_tensor, self.size, 1)
@@ -215,7 +217,8 @@ def reduce_scatter_tensor(method: Callable) -> Callable:
                         and output.nbytes == last[4] and input.nbytes == last[5]
                         and output.dtype is last[6] and input.dtype is last[6]
                         and output.is_contiguous() and input.is_contiguous()
-                        and output.is_cpu and input.is_cpu):
+                        and output.is_cpu and input.is_cpu
+                        and not (output.is_neg() or input.is_neg())):
                     recv, send, mpi_op = last[7], last[8], last[10]
                 else:
                     pair = _pair(output, input, self.size, 1)
@@ -274,7 +277,7 @@ def all_reduce(method: Callable) -> Callable:
                 # same memory, size, dtype and layout, which is checked on every call.
                 if (tensor is last[0] and op is last[1] and tensor.data_ptr() == last[2]
                         and tensor.nbytes == last[3] and tensor.dtype is last[4]
-                        and tensor.is_contiguous() and tensor.is_cpu):
+                        and tensor.is_contiguous() and tensor.is_cpu and not tensor.is_neg()):
                     spec, mpi_op = last[5], last[6]
                 else:
                     t = _plain(tensor)

@@ -209,3 +209,43 @@ def test_neg_view_compressed_error_buffer_refused(comm):
                                          r"negative bit set \(is_neg\(\)\): pass "
                                          r"worker_error.resolve_neg\(\)"):
         Compressor(comm).allreduce_into(torch.ones(k), torch.zeros(k), we, se)
+
+
+@pytest.mark.parametrize("call", ["all_reduce", "broadcast", "all_gather_into_tensor",
+                                  "reduce_scatter_tensor"])
+def test_remembered_tensor_turned_neg(comm, call):
+    """A tensor a fast call remembers, turned into a neg view of its own memory by ``.data =``
+    (same address, size and dtype), is not moved by its raw bits on the next call."""
+    n, r, k = comm.size, comm.rank, 2
+    x = torch.tensor(_vals(r, k * n), dtype=torch.float32)
+    out = torch.zeros(k * n if call == "all_gather_into_tensor" else k, dtype=torch.float32)
+    small = torch.tensor(_vals(r, k), dtype=torch.float32)
+
+    def run():
+        if call == "all_reduce":
+            comm.all_reduce(small)
+        elif call == "broadcast":
+            comm.broadcast(small, src=0)
+        elif call == "all_gather_into_tensor":
+            comm.all_gather_into_tensor(out, small)
+        else:
+            comm.reduce_scatter_tensor(out, x)
+
+    run()  # remembered
+    for t in (small, x):
+        t.data = torch.tensor(-_vals(r, t.numel()), dtype=torch.float32)
+    run()  # fresh values: remembered again
+    for t in (small, x):
+        t.data = torch._neg_view(t.detach())  # same memory, now read as _vals again
+        assert t.is_neg()
+    every = comm.mpi_comm.allgather(_vals(r, k))
+    big = comm.mpi_comm.allgather(_vals(r, k * n))
+    run()
+    if call == "all_reduce":
+        _check(small, np.sum(every, axis=0))
+    elif call == "broadcast":
+        _check(small, every[0])
+    elif call == "all_gather_into_tensor":
+        _check(out, np.concatenate(every))
+    else:
+        _check(out, np.sum(big, axis=0)[r * k:(r + 1) * k])
