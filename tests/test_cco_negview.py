@@ -234,8 +234,9 @@ def test_remembered_tensor_turned_neg(comm, call):
     run()  # remembered
     for t in (small, x):
         t.data = torch.tensor(-_vals(r, t.numel()), dtype=torch.float32)
-    run()  # fresh values: remembered again
+    run()  # fresh memory: remembered again
     for t in (small, x):
+        t.copy_(torch.tensor(-_vals(r, t.numel())))  # in place: the same memory
         t.data = torch._neg_view(t.detach())  # same memory, now read as _vals again
         assert t.is_neg()
     every = comm.mpi_comm.allgather(_vals(r, k))
