@@ -4,7 +4,10 @@ An unchecked collective, blocking or not, takes the fast path when every buffer 
 ``torch.Tensor`` of one dtype MPI takes as it is, the buffers do not overlap, their sizes are what
 the operation requires, the count fits the MPI library and (for reductions) MPI reduces that dtype
 with that op natively. That is exactly when the general path would hand the user's memory to MPI
-unchanged. Anything else, including every error, takes the general path.
+unchanged. Anything else, including every error, takes the general path; so does a tensor with
+torch's negative bit set (``is_neg()``: its memory holds the negated values), which the general
+path stages (the remembered-call checks below test it too: ``.data =`` can turn a remembered
+tensor into one without changing its address, size or dtype).
 
 ``all_reduce`` (below) is ``Communicator.all_reduce`` itself with the rule in front, inline
 (one Python frame between the caller and MPI's Allreduce, SUM found by identity); it remembers
