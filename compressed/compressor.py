@@ -63,9 +63,10 @@ def _device(x: Any) -> torch.device:
 
 
 def _f32_view(x: Any):
-    """Flat float32 view sharing ``x``'s memory, or None if ``x`` is not contiguous float32."""
+    """Flat float32 view sharing ``x``'s memory, or None if ``x`` is not contiguous float32
+    (or a tensor with torch's negative bit, whose memory is not its values)."""
     if isinstance(x, torch.Tensor):
-        if x.dtype != torch.float32 or not x.is_contiguous():
+        if x.dtype != torch.float32 or not x.is_contiguous() or x.is_neg():
             return None
         return x.detach().reshape(-1)
     if x.dtype != np.float32 or not x.flags.c_contiguous:
@@ -281,6 +282,9 @@ class Compressor:
                 (names[1], we, lay.padded, f"padded_size({lay.numel}, {lay.world_size})"),
                 (names[2], se, lay.chunk, f"padded_size({lay.numel}, {lay.world_size}) // "
                                           f"{lay.world_size}")):
+            if isinstance(x, torch.Tensor) and x.is_neg():
+                raise ValueError(f"{call}: {name} must not be a tensor with torch's negative bit "
+                                 f"set (is_neg()): pass {name}.resolve_neg()")
             numel = _numel(x)
             if numel != want:
                 raise ValueError(f"{call}: {name} must have {what} = {want} elements, "

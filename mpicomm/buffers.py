@@ -88,7 +88,8 @@ def prepare(t: torch.Tensor, role: int, mpi_type, wire_dtype: torch.dtype,
     """Make ``t`` usable by MPI: contiguous, in ``wire_dtype``, on the host unless MPI takes device memory."""
     on_device = not t.is_cpu
     direct = not on_device or policy().direct(mpi_call)
-    if direct and t.dtype == wire_dtype and t.is_contiguous():
+    # a tensor with torch's negative or conjugate bit set is staged: MPI would move its raw bits
+    if direct and t.dtype == wire_dtype and t.is_contiguous() and not (t.is_neg() or t.is_conj()):
         if on_device:
             _sync(t)
         return Slot(t, t, mpi_type, role, staged=False, copied=False)

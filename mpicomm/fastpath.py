@@ -4,7 +4,10 @@ An unchecked collective, blocking or not, takes the fast path when every buffer 
 ``torch.Tensor`` of one dtype MPI takes as it is, the buffers do not overlap, their sizes are what
 the operation requires, the count fits the MPI library and (for reductions) MPI reduces that dtype
 with that op natively. That is exactly when the general path would hand the user's memory to MPI
-unchanged. Anything else, including every error, takes the general path.
+unchanged. Anything else, including every error, takes the general path; so does a tensor with
+torch's negative bit set (``is_neg()``: its memory holds the negated values), which the general
+path stages (the remembered-call checks below test it too: ``.data =`` can turn a remembered
+tensor into one without changing its address, size or dtype).
 
 ``all_reduce`` (below) is ``Communicator.all_reduce`` itself with the rule in front, inline
 (one Python frame between the caller and MPI's Allreduce, SUM found by identity); it remembers
@@ -76,13 +79,13 @@ _PLAIN_MAX = 256
 
 def _plain(t):
     """(MPI spec, address, bytes, elements, dtype) of a contiguous host ``torch.Tensor`` of a
-    dtype MPI moves unchanged; None for anything else.
+    dtype MPI moves unchanged, without torch's negative bit; None for anything else.
 
     Cached by (address, bytes, dtype): ``fromaddress`` costs about 1 us, the lookup a tenth of
     that. An entry describes only memory and a datatype, so it serves any tensor that has them
     (what a tensor is made of is read on every call); a stale one names memory no call touches.
     """
-    if type(t) is not _Tensor or not t.is_cpu or not t.is_contiguous():
+    if type(t) is not _Tensor or not t.is_cpu or not t.is_contiguous() or t.is_neg():
         return None
     key = (t.data_ptr(), t.nbytes, t.dtype)
     found = _PLAIN.get(key)
@@ -140,7 +143,8 @@ def broadcast(method: Callable) -> Callable:
                     and type(src) is int and 0 <= src < self.size):
                 last = self._last_bcast
                 if (tensor is last[0] and tensor.data_ptr() == last[1] and tensor.nbytes == last[2]
-                        and tensor.dtype is last[3] and tensor.is_contiguous() and tensor.is_cpu):
+                        and tensor.dtype is last[3] and tensor.is_contiguous() and tensor.is_cpu
+                        and not tensor.is_neg()):
                     spec = last[4]
                 else:
                     t = _plain(tensor)
@@ -180,7 +184,8 @@ def all_gather_into_tensor(method: Callable) -> Callable:
                         and input_tensor.nbytes == last[4] and output_tensor.nbytes == last[5]
                         and input_tensor.dtype is last[6] and output_tensor.dtype is last[6]
                         and input_tensor.is_contiguous() and output_tensor.is_contiguous()
-                        and input_tensor.is_cpu and output_tensor.is_cpu):
+                        and input_tensor.is_cpu and output_tensor.is_cpu
+                        and not (input_tensor.is_neg() or output_tensor.is_neg())):
                     send, recv = last[7], last[8]
                 else:
                     pair = _pair(input_tensor, output_tensor, self.size, 1)
@@ -215,7 +220,8 @@ def reduce_scatter_tensor(method: Callable) -> Callable:
                         and output.nbytes == last[4] and input.nbytes == last[5]
                         and output.dtype is last[6] and input.dtype is last[6]
                         and output.is_contiguous() and input.is_contiguous()
-                        and output.is_cpu and input.is_cpu):
+                        and output.is_cpu and input.is_cpu
+                        and not (output.is_neg() or input.is_neg())):
                     recv, send, mpi_op = last[7], last[8], last[10]
                 else:
                     pair = _pair(output, input, self.size, 1)
@@ -274,7 +280,7 @@ def all_reduce(method: Callable) -> Callable:
                 # same memory, size, dtype and layout, which is checked on every call.
                 if (tensor is last[0] and op is last[1] and tensor.data_ptr() == last[2]
                         and tensor.nbytes == last[3] and tensor.dtype is last[4]
-                        and tensor.is_contiguous() and tensor.is_cpu):
+                        and tensor.is_contiguous() and tensor.is_cpu and not tensor.is_neg()):
                     spec, mpi_op = last[5], last[6]
                 else:
                     t = _plain(tensor)

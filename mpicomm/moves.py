@@ -58,7 +58,7 @@ class Moves:
         mpi_call = "iallgather" if async_op else "allgather"
         recv = prepare(out, OUT, mpi_type, out.dtype, self.device_policy, mpi_call)
         slots = [recv]
-        if (host_overlap(out, inp) and recv.work is out and inp.is_contiguous()
+        if (host_overlap(out, inp) and recv.work is out and inp.is_contiguous() and not inp.is_neg()
                 and inp.data_ptr() == out.data_ptr() + self.rank * inp.numel() * inp.element_size()):
             send_spec = MPI.IN_PLACE  # the input already sits in this rank's slot
         else:
