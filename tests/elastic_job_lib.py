@@ -32,10 +32,12 @@ def local_loss(model: torch.nn.Module, step: int, rank: int, world: int) -> torc
     return s.loss_scale(world) * ((model(x[idx]) - y[idx]) ** 2).sum()
 
 
-def reference(steps: int) -> list[torch.Tensor]:
-    """Final weights after ``steps`` Adam steps on the global batches, one process."""
+def reference(steps: int, optimizer=lambda params: torch.optim.Adam(params, lr=LR)
+              ) -> list[torch.Tensor]:
+    """Final weights after ``steps`` steps of ``optimizer`` (default: Adam) on the global
+    batches, one process."""
     model = make_model()
-    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    opt = optimizer(model.parameters())
     x, y = data()
     s = sampler()
     for step in range(steps):

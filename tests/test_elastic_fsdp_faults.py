@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from elastic_job_lib import BATCH, LR, data, make_model, sampler
+import elastic_job_lib
+from elastic_job_lib import LR
 from test_elastic_faults import _launch, _ulfm
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -23,17 +24,8 @@ STEPS = 5
 
 def reference(steps: int) -> list[torch.Tensor]:
     """Final weights after ``steps`` AdamW steps on the global batches, one process, no FSDP."""
-    model = make_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
-    x, y = data()
-    s = sampler()
-    for step in range(steps):
-        idx = s.global_indices(step)
-        loss = ((model(x[idx]) - y[idx]) ** 2).sum() / BATCH
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return [p.detach().clone() for p in model.parameters()]
+    return elastic_job_lib.reference(
+        steps, lambda params: torch.optim.AdamW(params, lr=LR, weight_decay=0.1))
 
 
 # (ranks, where, victim, step): rank 0 (the store's host) between steps, 3 -> 2 ranks (7 rows:
