@@ -72,6 +72,20 @@ def test_all_gather_matches_simulation(groups, world, backend, dtype, async_op):
                "own slice exact")
 
 
+def test_all_gather_of_a_negative_view_of_the_own_slice(groups, world):
+    """The input aliases this rank's slice of the output but reads negated (torch's negative
+    bit): the own slice must hold the negated values, not the raw memory."""
+    rank, size, n = world.rank, world.size, 16
+    comm = QuantizedAllGather(bits=8, block=BLOCK)
+    out = comm.allocate((size * n,), dtype=torch.float32, device=torch.device("cpu"))
+    raw = _shard(rank, n, torch.float32, (n,))
+    out.narrow(0, rank * n, n).copy_(raw)
+    comm(out, torch._neg_view(out.narrow(0, rank * n, n)), groups["mpicomm"])
+    assert_all(bool(torch.equal(out.view(size, n)[rank], -raw)), "own slice negated")
+    with pytest.raises(ValueError, match="negative bit"):  # every rank, before any message
+        comm(torch._neg_view(out), raw, groups["mpicomm"])
+
+
 def test_calls_in_flight_and_reuse(groups, world):
     """Two async all-gathers of one shape in flight at once (waited in reverse order) and the
     same shape called again: the reused send/receive buffers never mix two calls' data."""

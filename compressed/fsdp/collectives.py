@@ -195,6 +195,11 @@ class QuantizedAllGather(_Quantized, AllGather):
         if not output_tensor.dtype.is_floating_point:
             return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group,
                                                async_op=async_op)
+        if output_tensor.is_neg():
+            raise ValueError("QuantizedAllGather: output_tensor has torch's negative bit set "
+                             "(is_neg()): pass a plain tensor (t.resolve_neg())")
+        if input_tensor.is_neg():
+            input_tensor = input_tensor.resolve_neg()  # a copy with the negation applied
         itemsize = output_tensor.element_size()
         if (output_tensor.is_contiguous() and input_tensor.is_contiguous()
                 and output_tensor.data_ptr() + rank * n * itemsize == input_tensor.data_ptr()):
