@@ -27,6 +27,16 @@ def pg(world):
     dist.destroy_process_group()
 
 
+def _mesh(n: int):
+    """A 1-D mesh of the world under a dimension name of this module's own. torch caches DTensor
+    redistribution plans (``_redistribute._gen_transform_infos``, ``functools.cache``) keyed by
+    specs whose meshes compare by layout and names, not by process group: after other modules'
+    FSDP2 tests on a default group destroyed since, an equal mesh here got their plan, and
+    ``full_tensor()`` looked for their group ("Could not resolve the process group registered
+    under the name 0")."""
+    return init_device_mesh("cpu", (n,), mesh_dim_names=("elastic_fsdp_state",))
+
+
 def sharded(mesh):
     model = make_model()
     for layer in (model[0], model[2]):
@@ -49,7 +59,7 @@ def full_state(model, opt):
 
 def test_a_lost_rank0s_shards_come_back_on_the_survivors_mesh(pg, comm):
     n, me = comm.size, comm.rank
-    model, opt = sharded(init_device_mesh("cpu", (n,)))
+    model, opt = sharded(_mesh(n))
     sub_group = dist.new_group(list(range(1, n)))      # collective over the world
     state = elastic.TorchState(model=model, optimizer=opt, comm=comm, step=0)
     built = []
@@ -102,11 +112,11 @@ def test_a_2d_mesh_is_refused_by_name(pg, comm):
 
 def test_a_build_on_the_wrong_mesh_is_refused(pg, comm):
     n, me = comm.size, comm.rank
-    model, opt = sharded(init_device_mesh("cpu", (n,)))
+    model, opt = sharded(_mesh(n))
     sub_group = dist.new_group(list(range(1, n)))
     state = elastic.TorchState(model=model, optimizer=opt, comm=comm)
     # build() keeps the old world's mesh (a common slip): the survivors must hear so
-    state.register_reset_callbacks([elastic.RebuildFSDP(state, lambda: sharded(init_device_mesh("cpu", (n,))))])
+    state.register_reset_callbacks([elastic.RebuildFSDP(state, lambda: sharded(_mesh(n)))])
     state.commit()
     sub = comm.split(None if me == 0 else 0)
     err = ""
@@ -122,7 +132,7 @@ def test_a_build_on_the_wrong_mesh_is_refused(pg, comm):
 
 def test_a_build_that_misfits_on_one_survivor_fails_on_every_survivor(pg, comm):
     n, me = comm.size, comm.rank
-    model, opt = sharded(init_device_mesh("cpu", (n,)))
+    model, opt = sharded(_mesh(n))
     sub_group = dist.new_group(list(range(1, n)))
     state = elastic.TorchState(model=model, optimizer=opt, comm=comm)
 
@@ -146,7 +156,7 @@ def test_a_build_that_misfits_on_one_survivor_fails_on_every_survivor(pg, comm):
 
 
 def test_checkpoint_dir_with_fsdp2_is_refused(pg, comm, tmp_path):
-    model, opt = sharded(init_device_mesh("cpu", (comm.size,)))
+    model, opt = sharded(_mesh(comm.size))
     try:
         elastic.TorchState(model=model, optimizer=opt, comm=comm, checkpoint_dir=str(tmp_path), checkpoint_every=1)
         err = ""
