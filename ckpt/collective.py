@@ -191,8 +191,9 @@ class Collective:
         from mpi4py import MPI
 
         out = arr.copy() if self.rank == 0 else arr
-        self.mpi.Reduce(MPI.IN_PLACE if self.rank == 0 else arr, out if self.rank == 0 else None,
-                        op=getattr(MPI, op), root=0)
+        self._mpi(f"reduce {op}", lambda: self.mpi.Reduce(
+            MPI.IN_PLACE if self.rank == 0 else arr, out if self.rank == 0 else None,
+            op=getattr(MPI, op), root=0))
         return out
 
     def allgather(self, value: Any) -> list[Any]:

@@ -175,3 +175,46 @@ def test_to_deepspeed_universal_without_comm_shares_the_world(comm, world, share
                repr(caught))
     if world.Get_size() > 1:
         _same_on_every_rank(world, caught)
+
+
+class _FailingMPI:
+    """An mpi4py communicator stand-in of 2 ranks (rank 0 here) whose every call fails as a dead
+    peer makes it fail under ULFM."""
+
+    def Get_rank(self) -> int:
+        return 0
+
+    def Get_size(self) -> int:
+        return 2
+
+    def _fail(self, *args, **kwargs):
+        raise MPI.Exception(MPI.ERR_PROC_FAILED)
+
+    Reduce = allgather = gather = bcast = _fail
+
+
+class _Survivor:
+    """An mpicomm Communicator stand-in: it turns the failure into the RankFailedError naming rank 1."""
+
+    mpi_comm = _FailingMPI()
+
+    def _surface(self, exc, call):
+        import mpicomm
+
+        return mpicomm.RankFailedError(f"{call}: rank 1 failed", (1,), exc.Get_error_class())
+
+
+@pytest.mark.parametrize("step", ["reduce_xor", "reduce_sum", "allgather", "gather"])
+def test_a_failed_peer_in_any_collective_step_raises_rank_failed(step):
+    import numpy as np
+
+    import mpicomm
+    from mpicomm.faults import is_failure
+
+    if not is_failure(MPI.Exception(MPI.ERR_PROC_FAILED)):
+        pytest.skip("this MPI has no distinct MPI_ERR_PROC_FAILED class")
+    run = Collective(_Survivor(), "demo")
+    arg = np.zeros(4, np.uint32) if step.startswith("reduce") else 1
+    with pytest.raises(mpicomm.RankFailedError) as info:
+        getattr(run, step)(arg)
+    assert info.value.failed_ranks == (1,)
