@@ -274,7 +274,9 @@ def _min() -> Any:
 class RebuildFSDP:
     """A reset callback: ``build()`` makes the model (``fully_shard`` on a mesh of the current
     world) and its optimizer anew; they get the committed state re-partitioned over the
-    survivors, become ``state.model`` and ``state.optimizer``, and are committed."""
+    survivors (or, when a shard was lost with its replica, the newest checkpoint of the state's
+    ``checkpoint_dir``, loaded by ckpt N->M), become ``state.model`` and ``state.optimizer``,
+    and are committed."""
 
     def __init__(self, state: Any, build: Callable[[], tuple[torch.nn.Module, torch.optim.Optimizer]]) -> None:
         if not callable(build):
@@ -295,7 +297,10 @@ class RebuildFSDP:
                 raise TypeError(f"elastic.RebuildFSDP: build() must return (model, optimizer), got "
                                 f"{type(built).__name__}")
             model, opt = built
-            load(model, opt, pending, state.world_size, state.rank)
+            if pending.get("disk"):     # checked here, on every rank: the load below is collective
+                _check_built(state, model)
+            else:
+                load(model, opt, pending, state.world_size, state.rank)
         except Exception as e:  # noqa: BLE001 - raised below, once every survivor knows
             err = e
         ok = torch.tensor([int(err is None)])
@@ -306,8 +311,22 @@ class RebuildFSDP:
             raise ValueError("elastic.RebuildFSDP: the rebuilt model did not take the committed state on another rank")
         object.__setattr__(state, "model", model)
         object.__setattr__(state, "optimizer", opt)
+        if pending.get("disk"):         # a shard was lost with its replica: the newest checkpoint
+            state._resume()             # ckpt.load re-partitions it over the survivors' mesh
+            if state.resumed is None:
+                raise ElasticError(f"elastic: {state.checkpoint_dir} holds no committed checkpoint")
         object.__setattr__(state, "_fsdp_pending", None)
-        state._commit(pending["count"])
+        state._commit(state.commits if pending.get("disk") else pending["count"])
+
+
+def _check_built(state: Any, model: torch.nn.Module) -> None:
+    """The FSDP2 ``model`` build() made is sharded over all the survivors, as a commit needs."""
+    if not uses_dtensors(model):
+        raise ValueError("elastic.RebuildFSDP: build() made a model without DTensor parameters; expected "
+                         "one sharded by fully_shard on the survivors' mesh")
+    for name, p in model.named_parameters():
+        if _is_dtensor(p):
+            _check_mesh(state, name, p)
 
 
 def _check_new(what: str, dst: Any, e: Entry, want: tuple[int, ...], world: int, rank: int) -> None:

@@ -152,14 +152,15 @@ def _attempt(state: TorchState, new: Any, old_rank: int, old_world: int, min_wor
             raise WorldTooSmallError(
                 f"elastic.run: old ranks {lost} failed; {new.size} survivors, fewer than min_world_size="
                 f"{min_world_size}") from err
-        shards_lost = replicas.lost_shards(old_world, survivors) if state.sharded else []
+        sharded = "ZeroOptimizer" if state.sharded else "FSDP2" if state._fsdp else None
+        shards_lost = replicas.lost_shards(old_world, survivors) if sharded else []
         if shards_lost:
             why = ("no checkpoint_dir to fall back to" if state.checkpoint_dir is None
                    else None if disk.newest_exists(state, new)
                    else f"{state.checkpoint_dir} holds no committed checkpoint yet")
             if why is not None:
                 raise ShardsLostError(
-                    f"elastic: the ZeroOptimizer shards of old ranks {shards_lost} are lost (each rank and its "
+                    f"elastic: the {sharded} shards of old ranks {shards_lost} are lost (each rank and its "
                     f"buddy, the next rank, both failed; survivors: old ranks {survivors}); {why}", shards_lost)
         gen_t = torch.tensor([state.generation], dtype=torch.int64)
         new.all_reduce(gen_t, op=mpicomm.ReduceOp.MIN)
@@ -167,18 +168,21 @@ def _attempt(state: TorchState, new: Any, old_rank: int, old_world: int, min_wor
         if dist.is_available() and dist.is_initialized():
             mdist.reinit_process_group(new)
         if shards_lost:
-            resumed = state._restart_from_disk(new)
+            state._restart_from_disk(new)    # an FSDP2 model: loaded by RebuildFSDP, below
         else:
             state._rollback(gen, new, survivors, old_world)
-        if state.checkpoint_dir is not None and state.commits % state.checkpoint_every == 0 \
-                and state.commits > 0 and not disk.saved(state, new, state.commits):
-            state._saving = disk.save(state, state.commits)   # the save that the failure cut short
         for fn in state._callbacks:
             try:
                 fn()
             except Exception as e:  # noqa: BLE001 - reported on every survivor below
                 failed = f"{getattr(fn, '__qualname__', repr(fn))}: {type(e).__name__}: {e}"
                 break
+        if shards_lost:
+            resumed = state.resumed
+        # after the callbacks: an FSDP2 model is the one RebuildFSDP made on the survivors
+        if failed is None and state.checkpoint_dir is not None and state.commits % state.checkpoint_every == 0 \
+                and state.commits > 0 and not disk.saved(state, new, state.commits):
+            state._saving = disk.save(state, state.commits)   # the save that the failure cut short
     except ElasticError:
         raise                            # decided alike on every survivor
     except Exception as e:  # noqa: BLE001 - a failure during the recovery, or an error named below

@@ -75,9 +75,6 @@ class TorchState:
         if checkpoint_dir is not None and model is None:
             raise ValueError("elastic.TorchState: checkpoint_dir needs a model (ckpt saves a model)")
         object.__setattr__(self, "_fsdp", fsdp.uses_dtensors(model))    # FSDP2: see elastic.fsdp
-        if self._fsdp and checkpoint_dir is not None:
-            raise NotImplementedError("elastic.TorchState: checkpoint_dir with an FSDP2 model is not provided (the "
-                                      "disk path saves ZeroOptimizer and replicated state); save it with ckpt.save")
         object.__setattr__(self, "_fsdp_pending", None)
         object.__setattr__(self, "_names", [])
         object.__setattr__(self, "model", model)
@@ -282,9 +279,16 @@ class TorchState:
             self._commit(c.count)
 
     @torch.no_grad()
-    def _restart_from_disk(self, new_comm: Any) -> dict[str, Any]:
+    def _restart_from_disk(self, new_comm: Any) -> dict[str, Any] | None:
         """Carry on over ``new_comm`` from the newest checkpoint of ``checkpoint_dir`` (after a
-        shard and its replica were both lost); returns what was loaded."""
+        shard and its replica were both lost); returns what was loaded. An FSDP2 model is
+        loaded later, into the one ``RebuildFSDP`` builds on the survivors (returns None)."""
+        if self._fsdp:
+            object.__setattr__(self, "_comm", new_comm)
+            object.__setattr__(self, "resumed", None)
+            self._commits.clear()
+            object.__setattr__(self, "_fsdp_pending", {"disk": True})
+            return None
         opt = self.optimizer
         # re-partitioned over the survivors with placeholders; the load fills every shard
         opt.rebind(new_comm, [(torch.zeros(g.layout.total_numel, dtype=torch.float32), {}, {}) for g in opt.groups])

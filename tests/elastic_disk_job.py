@@ -3,7 +3,8 @@ elastic.run with a checkpoint every 2 commits.
 
     mpiexec [--with-ft ulfm] -n N python tests/elastic_disk_job.py OPT DIR STEPS KILL KILL_STEP OUT [MODE]
 
-OPT: ddp | zero2; DIR: checkpoint_dir; KILL: world ranks (comma-separated, -1: nobody) that die
+OPT: ddp | zero2 | fsdp2 (``fully_shard`` per layer and at the root, rebuilt by
+elastic.RebuildFSDP after a recovery); all with Adam; DIR: checkpoint_dir; KILL: world ranks (comma-separated, -1: nobody) that die
 (SIGKILL) at the start of step KILL_STEP (MODE ``insave``: inside the background write of
 the checkpoint taken at commit KILL_STEP instead; MODE ``again:R``: world rank R dies too, inside
 the recovery, right after its first shrink). Without ULFM the launcher then ends the whole
@@ -22,6 +23,8 @@ import sys
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -40,6 +43,16 @@ def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def build_fsdp2() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The model sharded over the ranks there are now, and its Adam (also after a recovery)."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = make_model()
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.Adam(model.parameters(), lr=LR)
+
+
 def main() -> None:
     opt_kind, ckdir, steps, kill, kill_step, out = sys.argv[1:7]
     steps, victims, kill_step = int(steps), [int(v) for v in kill.split(",")], int(kill_step)
@@ -49,10 +62,14 @@ def main() -> None:
     model = make_model()
     if opt_kind == "ddp":
         opt: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    elif opt_kind == "fsdp2":
+        model, opt = build_fsdp2()
     else:
         opt = ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=2, comm=world.dup(), lr=LR)
-    state = elastic.TorchState(model=model, optimizer=opt, comm=world if opt_kind == "ddp" else None,
+    state = elastic.TorchState(model=model, optimizer=opt, comm=None if opt_kind == "zero2" else world,
                                checkpoint_dir=ckdir, checkpoint_every=2, step=0)
+    if opt_kind == "fsdp2":
+        state.register_reset_callbacks([elastic.RebuildFSDP(state, build_fsdp2)])
     mode = sys.argv[7] if len(sys.argv) > 7 else ""
     if mode == "insave" and world.rank in victims:
         import ckpt.api
@@ -83,19 +100,22 @@ def main() -> None:
 
     @elastic.run
     def train(state: elastic.TorchState) -> None:
-        net = DDP(model) if opt_kind == "ddp" else model
+        net = DDP(model) if opt_kind == "ddp" else state.model    # FSDP2: the rebuilt one after a recovery
+        optim = state.optimizer
         while state.step < steps:
             if state.step == kill_step and world.rank in victims:
                 die()
-            opt.zero_grad()
+            optim.zero_grad()
             local_loss(net, state.step, state.rank, state.world_size).backward()
-            opt.step()
+            optim.step()
             state.step += 1
             state.commit()
 
     train(state)
+    weights = {f"p{i}": (p.full_tensor() if opt_kind == "fsdp2" else p).detach().numpy()
+               for i, p in enumerate(state.model.parameters())}    # full_tensor(): collective
     if state.rank == 0:
-        np.savez(out + ".npz", **{f"p{i}": p.detach().numpy() for i, p in enumerate(model.parameters())})
+        np.savez(out + ".npz", **weights)
         with open(out + ".json", "w") as f:
             json.dump({"resumed": state.resumed, "world_size": state.world_size,
                        "dist_world_size": dist.get_world_size(), "commits": state.commits,

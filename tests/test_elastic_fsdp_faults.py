@@ -16,7 +16,7 @@ import torch
 
 import elastic_job_lib
 from elastic_job_lib import LR
-from test_elastic_faults import _launch, _ulfm
+from test_elastic_faults import _launch, _published_checkpoints_are_whole, _ulfm
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STEPS = 5
@@ -47,4 +47,49 @@ def test_fsdp2_survivors_end_with_the_reference_weights(tmp_path, n, where, vict
     assert [r["lost"] for r in info["recoveries"]] == [[victim]], (info, log)
     got = np.load(out + ".npz")
     for i, ref in enumerate(reference(STEPS)):
+        np.testing.assert_allclose(got[f"p{i}"], ref.numpy(), rtol=1e-5, atol=1e-6, err_msg=f"param {i}\n{log}")
+
+
+def test_fsdp2_shard_lost_with_its_replica_falls_back_to_the_disk_checkpoint(tmp_path):
+    """4 ranks, FSDP2 with Adam, a checkpoint every 2 commits (tests/elastic_disk_job.py): ranks 1
+    and 2 are SIGKILLed together at step 5, so rank 1's local shards and their replica (on rank 2)
+    are gone; the two survivors rebuild the model on their mesh (RebuildFSDP), load the newest
+    committed checkpoint into it (saved at 4 ranks, re-partitioned over 2 by ckpt) and end with
+    the weights of the single-process Adam reference."""
+    _ulfm()
+    steps, out, ckdir = STEPS + 2, str(tmp_path / "run"), str(tmp_path / "ck")
+    proc = _launch(4, [os.path.join(HERE, "elastic_disk_job.py"), "fsdp2", ckdir, str(steps), "1,2", "5", out],
+                   timeout=180)
+    log = f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert os.path.exists(out + ".json"), log
+    with open(out + ".json") as f:
+        info = json.load(f)
+    assert info["world_size"] == info["dist_world_size"] == 2 and info["commits"] == steps, (info, log)
+    (rec,) = info["recoveries"]
+    assert rec["lost"] == [1, 2] and rec["survivors"] == [0, 3], rec
+    assert rec["from_disk"]["saved_world_size"] == 4 and rec["from_disk"]["commits"] in (2, 4), rec
+    assert rec["from_disk"]["path"].endswith(f"step{rec['from_disk']['commits']}"), rec
+    got = np.load(out + ".npz")
+    for i, ref in enumerate(elastic_job_lib.reference(steps)):
+        np.testing.assert_allclose(got[f"p{i}"], ref.numpy(), rtol=1e-5, atol=1e-6, err_msg=f"param {i}\n{log}")
+
+
+def test_fsdp2_rank_dying_inside_an_async_checkpoint_save(tmp_path):
+    """3 ranks, FSDP2 with Adam: rank 1 dies inside the write of the checkpoint taken at commit 2;
+    the survivors recover in memory (RebuildFSDP), the recovery writes that checkpoint again from
+    the rebuilt model, and they end with the Adam reference weights; every published checkpoint
+    verifies."""
+    _ulfm()
+    out, ckdir = str(tmp_path / "run"), str(tmp_path / "ck")
+    proc = _launch(3, [os.path.join(HERE, "elastic_disk_job.py"), "fsdp2", ckdir, str(STEPS), "1", "2", out,
+                       "insave"], timeout=180)
+    log = f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert os.path.exists(out + ".json"), log
+    with open(out + ".json") as f:
+        info = json.load(f)
+    assert info["world_size"] == 2 and [r["lost"] for r in info["recoveries"]] == [[1]], (info, log)
+    assert info["recoveries"][0]["save_in_flight"] == "failed" and info["recoveries"][0]["from_disk"] is None, info
+    assert _published_checkpoints_are_whole(ckdir)[-1] == "step4", os.listdir(ckdir)
+    got = np.load(out + ".npz")
+    for i, ref in enumerate(elastic_job_lib.reference(STEPS)):
         np.testing.assert_allclose(got[f"p{i}"], ref.numpy(), rtol=1e-5, atol=1e-6, err_msg=f"param {i}\n{log}")

@@ -155,11 +155,48 @@ def test_a_build_that_misfits_on_one_survivor_fails_on_every_survivor(pg, comm):
     assert_all(me == 0 or want in err, err)
 
 
-def test_checkpoint_dir_with_fsdp2_is_refused(pg, comm, tmp_path):
-    model, opt = sharded(_mesh(comm.size))
-    try:
-        elastic.TorchState(model=model, optimizer=opt, comm=comm, checkpoint_dir=str(tmp_path), checkpoint_every=1)
-        err = ""
-    except NotImplementedError as e:
-        err = str(e)
-    assert_all("checkpoint_dir with an FSDP2 model is not provided" in err, err)
+def test_the_disk_fall_back_loads_the_newest_checkpoint_into_the_rebuilt_model(pg, comm, shared_tmp_path):
+    """checkpoint_every=2, three commits: the survivors of a simulated loss of world rank 0 take
+    the disk path (as when a shard and its replica are both lost): RebuildFSDP builds the model on
+    their mesh and loads the checkpoint of commit 2 (saved over all ranks) into it."""
+    n, me = comm.size, comm.rank
+    model, opt = sharded(_mesh(n))
+    sub_group = dist.new_group(list(range(1, n)))      # collective over the world
+    state = elastic.TorchState(model=model, optimizer=opt, comm=comm, checkpoint_dir=str(shared_tmp_path / "ck"),
+                               checkpoint_every=2, step=0)
+    built = []
+
+    def build():
+        built.append(sharded(DeviceMesh.from_group(sub_group, "cpu")))
+        return built[-1]
+    state.register_reset_callbacks([elastic.RebuildFSDP(state, build)])
+    wants = []
+    for step in range(3):
+        opt.zero_grad()
+        local_loss(model, step, me, n).backward()
+        opt.step()
+        state.step += 1
+        state.commit()
+        wants.append(full_state(model, opt))
+    state.wait_checkpoint()
+    want = wants[1]                                    # the checkpoint of commit 2
+    sub = comm.split(None if me == 0 else 0)
+    got = {}
+    if me != 0:                                        # world rank 0 is "lost"
+        state._restart_from_disk(sub)
+        for fn in state._callbacks:
+            fn()
+        got = full_state(state.model, state.optimizer)
+
+    def check():
+        if me == 0:
+            return
+        assert state.resumed["commits"] == 2 and state.resumed["saved_world_size"] == n, state.resumed
+        assert state.resumed["path"].endswith("step2"), state.resumed
+        assert state.step == 2 and state.commits == 2 and state.world_size == n - 1 and state.generation == 1
+        assert state.model is built[0][0] and state.optimizer is built[0][1]
+        assert sorted(got) == sorted(want), (sorted(got), sorted(want))
+        for k in want:
+            assert torch.equal(got[k], want[k]), k
+        assert not torch.equal(got["0.weight"], wants[2]["0.weight"])
+    check_all(check)

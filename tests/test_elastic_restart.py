@@ -36,7 +36,7 @@ def _launch(n: int, args: list[str], timeout: float = 120) -> subprocess.Complet
         raise AssertionError(f"the job hung (killed after {timeout} s): {' '.join(cmd)}\n{err[-4000:]}") from None
 
 
-@pytest.mark.parametrize("opt", ["zero2", "ddp"])
+@pytest.mark.parametrize("opt", ["zero2", "ddp", "fsdp2"])
 def test_relaunch_at_another_size_resumes_from_the_newest_checkpoint(tmp_path, opt):
     if MPI.COMM_WORLD.Get_size() > 1:
         pytest.skip("launches its own mpiexec jobs")
