@@ -194,3 +194,31 @@ def test_a_second_failure_during_the_recovery_is_recovered_from(tmp_path):
     (rec,) = info["recoveries"]
     assert rec["lost"] == [1, 3] and rec["survivors"] == [0, 2] and rec["attempts"] == 2, rec
     assert rec["from_disk"] is None, rec
+
+
+def _too_small(tmp_path, mode: str) -> subprocess.CompletedProcess:
+    """4 ranks, ZeroOptimizer stage 2, min_world_size=3: rank 1 dies at step 3 and ``mode``
+    takes a second rank; the two survivors must both fail with WorldTooSmallError and a
+    non-zero exit (a hang fails in _launch's timeout)."""
+    out, ckdir = str(tmp_path / "run"), str(tmp_path / "ck")
+    proc = _launch(4, [os.path.join(HERE, "elastic_disk_job.py"), "zero2", ckdir, str(STEPS + 2), "1", "3", out,
+                       f"{mode}+min:3"], timeout=150)
+    log = f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert proc.returncode != 0 and not os.path.exists(out + ".json"), log
+    assert proc.stderr.count("elastic.errors.WorldTooSmallError") >= 2, log
+    assert "2 survivors, fewer than min_world_size=3" in proc.stderr, log
+    return proc
+
+
+def test_a_second_failure_during_the_recovery_below_min_world_size_ends_every_survivor(tmp_path):
+    """Rank 3 dies right after the survivors' first shrink (3 ranks, enough): the recovery starts
+    again over 2 ranks, fewer than min_world_size=3."""
+    _ulfm()
+    _too_small(tmp_path, "again:3")
+
+
+def test_a_second_failure_after_a_recovery_below_min_world_size_ends_every_survivor(tmp_path):
+    """The recovery to 3 ranks succeeds; rank 3 dies at step 5, on the recovered world: 2 left."""
+    _ulfm()
+    proc = _too_small(tmp_path, "then:3:5")
+    assert "recovered" in proc.stderr, proc.stderr[-4000:]     # the first recovery's log line
