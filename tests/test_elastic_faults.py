@@ -53,13 +53,14 @@ def _launch(n: int, args: list[str], timeout: float = 240) -> subprocess.Complet
 
 # (ranks, optimizer, where, victim, step): rank 0 (the store's host) and non-zero ranks, between
 # steps, inside backward (DDP bucket all-reduce, ZeroOptimizer gradient reduction), inside a
-# ZeroOptimizer step, inside commit(); 3 and 4 ranks. Each job takes 15-40 s here.
+# ZeroOptimizer step, inside commit(); 3 and 4 ranks; 1-bit Adam in a ZeroOptimizer. Each job takes 15-40 s here.
 CASES = [
     (3, "ddp", "between", 0, 2),
     (4, "ddp", "backward", 2, 1),
     (3, "zero1", "zstep", 1, 2),
     (4, "zero2", "backward", 0, 3),
     (3, "zero2", "commit", 2, 1),
+    (3, "onebit", "zstep", 2, 2),      # 1-bit Adam's warm-up is Adam: the same reference
 ]
 
 
