@@ -7,7 +7,8 @@ OPT: ddp | zero2 | fsdp2 (``fully_shard`` per layer and at the root, rebuilt by
 elastic.RebuildFSDP after a recovery); all with Adam; DIR: checkpoint_dir; KILL: world ranks (comma-separated, -1: nobody) that die
 (SIGKILL) at the start of step KILL_STEP (MODE ``insave``: inside the background write of
 the checkpoint taken at commit KILL_STEP instead; MODE ``again:R``: world rank R dies too, inside
-the recovery, right after its first shrink). Without ULFM the launcher then ends the whole
+the recovery, right after its first shrink; ``then:R:S``: world rank R dies too, at the start of
+step S; ``min:M``: ``elastic.run(min_world_size=M)``; several joined by ``+``). Without ULFM the launcher then ends the whole
 job, and a relaunch resumes from DIR's newest checkpoint by itself; under ULFM the survivors
 recover from their in-memory commits, or from DIR's newest checkpoint when a shard was lost with
 its replica. ``badreset``: a reset callback raises. Rank 0 writes the final weights (OUT.npz) and
@@ -70,7 +71,10 @@ def main() -> None:
                                checkpoint_dir=ckdir, checkpoint_every=2, step=0)
     if opt_kind == "fsdp2":
         state.register_reset_callbacks([elastic.RebuildFSDP(state, build_fsdp2)])
-    mode = sys.argv[7] if len(sys.argv) > 7 else ""
+    modes = (sys.argv[7] if len(sys.argv) > 7 else "").split("+")
+    mode = modes[0]
+    later = {int(m.split(":")[2]): int(m.split(":")[1]) for m in modes if m.startswith("then:")}
+    min_world = next((int(m[4:]) for m in modes if m.startswith("min:")), 1)
     if mode == "insave" and world.rank in victims:
         import ckpt.api
         import ckpt.direct_io
@@ -98,12 +102,12 @@ def main() -> None:
             raise OSError("no data shard for the new world size")
         state.register_reset_callbacks([rebuild_data_loader])
 
-    @elastic.run
+    @elastic.run(min_world_size=min_world)
     def train(state: elastic.TorchState) -> None:
         net = DDP(model) if opt_kind == "ddp" else state.model    # FSDP2: the rebuilt one after a recovery
         optim = state.optimizer
         while state.step < steps:
-            if state.step == kill_step and world.rank in victims:
+            if state.step == kill_step and world.rank in victims or later.get(state.step) == world.rank:
                 die()
             optim.zero_grad()
             local_loss(net, state.step, state.rank, state.world_size).backward()

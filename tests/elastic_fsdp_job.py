@@ -4,7 +4,9 @@ per layer and at the root) with AdamW trains under elastic.run; one rank dies.
     mpirun --with-ft ulfm -n N python tests/elastic_fsdp_job.py WHERE RANK STEP STEPS OUT
 
 WHERE: none | between (after the commit of step STEP) | backward (inside backward, after the
-last layer's gradient reduce-scatter was issued, before the first layer's); RANK: the world rank
+last layer's gradient reduce-scatter was issued, before the first layer's) | ostep (inside
+optimizer.step, in its pre-hook: gradients reduced, no weight updated yet) | commit (inside
+commit(), right after the packed shards' send to the buddy was issued); RANK: the world rank
 that os._exit(9)s at step STEP. The new rank 0 writes the final full weights (OUT.npz) and what
 happened (OUT.json) for the test to compare with a single-process reference.
 """
@@ -58,6 +60,14 @@ def main() -> None:
         def watch(mod: torch.nn.Module, inp: tuple, out: torch.Tensor) -> None:
             out.register_hook(lambda g: die("backward" if state.step == kill_step else ""))
         model[1].register_forward_hook(watch)
+    if where == "ostep":
+        opt.register_step_pre_hook(lambda *_: die("ostep" if state.step == kill_step else ""))
+    if where == "commit":
+        def isend_then_die(*a, **k):
+            work = type(world).isend(world, *a, **k)
+            die("commit" if state.step == kill_step + 1 else "")
+            return work
+        world.isend = isend_then_die     # state.comm until the recovery
 
     @elastic.run
     def train(state: elastic.TorchState) -> None:

@@ -2,7 +2,8 @@
 
     mpirun --with-ft ulfm -n N python tests/elastic_job.py OPT WHERE RANK STEP STEPS OUT
 
-OPT: ddp | zero1 | zero2 (ZeroOptimizer stage); WHERE: none | between (after the commit of step
+OPT: ddp | zero1 | zero2 (ZeroOptimizer stage) | onebit (ZeroOptimizer stage 2 of 1-bit Adam, in its
+warm-up: Adam exactly); WHERE: none | between (after the commit of step
 STEP) | backward (inside a DDP bucket allreduce / ZeroOptimizer gradient reduction) | zstep
 (inside ZeroOptimizer.step, between the gradient reduction and the weight gather) | commit
 (inside commit(), between sending two shard pieces to the buddy); RANK: the world rank that
@@ -22,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import compressed  # noqa: E402
 import elastic  # noqa: E402
 import mpicomm  # noqa: E402
 from elastic_job_lib import LR, local_loss, make_model  # noqa: E402
@@ -46,8 +48,9 @@ def main() -> None:
         opt: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=LR)
         state = elastic.TorchState(model=model, optimizer=opt, comm=world, step=0)
     else:
-        opt = ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=int(opt_kind[-1]), comm=world.dup(),
-                            lr=LR, bucket_bytes=64)
+        inner = compressed.OnebitAdam if opt_kind == "onebit" else torch.optim.Adam
+        opt = ZeroOptimizer(inner, model.parameters(), stage=2 if opt_kind == "onebit" else int(opt_kind[-1]),
+                            comm=world.dup(), lr=LR, bucket_bytes=64)
         state = elastic.TorchState(model=model, optimizer=opt, step=0)
         if where == "zstep":
             inner_step = opt.optimizer.step

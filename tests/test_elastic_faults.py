@@ -53,13 +53,14 @@ def _launch(n: int, args: list[str], timeout: float = 240) -> subprocess.Complet
 
 # (ranks, optimizer, where, victim, step): rank 0 (the store's host) and non-zero ranks, between
 # steps, inside backward (DDP bucket all-reduce, ZeroOptimizer gradient reduction), inside a
-# ZeroOptimizer step, inside commit(); 3 and 4 ranks. Each job takes 15-40 s here.
+# ZeroOptimizer step, inside commit(); 3 and 4 ranks; 1-bit Adam in a ZeroOptimizer. Each job takes 15-40 s here.
 CASES = [
     (3, "ddp", "between", 0, 2),
     (4, "ddp", "backward", 2, 1),
     (3, "zero1", "zstep", 1, 2),
     (4, "zero2", "backward", 0, 3),
     (3, "zero2", "commit", 2, 1),
+    (3, "onebit", "zstep", 2, 2),      # 1-bit Adam's warm-up is Adam: the same reference
 ]
 
 
@@ -194,3 +195,31 @@ def test_a_second_failure_during_the_recovery_is_recovered_from(tmp_path):
     (rec,) = info["recoveries"]
     assert rec["lost"] == [1, 3] and rec["survivors"] == [0, 2] and rec["attempts"] == 2, rec
     assert rec["from_disk"] is None, rec
+
+
+def _too_small(tmp_path, mode: str) -> subprocess.CompletedProcess:
+    """4 ranks, ZeroOptimizer stage 2, min_world_size=3: rank 1 dies at step 3 and ``mode``
+    takes a second rank; the two survivors must both fail with WorldTooSmallError and a
+    non-zero exit (a hang fails in _launch's timeout)."""
+    out, ckdir = str(tmp_path / "run"), str(tmp_path / "ck")
+    proc = _launch(4, [os.path.join(HERE, "elastic_disk_job.py"), "zero2", ckdir, str(STEPS + 2), "1", "3", out,
+                       f"{mode}+min:3"], timeout=150)
+    log = f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert proc.returncode != 0 and not os.path.exists(out + ".json"), log
+    assert proc.stderr.count("elastic.errors.WorldTooSmallError") >= 2, log
+    assert "2 survivors, fewer than min_world_size=3" in proc.stderr, log
+    return proc
+
+
+def test_a_second_failure_during_the_recovery_below_min_world_size_ends_every_survivor(tmp_path):
+    """Rank 3 dies right after the survivors' first shrink (3 ranks, enough): the recovery starts
+    again over 2 ranks, fewer than min_world_size=3."""
+    _ulfm()
+    _too_small(tmp_path, "again:3")
+
+
+def test_a_second_failure_after_a_recovery_below_min_world_size_ends_every_survivor(tmp_path):
+    """The recovery to 3 ranks succeeds; rank 3 dies at step 5, on the recovered world: 2 left."""
+    _ulfm()
+    proc = _too_small(tmp_path, "then:3:5")
+    assert "recovered" in proc.stderr, proc.stderr[-4000:]     # the first recovery's log line

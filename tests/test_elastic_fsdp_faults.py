@@ -29,8 +29,10 @@ def reference(steps: int) -> list[torch.Tensor]:
 
 
 # (ranks, where, victim, step): rank 0 (the store's host) between steps, 3 -> 2 ranks (7 rows:
-# 3+3+1 -> 4+3); a non-zero rank inside backward, 4 -> 3 ranks (3 rows: 1+1+1+0 -> 1+1+1)
-CASES = [(3, "between", 0, 2), (4, "backward", 2, 1)]
+# 3+3+1 -> 4+3); a non-zero rank inside backward, 4 -> 3 ranks (3 rows: 1+1+1+0 -> 1+1+1);
+# rank 0 inside commit() (its shards' send issued), 4 -> 3 ranks; a non-zero rank inside the
+# optimizer step, 3 -> 2 ranks
+CASES = [(3, "between", 0, 2), (4, "backward", 2, 1), (4, "commit", 0, 2), (3, "ostep", 1, 3)]
 
 
 @pytest.mark.parametrize("n,where,victim,step", CASES, ids=[f"{n}ranks-{w}-rank{v}" for n, w, v, _ in CASES])

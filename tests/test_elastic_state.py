@@ -11,6 +11,7 @@ import pytest
 import torch
 from mpi4py import MPI
 
+import compressed
 import elastic
 import mpicomm
 from elastic_job_lib import LR, local_loss, make_model, reference
@@ -242,9 +243,10 @@ def _drop(world: mpicomm.Communicator, dropped: list[int]):
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("opt_kind", ["zero1", "zero2", "adam"])
+@pytest.mark.parametrize("opt_kind", ["zero1", "zero2", "adam", "onebit"])
 @pytest.mark.parametrize("drop", ["first", "last", "two"])
 def test_rollback_over_fewer_ranks_matches_the_reference(opt_kind, drop):
+    """``onebit``: 1-bit Adam in its warm-up, which is Adam (without weight decay) exactly."""
     world = mpicomm.Communicator(WORLD)
     n = world.size
     dropped = {"first": [0], "last": [n - 1], "two": [0, 2] if n >= 4 else [0]}[drop]
@@ -252,6 +254,9 @@ def test_rollback_over_fewer_ranks_matches_the_reference(opt_kind, drop):
     if opt_kind == "adam":
         opt = torch.optim.Adam(model.parameters(), lr=LR)
         comm = world
+    elif opt_kind == "onebit":
+        comm = world.dup()
+        opt = ZeroOptimizer(compressed.OnebitAdam, model.parameters(), stage=2, comm=comm, lr=LR)
     else:
         comm = world.dup()
         opt = ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=int(opt_kind[-1]), comm=comm, lr=LR)
@@ -307,3 +312,75 @@ def test_a_shard_and_its_buddy_lost_is_named():
         except elastic.ShardsLostError as e:
             ok = e.lost == [0] and "old ranks [0] are lost" in str(e)
     assert_all(ok, "expected ShardsLostError naming old rank 0")
+
+
+def _allgather(comm: mpicomm.Communicator, t: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(comm.size * t.numel(), dtype=t.dtype)
+    comm.all_gather_into_tensor(out, t.reshape(-1).contiguous())
+    return out.view(comm.size, *t.shape)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("drop", ["first", "last"])
+def test_onebit_after_freeze_restarts_from_the_exact_mean_momentum(drop):
+    """1-bit Adam after freeze_step (compressed, each rank its own local momentum): the survivors
+    roll back to commit 3 with every master, the frozen variance and the step exactly as
+    committed, and the mean of the old ranks' local momenta (a float64 mean of the momenta
+    gathered at the commit) as ``exp_avg``; error feedback restarts at zero. Then one more
+    step on the survivors (weights checked against a float64 computation where one rank is left,
+    which compresses nothing)."""
+    world = mpicomm.Communicator(WORLD)
+    n = world.size
+    model = make_model()
+    comm = world.dup()
+    betas, freeze = (0.9, 0.999), 2
+    opt = ZeroOptimizer(compressed.OnebitAdam, model.parameters(), stage=2, comm=comm, lr=LR, freeze_step=freeze)
+    state = elastic.TorchState(model=model, optimizer=opt, step=0)
+    g = opt.groups[0]
+    while state.step < 4:
+        opt.zero_grad()
+        local_loss(model, state.step, state.rank, state.world_size).backward()
+        opt.step()
+        state.step += 1
+        if state.step < 4:
+            state.commit()
+        if state.step == 3:        # what commit 3 holds, gathered independently of elastic
+            (loc,) = opt.optimizer._local.values()
+            L = g.layout.local_numel
+            means = _allgather(comm, loc["mom"]).double().mean(0)[:, :L]   # (owner, chunk) -> shards
+            full = lambda rows: elastic.reshard.assemble(g.layout, list(rows))   # noqa: E731
+            want_m = full(means)
+            want_master = full(_allgather(comm, g.master))
+            want_v = full(_allgather(comm, opt.optimizer.state[g.master]["exp_avg_sq"]))
+            weights = [p.detach().clone() for p in model.parameters()]
+    assert opt.optimizer.frozen and opt.optimizer.global_step == 4
+    new, survivors = _drop(world, [0] if drop == "first" else [n - 1])
+    if new is not None:
+        def check():
+            state._rollback(3, new, survivors, n)
+            inner = opt.optimizer
+            assert state.step == 3 and inner.global_step == 3 and opt.world_size == n - 1
+            assert inner._local == {}, "the local momenta must restart from the mean"
+            gi = opt.groups[0]
+            st = inner.state[gi.master]
+            got = lambda t: elastic.reshard.assemble(gi.layout, list(_allgather(new, t)))   # noqa: E731
+            torch.testing.assert_close(got(gi.master), want_master, rtol=0, atol=0)
+            torch.testing.assert_close(got(st["exp_avg_sq"]), want_v, rtol=0, atol=0)
+            torch.testing.assert_close(got(st["exp_avg"]).double(), want_m, rtol=1e-6, atol=1e-9)
+            for p, w in zip(model.parameters(), weights):
+                torch.testing.assert_close(p.detach(), w, rtol=0, atol=0)
+            opt.zero_grad()
+            local_loss(model, 3, state.rank, state.world_size).backward()
+            grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double()
+            opt.step()
+            (loc,) = inner._local.values()
+            if new.size == 1:      # the float64 step: momentum from the mean, variance frozen
+                m = betas[0] * want_m + (1 - betas[0]) * grads
+                den = (want_v.double() / (1 - betas[1] ** freeze)).sqrt() + 1e-8
+                want = want_master.double() - LR / (1 - betas[0] ** 4) * m / den
+                torch.testing.assert_close(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double(),
+                                           want, rtol=1e-5, atol=1e-7)
+            else:                  # compressed: every survivor's worker error started at zero
+                assert loc["err"].abs().sum() > 0
+        check_all(check, new.mpi_comm)
+    WORLD.Barrier()

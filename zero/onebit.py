@@ -85,6 +85,21 @@ class ShardedOnebitAdam(torch.optim.Optimizer):
                 self.global_step = int(st.pop("step"))
         self._local.clear()
 
+    def rebound(self) -> None:
+        """After ``ZeroOptimizer.rebind`` (the survivors of a failure): ``global_step`` from the
+        shard states' "step" (0 without one: no step was committed), the local momenta and worker
+        errors dropped. Exact where the state was taken by ``saved_state`` (as elastic commits
+        it): ``exp_avg`` is then the mean of every old rank's local momentum, which the next
+        frozen step restarts each survivor's from; the error feedback restarts at zero, as on a
+        checkpoint load at another world size (DeepSpeed resets it on a reload too)."""
+        steps = {int(st.pop("step")) for g in self.param_groups
+                 if (st := self.state.get(g["params"][0])) and "step" in st}
+        if len(steps) > 1:
+            raise ValueError(f"ShardedOnebitAdam.rebound: the groups' step counts differ: {sorted(steps)}")
+        self.global_step = steps.pop() if steps else 0
+        self._local.clear()
+        self._restore = {}
+
     def per_rank_state_dict(self) -> dict[str, Any]:
         """This rank's local momenta and worker errors (``ckpt.save`` stores them per rank)."""
         return {"groups": {str(gi): {"momentum": loc["mom"].clone(), "worker_error": loc["err"].clone()}

@@ -418,12 +418,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         per-element state in that order (name -> tensor of the same size) and its other state
         (name -> value, e.g. ``step``). Nothing is sent over the old communicator (it may hold
         dead ranks): its gradient communicator is dropped, not freed. The model's weights are
-        left as they are."""
+        left as they are. 1-bit Adam: ``other["step"]`` is its step count, and its per-rank
+        local momenta and worker errors restart as after a checkpoint load at another world size
+        (from ``exp_avg``, errors at zero; see ``ShardedOnebitAdam.rebound``)."""
         import mpicomm
 
-        if isinstance(self.optimizer, ShardedOnebitAdam):
-            raise NotImplementedError("ZeroOptimizer.rebind: 1-bit Adam keeps per-rank momenta that "
-                                      "cannot be re-partitioned; use a plain torch optimizer")
         if len(full_state) != len(self._groups):
             raise ValueError(f"ZeroOptimizer.rebind: expected {len(self._groups)} groups, got {len(full_state)}")
         comm = mpicomm.as_communicator(comm)
@@ -464,6 +463,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._scratch_bufs.clear()
         self._grad_comm = comm.dup() if world > 1 else comm
         self._reducer = GradReducer(self._groups, self._grad_comm, self.bucket_bytes, release=self.stage == 2)
+        if isinstance(self.optimizer, ShardedOnebitAdam):
+            self.optimizer.rebound()
         self._end_cycle()
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]

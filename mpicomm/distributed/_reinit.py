@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from ..communicator import Communicator, as_communicator
 from . import _registration
+from ._mesh_caches import clear_mesh_caches
 from ._pg import BACKEND_NAME, DEFAULT_TIMEOUT, MpicommProcessGroup
 from ._rendezvous import mpi_store
 
@@ -33,7 +34,8 @@ def reinit_process_group(comm: Communicator, timeout: datetime.timedelta | None 
     answer): they refuse further calls and their MPI communicators are not freed. The new
     group's TCPStore is hosted by ``comm``'s rank 0 (its address sent over MPI, so the store
     moves when the old host died); afterwards ``dist.get_rank()`` and ``dist.get_world_size()``
-    are ``comm``'s, and DDP, DeviceMesh and new groups build on it. ``timeout``: the new group's
+    are ``comm``'s, and DDP, DeviceMesh and new groups build on it; torch's DTensor caches keyed
+    on meshes are cleared (a new mesh can equal an old one, see ``_mesh_caches``). ``timeout``: the new group's
     (default: the old default group's, else 30 minutes)."""
     comm = as_communicator(comm)
     groups = _mpicomm_groups() if dist.is_initialized() else []
@@ -46,6 +48,7 @@ def reinit_process_group(comm: Communicator, timeout: datetime.timedelta | None 
         g.abandon("after a rank failure (reinit_process_group made a new default group)")
     if dist.is_initialized():
         dist.destroy_process_group()  # local: no barrier, no store call
+    clear_mesh_caches()
     store = mpi_store(timeout, comm.mpi_comm, from_env=False)
     _registration.register()
     _registration.set_world(comm)
