@@ -64,11 +64,12 @@ _IN_PLACE = MPI.IN_PLACE
 #: less when the same tensor comes again, ~0.15 us more of CPU time when it does not.
 REMEMBER_BYTES = 1 << 16
 _NOTHING = object()  # no call remembered (never a caller's argument)
-#: A communicator's ``_last_fast`` before its first fast all_reduce: (tensor, op, address,
-#: nbytes, dtype, MPI buffer, MPI op) of that call. ``_last_bcast``, ``_last_gather`` and
-#: ``_last_scatter`` remember broadcast's, all_gather_into_tensor's and reduce_scatter_tensor's
-#: last fast call the same way (and start as this too).
-NOTHING_REMEMBERED = (_NOTHING,) * 11
+#: What a communicator remembers before its first fast call of each kind, one tuple as long as
+#: what that call remembers: ``_last_fast`` (all_reduce: tensor, op, address, bytes, dtype, MPI
+#: buffer, MPI op), ``_last_bcast`` (tensor, address, bytes, dtype, MPI buffer, root),
+#: ``_last_gather`` (:func:`_remember_pair`) and ``_last_scatter`` (the same, op, MPI op).
+NOT_YET_FAST, NOT_YET_BCAST = (_NOTHING,) * 7, (_NOTHING,) * 6
+NOT_YET_GATHER, NOT_YET_SCATTER = (_NOTHING,) * 9, (_NOTHING,) * 11
 # dtype -> MPI datatype that moves it unchanged.
 _MOVE = {dtype: dtypes.move_type(dtype) for dtype in dtypes.SUPPORTED}
 
@@ -139,20 +140,18 @@ def broadcast(method: Callable) -> Callable:
     def broadcast(self, tensor, src=0, async_op=False):
         try:
             if (not self.check and ENABLED and not _profiler._is_profiler_enabled
-                    and (_debug_cache.get(_DEBUG) is False or not observe.log.isEnabledFor(_DEBUG))
-                    and type(src) is int and 0 <= src < self.size):
-                last = self._last_bcast
-                if (tensor is last[0] and tensor.data_ptr() == last[1] and tensor.nbytes == last[2]
-                        and tensor.dtype is last[3] and tensor.is_contiguous() and tensor.is_cpu
-                        and not tensor.is_neg()):
-                    spec = last[4]
-                else:
-                    t = _plain(tensor)
+                    and (_debug_cache.get(_DEBUG) is False or not observe.log.isEnabledFor(_DEBUG))):
+                t0, address, nbytes, dtype, spec, src0 = self._last_bcast
+                # the same tensor and root as the last fast call (see all_reduce)
+                if not (tensor is t0 and src is src0 and tensor.data_ptr() == address
+                        and tensor.nbytes == nbytes and tensor.dtype is dtype
+                        and tensor.is_contiguous() and tensor.is_cpu and not tensor.is_neg()):
+                    t = None if type(src) is not int or not 0 <= src < self.size else _plain(tensor)
                     if t is None or t[3] > large.MAX_COUNT:
                         return method(self, tensor, src, async_op)
                     spec = t[0]
                     if t[2] <= REMEMBER_BYTES:
-                        self._last_bcast = (tensor, t[1], t[2], t[4], spec)
+                        self._last_bcast = (tensor, t[1], t[2], t[4], spec, src)
                 if async_op:
                     return Work(self.mpi_comm.Ibcast(spec, src), (), [tensor], (tensor,), self)
                 self.mpi_comm.Bcast(spec, src)
@@ -177,17 +176,17 @@ def all_gather_into_tensor(method: Callable) -> Callable:
         try:
             if (not self.check and ENABLED and not _profiler._is_profiler_enabled
                     and (_debug_cache.get(_DEBUG) is False or not observe.log.isEnabledFor(_DEBUG))):
-                last = self._last_gather
+                i0, o0, address_i, address_o, nbytes_i, nbytes_o, dtype, send, recv = \
+                    self._last_gather
                 # the same two tensors as the last fast call (see all_reduce): each checked again
-                if (input_tensor is last[0] and output_tensor is last[1]
-                        and input_tensor.data_ptr() == last[2] and output_tensor.data_ptr() == last[3]
-                        and input_tensor.nbytes == last[4] and output_tensor.nbytes == last[5]
-                        and input_tensor.dtype is last[6] and output_tensor.dtype is last[6]
+                if not (input_tensor is i0 and output_tensor is o0
+                        and input_tensor.data_ptr() == address_i
+                        and output_tensor.data_ptr() == address_o
+                        and input_tensor.nbytes == nbytes_i and output_tensor.nbytes == nbytes_o
+                        and input_tensor.dtype is dtype and output_tensor.dtype is dtype
                         and input_tensor.is_contiguous() and output_tensor.is_contiguous()
                         and input_tensor.is_cpu and output_tensor.is_cpu
                         and not (input_tensor.is_neg() or output_tensor.is_neg())):
-                    send, recv = last[7], last[8]
-                else:
                     pair = _pair(input_tensor, output_tensor, self.size, 1)
                     if pair is None:
                         return method(self, output_tensor, input_tensor, async_op)
@@ -214,16 +213,15 @@ def reduce_scatter_tensor(method: Callable) -> Callable:
             if (factor is None and not self.check and ENABLED
                     and not _profiler._is_profiler_enabled
                     and (_debug_cache.get(_DEBUG) is False or not observe.log.isEnabledFor(_DEBUG))):
-                last = self._last_scatter
-                if (output is last[0] and input is last[1] and op is last[9]
-                        and output.data_ptr() == last[2] and input.data_ptr() == last[3]
-                        and output.nbytes == last[4] and input.nbytes == last[5]
-                        and output.dtype is last[6] and input.dtype is last[6]
+                (o0, i0, address_o, address_i, nbytes_o, nbytes_i, dtype, recv, send, op0,
+                 mpi_op) = self._last_scatter
+                if not (output is o0 and input is i0 and op is op0
+                        and output.data_ptr() == address_o and input.data_ptr() == address_i
+                        and output.nbytes == nbytes_o and input.nbytes == nbytes_i
+                        and output.dtype is dtype and input.dtype is dtype
                         and output.is_contiguous() and input.is_contiguous()
                         and output.is_cpu and input.is_cpu
                         and not (output.is_neg() or input.is_neg())):
-                    recv, send, mpi_op = last[7], last[8], last[10]
-                else:
                     pair = _pair(output, input, self.size, 1)
                     mpi_op = None if pair is None else _reduce_op(pair[0][4], op)
                     if mpi_op is None:
@@ -274,15 +272,13 @@ def all_reduce(method: Callable) -> Callable:
             if (factor is None and not self.check and ENABLED
                     and not _profiler._is_profiler_enabled
                     and (_debug_cache.get(_DEBUG) is False or not observe.log.isEnabledFor(_DEBUG))):
-                last = self._last_fast
+                t0, op0, address, nbytes, dtype, spec, mpi_op = self._last_fast
                 # The small tensor and op of the last fast call again (a flag, a metric, a bucket
                 # reduced step after step): its MPI buffer is reused while the tensor keeps the
                 # same memory, size, dtype and layout, which is checked on every call.
-                if (tensor is last[0] and op is last[1] and tensor.data_ptr() == last[2]
-                        and tensor.nbytes == last[3] and tensor.dtype is last[4]
+                if not (tensor is t0 and op is op0 and tensor.data_ptr() == address
+                        and tensor.nbytes == nbytes and tensor.dtype is dtype
                         and tensor.is_contiguous() and tensor.is_cpu and not tensor.is_neg()):
-                    spec, mpi_op = last[5], last[6]
-                else:
                     t = _plain(tensor)
                     mpi_op = None if t is None or t[3] > large.MAX_COUNT else _reduce_op(t[4], op)
                     if mpi_op is None:
