@@ -10,21 +10,22 @@ path stages (the remembered-call checks below test it too: ``.data =`` can turn 
 tensor into one without changing its address, size or dtype).
 
 ``all_reduce`` (below) is ``Communicator.all_reduce`` itself with the rule in front, inline
-(one Python frame between the caller and MPI's Allreduce, SUM found by identity); it remembers
-its last fast call (blocking or not) on a tensor of at most :data:`REMEMBER_BYTES`: the same
-tensor again reuses that MPI buffer once its address, size, dtype, device, layout and the op
-are checked (the tensor's version counter would not do: ``.data =`` and ``share_memory_``
-change a tensor without counting, and every write counts). A ``factor``
-(PREMUL_SUM) always takes the general path. Measured here at one rank in
-CPU time per 8-byte call: 1.19 us for the same tensor again, 1.53 us for two tensors in turn
-(1.39 us for both before it remembered), against 0.83 us for mpi4py's ``Allreduce`` on numpy
-arrays. The other calls (broadcast, all_gather_into_tensor, reduce_scatter_tensor,
-all_to_all_single) get the rule the same way, one function each in front of their general
-path, and ask :func:`_plain` for the MPI spec of a tensor's memory they have seen before;
-broadcast, all_gather_into_tensor and reduce_scatter_tensor also remember their last fast call
-as all_reduce does. Thread CPU time per 8-byte call at one rank (``time.thread_time``, best of
-9 x 20000), against mpi4py on numpy arrays: broadcast +0.54 us, all_reduce +0.25,
-all_gather_into_tensor +0.75 (+1.7 before it remembered), reduce_scatter_tensor +0.75 (+1.5).
+(one Python frame between the caller and MPI's Allreduce, SUM found by identity). It,
+broadcast, all_gather_into_tensor and reduce_scatter_tensor remember their last fast call
+(blocking or not) on tensors of at most :data:`REMEMBER_BYTES`: the same tensors again, with the
+same op (or root), reuse that call's MPI buffers once each tensor's address, size, dtype,
+contiguity, device and negative bit are read again and found unchanged (the tensor's version
+counter would not do: ``.data =``, ``share_memory_``, ``swap_tensors`` and ``_set_neg`` change a
+tensor without counting, and every write counts). Those six reads per tensor are what a
+remembered call costs above MPI's own call; tests/test_cco_fastpath.py changes each of them in
+place while keeping the others (the device aside: no other device there). The check is written out in each function: a helper
+per tensor would add a Python call to every call. A ``factor`` (PREMUL_SUM) always takes the
+general path. all_to_all_single gets the rule the same way and asks :func:`_plain` for the MPI
+spec of a tensor's memory it has seen before. Thread CPU time per remembered 8-byte call at
+one rank on MPICH 5.0.2 (``time.thread_time``, best of 30 x 4000, load 25), against mpi4py's
+plain call on numpy arrays: all_reduce +0.51 us, broadcast +0.86, all_gather_into_tensor +1.40,
+reduce_scatter_tensor +1.34 (two tensors: twelve property reads, 20-160 ns each, is_neg()
+the dearest).
 MPI-4 persistent collectives
 (``Allreduce_init`` + ``Start``/``Wait``) were measured and not adopted: on MPICH 5.0.2 at one
 rank ``Start(); Wait()`` took 0.83 us of CPU time against 0.25 us for ``Allreduce`` on a
