@@ -92,10 +92,10 @@ class Communicator(Reductions, Moves, PointToPoint):
         self._policy: DevicePolicy | None = None
         self._tag_ub: int = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
         self._r16: reduce16.State | None = None
-        self._last_fast: tuple = fastpath.NOTHING_REMEMBERED
-        self._last_bcast: tuple = fastpath.NOTHING_REMEMBERED
-        self._last_gather: tuple = fastpath.NOTHING_REMEMBERED
-        self._last_scatter: tuple = fastpath.NOTHING_REMEMBERED
+        self._last_fast: tuple = fastpath.NOT_YET_FAST
+        self._last_bcast: tuple = fastpath.NOT_YET_BCAST
+        self._last_gather: tuple = fastpath.NOT_YET_GATHER
+        self._last_scatter: tuple = fastpath.NOT_YET_SCATTER
         # this communicator and those split or duplicated from it (or it from them): a failure
         # seen on one revokes them all, so that no rank stays in a call on a relative (the
         # hierarchical paths run on a node and a cross-node communicator of one parent)

@@ -10,21 +10,22 @@ path stages (the remembered-call checks below test it too: ``.data =`` can turn 
 tensor into one without changing its address, size or dtype).
 
 ``all_reduce`` (below) is ``Communicator.all_reduce`` itself with the rule in front, inline
-(one Python frame between the caller and MPI's Allreduce, SUM found by identity); it remembers
-its last fast call (blocking or not) on a tensor of at most :data:`REMEMBER_BYTES`: the same
-tensor again reuses that MPI buffer once its address, size, dtype, device, layout and the op
-are checked (the tensor's version counter would not do: ``.data =`` and ``share_memory_``
-change a tensor without counting, and every write counts). A ``factor``
-(PREMUL_SUM) always takes the general path. Measured here at one rank in
-CPU time per 8-byte call: 1.19 us for the same tensor again, 1.53 us for two tensors in turn
-(1.39 us for both before it remembered), against 0.83 us for mpi4py's ``Allreduce`` on numpy
-arrays. The other calls (broadcast, all_gather_into_tensor, reduce_scatter_tensor,
-all_to_all_single) get the rule the same way, one function each in front of their general
-path, and ask :func:`_plain` for the MPI spec of a tensor's memory they have seen before;
-broadcast, all_gather_into_tensor and reduce_scatter_tensor also remember their last fast call
-as all_reduce does. Thread CPU time per 8-byte call at one rank (``time.thread_time``, best of
-9 x 20000), against mpi4py on numpy arrays: broadcast +0.54 us, all_reduce +0.25,
-all_gather_into_tensor +0.75 (+1.7 before it remembered), reduce_scatter_tensor +0.75 (+1.5).
+(one Python frame between the caller and MPI's Allreduce, SUM found by identity). It,
+broadcast, all_gather_into_tensor and reduce_scatter_tensor remember their last fast call
+(blocking or not) on tensors of at most :data:`REMEMBER_BYTES`: the same tensors again, with the
+same op (or root), reuse that call's MPI buffers once each tensor's address, size, dtype,
+contiguity, device and negative bit are read again and found unchanged (the tensor's version
+counter would not do: ``.data =``, ``share_memory_``, ``swap_tensors`` and ``_set_neg`` change a
+tensor without counting, and every write counts). Those six reads per tensor are what a
+remembered call costs above MPI's own call; tests/test_cco_fastpath.py changes each of them in
+place while keeping the others (the device aside: no other device there). The check is written out in each function: a helper
+per tensor would add a Python call to every call. A ``factor`` (PREMUL_SUM) always takes the
+general path. all_to_all_single gets the rule the same way and asks :func:`_plain` for the MPI
+spec of a tensor's memory it has seen before. Thread CPU time per remembered 8-byte call at
+one rank on MPICH 5.0.2 (``time.thread_time``, best of 30 x 4000, load 25), against mpi4py's
+plain call on numpy arrays: all_reduce +0.51 us, broadcast +0.86, all_gather_into_tensor +1.40,
+reduce_scatter_tensor +1.34 (two tensors: twelve property reads, 20-160 ns each, is_neg()
+the dearest).
 MPI-4 persistent collectives
 (``Allreduce_init`` + ``Start``/``Wait``) were measured and not adopted: on MPICH 5.0.2 at one
 rank ``Start(); Wait()`` took 0.83 us of CPU time against 0.25 us for ``Allreduce`` on a
@@ -64,11 +65,12 @@ _IN_PLACE = MPI.IN_PLACE
 #: less when the same tensor comes again, ~0.15 us more of CPU time when it does not.
 REMEMBER_BYTES = 1 << 16
 _NOTHING = object()  # no call remembered (never a caller's argument)
-#: A communicator's ``_last_fast`` before its first fast all_reduce: (tensor, op, address,
-#: nbytes, dtype, MPI buffer, MPI op) of that call. ``_last_bcast``, ``_last_gather`` and
-#: ``_last_scatter`` remember broadcast's, all_gather_into_tensor's and reduce_scatter_tensor's
-#: last fast call the same way (and start as this too).
-NOTHING_REMEMBERED = (_NOTHING,) * 11
+#: What a communicator remembers before its first fast call of each kind, one tuple as long as
+#: what that call remembers: ``_last_fast`` (all_reduce: tensor, op, address, bytes, dtype, MPI
+#: buffer, MPI op), ``_last_bcast`` (tensor, address, bytes, dtype, MPI buffer, root),
+#: ``_last_gather`` (:func:`_remember_pair`) and ``_last_scatter`` (the same, op, MPI op).
+NOT_YET_FAST, NOT_YET_BCAST = (_NOTHING,) * 7, (_NOTHING,) * 6
+NOT_YET_GATHER, NOT_YET_SCATTER = (_NOTHING,) * 9, (_NOTHING,) * 11
 # dtype -> MPI datatype that moves it unchanged.
 _MOVE = {dtype: dtypes.move_type(dtype) for dtype in dtypes.SUPPORTED}
 
@@ -139,20 +141,18 @@ def broadcast(method: Callable) -> Callable:
     def broadcast(self, tensor, src=0, async_op=False):
         try:
             if (not self.check and ENABLED and not _profiler._is_profiler_enabled
-                    and (_debug_cache.get(_DEBUG) is False or not observe.log.isEnabledFor(_DEBUG))
-                    and type(src) is int and 0 <= src < self.size):
-                last = self._last_bcast
-                if (tensor is last[0] and tensor.data_ptr() == last[1] and tensor.nbytes == last[2]
-                        and tensor.dtype is last[3] and tensor.is_contiguous() and tensor.is_cpu
-                        and not tensor.is_neg()):
-                    spec = last[4]
-                else:
-                    t = _plain(tensor)
+                    and (_debug_cache.get(_DEBUG) is False or not observe.log.isEnabledFor(_DEBUG))):
+                t0, address, nbytes, dtype, spec, src0 = self._last_bcast
+                # the same tensor and root as the last fast call (see all_reduce)
+                if not (tensor is t0 and src is src0 and tensor.data_ptr() == address
+                        and tensor.nbytes == nbytes and tensor.dtype is dtype
+                        and tensor.is_contiguous() and tensor.is_cpu and not tensor.is_neg()):
+                    t = None if type(src) is not int or not 0 <= src < self.size else _plain(tensor)
                     if t is None or t[3] > large.MAX_COUNT:
                         return method(self, tensor, src, async_op)
                     spec = t[0]
                     if t[2] <= REMEMBER_BYTES:
-                        self._last_bcast = (tensor, t[1], t[2], t[4], spec)
+                        self._last_bcast = (tensor, t[1], t[2], t[4], spec, src)
                 if async_op:
                     return Work(self.mpi_comm.Ibcast(spec, src), (), [tensor], (tensor,), self)
                 self.mpi_comm.Bcast(spec, src)
@@ -177,17 +177,17 @@ def all_gather_into_tensor(method: Callable) -> Callable:
         try:
             if (not self.check and ENABLED and not _profiler._is_profiler_enabled
                     and (_debug_cache.get(_DEBUG) is False or not observe.log.isEnabledFor(_DEBUG))):
-                last = self._last_gather
+                i0, o0, address_i, address_o, nbytes_i, nbytes_o, dtype, send, recv = \
+                    self._last_gather
                 # the same two tensors as the last fast call (see all_reduce): each checked again
-                if (input_tensor is last[0] and output_tensor is last[1]
-                        and input_tensor.data_ptr() == last[2] and output_tensor.data_ptr() == last[3]
-                        and input_tensor.nbytes == last[4] and output_tensor.nbytes == last[5]
-                        and input_tensor.dtype is last[6] and output_tensor.dtype is last[6]
+                if not (input_tensor is i0 and output_tensor is o0
+                        and input_tensor.data_ptr() == address_i
+                        and output_tensor.data_ptr() == address_o
+                        and input_tensor.nbytes == nbytes_i and output_tensor.nbytes == nbytes_o
+                        and input_tensor.dtype is dtype and output_tensor.dtype is dtype
                         and input_tensor.is_contiguous() and output_tensor.is_contiguous()
                         and input_tensor.is_cpu and output_tensor.is_cpu
                         and not (input_tensor.is_neg() or output_tensor.is_neg())):
-                    send, recv = last[7], last[8]
-                else:
                     pair = _pair(input_tensor, output_tensor, self.size, 1)
                     if pair is None:
                         return method(self, output_tensor, input_tensor, async_op)
@@ -214,16 +214,15 @@ def reduce_scatter_tensor(method: Callable) -> Callable:
             if (factor is None and not self.check and ENABLED
                     and not _profiler._is_profiler_enabled
                     and (_debug_cache.get(_DEBUG) is False or not observe.log.isEnabledFor(_DEBUG))):
-                last = self._last_scatter
-                if (output is last[0] and input is last[1] and op is last[9]
-                        and output.data_ptr() == last[2] and input.data_ptr() == last[3]
-                        and output.nbytes == last[4] and input.nbytes == last[5]
-                        and output.dtype is last[6] and input.dtype is last[6]
+                (o0, i0, address_o, address_i, nbytes_o, nbytes_i, dtype, recv, send, op0,
+                 mpi_op) = self._last_scatter
+                if not (output is o0 and input is i0 and op is op0
+                        and output.data_ptr() == address_o and input.data_ptr() == address_i
+                        and output.nbytes == nbytes_o and input.nbytes == nbytes_i
+                        and output.dtype is dtype and input.dtype is dtype
                         and output.is_contiguous() and input.is_contiguous()
                         and output.is_cpu and input.is_cpu
                         and not (output.is_neg() or input.is_neg())):
-                    recv, send, mpi_op = last[7], last[8], last[10]
-                else:
                     pair = _pair(output, input, self.size, 1)
                     mpi_op = None if pair is None else _reduce_op(pair[0][4], op)
                     if mpi_op is None:
@@ -274,15 +273,13 @@ def all_reduce(method: Callable) -> Callable:
             if (factor is None and not self.check and ENABLED
                     and not _profiler._is_profiler_enabled
                     and (_debug_cache.get(_DEBUG) is False or not observe.log.isEnabledFor(_DEBUG))):
-                last = self._last_fast
+                t0, op0, address, nbytes, dtype, spec, mpi_op = self._last_fast
                 # The small tensor and op of the last fast call again (a flag, a metric, a bucket
                 # reduced step after step): its MPI buffer is reused while the tensor keeps the
                 # same memory, size, dtype and layout, which is checked on every call.
-                if (tensor is last[0] and op is last[1] and tensor.data_ptr() == last[2]
-                        and tensor.nbytes == last[3] and tensor.dtype is last[4]
+                if not (tensor is t0 and op is op0 and tensor.data_ptr() == address
+                        and tensor.nbytes == nbytes and tensor.dtype is dtype
                         and tensor.is_contiguous() and tensor.is_cpu and not tensor.is_neg()):
-                    spec, mpi_op = last[5], last[6]
-                else:
                     t = _plain(tensor)
                     mpi_op = None if t is None or t[3] > large.MAX_COUNT else _reduce_op(t[4], op)
                     if mpi_op is None:

@@ -254,3 +254,63 @@ def test_a_fresh_communicator_remembers_nothing(comm):
     fresh = mpicomm.Communicator(comm.mpi_comm)
     with pytest.raises(TypeError, match="argument \"op\""):
         fresh.all_reduce(None, op=None)
+
+
+PAIRED = ["all_gather_into_tensor", "reduce_scatter_tensor"]
+CHANGES = {  # each keeps the tensor object, its address, its bytes and its dtype
+    "swap_tensors": lambda t: torch.utils.swap_tensors(t, torch._neg_view(t.detach())),
+    "set_neg": lambda t: torch._C._set_neg(t, True),
+    "as_strided_": lambda t: t.as_strided_((t.numel(),), (2,)),
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+@pytest.mark.parametrize("call,which", [("all_reduce", "input"), ("broadcast", "input")]
+                         + [(c, w) for c in PAIRED for w in ("input", "output")])
+def test_remembered_tensor_changed_in_place(comm, monkeypatch, call, which, change):
+    """A remembered tensor given the negative bit (swap_tensors, _set_neg) or other strides
+    (as_strided_) in place, with its address, bytes and dtype kept, is not moved as the
+    remembered call's memory: the results equal numpy's on the values torch reads."""
+    taken = _spy_general_paths(comm, monkeypatch)
+    n, r, k = comm.size, comm.rank, 3
+    nin, nout = {"all_gather_into_tensor": (k, k * n), "reduce_scatter_tensor": (k * n, k)}.get(
+        call, (k, k))
+    x, out = torch.zeros(2 * nin)[:nin], torch.zeros(2 * nout)[:nout]  # room for stride 2
+    everyone = [np.arange(1, nin + 1, dtype=np.float64) * (q + 1) for q in range(n)]
+
+    def run():
+        x.copy_(torch.from_numpy(everyone[r]))  # as torch reads it, whatever the layout
+        out.zero_()
+        if call == "all_reduce":
+            comm.all_reduce(x)
+            return x, np.sum(everyone, axis=0)
+        if call == "broadcast":
+            comm.broadcast(x, src=n - 1)
+            return x, everyone[n - 1]
+        if call == "all_gather_into_tensor":
+            comm.all_gather_into_tensor(out, x)
+            return out, np.concatenate(everyone)
+        comm.reduce_scatter_tensor(out, x)
+        return out, np.sum(everyone, axis=0)[r * k:(r + 1) * k]
+
+    for _ in range(2):  # the second call is the remembered one
+        got, want = run()
+        assert_close_all(got.resolve_neg().double().numpy(), want, rtol=0, atol=0)
+    t = out if which == "output" else x
+    address = t.data_ptr()
+    CHANGES[change](t)
+    assert_all(t.data_ptr() == address and t.nbytes == 4 * t.numel() and t.dtype is torch.float32,
+               f"{change} changed more than it should")
+    got, want = run()
+    assert_close_all(got.resolve_neg().double().numpy(), want, rtol=0, atol=0)
+    assert_all(taken == [True, True, False], f"fast path taken {taken}")
+
+
+def test_broadcast_remembers_its_root(comm):
+    """The same tensor broadcast from another root is broadcast from that root."""
+    n, r = comm.size, comm.rank
+    t = torch.zeros(4)
+    for src in (0, 0, n - 1, n - 1, 0):
+        t.fill_(float(r + 1))
+        comm.broadcast(t, src=src)
+        assert_all(t.tolist() == [float(src + 1)] * 4, f"broadcast from {src}: {t}")
