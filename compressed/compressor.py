@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -171,17 +171,28 @@ class Compressor:
         of the mean over ranks of scale_i * sign(x_i), x_i = padded input + worker error of rank
         i (elements past n belong to the padding). Failures behave as ``allreduce_into``.
         """
+        self.compressed_reduce_scatter_start(inp, out, worker_error, async_op=False)()
+        return out
+
+    def compressed_reduce_scatter_start(self, inp, out, worker_error,
+                                        async_op: bool = True) -> Callable[[], float]:
+        """``compressed_reduce_scatter`` in two halves: pack and post the transfer now (async
+        with ``async_op``) and return ``finish()``, which waits for it, writes ``out`` and
+        ``worker_error`` and returns this rank's scale (errors are raised there). Until
+        ``finish`` has run, ``inp`` must stay unchanged and no other call of this compressor
+        on that size may start (they share the message workspace)."""
         n = _numel(inp)
         lay = self.layout(n)
         self._check_buffers(inp, worker_error, out, lay, names=("inp", "worker_error", "out"))
         if n == 0:
-            return out
+            return lambda: 0.0
         fam, ws = self._setup(inp, lay)
         g = self._input(fam, ws, inp, lay)
-        engine.reduce_scatter(self.comm, fam, lay, g, _flat(fam, out), _flat(fam, worker_error), ws)
+        finish = engine.reduce_scatter_start(self.comm, fam, lay, g, _flat(fam, out),
+                                             _flat(fam, worker_error), ws, async_op)
         self.calls += 1
         self.wire_bytes += lay.wire_bytes() - (self.size - 1) * (lay.chunk_bytes + 4)
-        return out
+        return finish
 
     def call_wire_bytes(self, numel: int) -> int:
         """Bytes this rank sends (to any rank) in one ``allreduce_into`` of ``numel`` elements."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -27,7 +27,8 @@ import torch
 from .errors import NonFiniteError, SizeMismatchError
 from .wire_format import P1_TRAILER, P2_TRAILER, Layout
 
-__all__ = ["Deferred", "Workspace", "allreduce", "decode", "reduce_scatter"]
+__all__ = ["Deferred", "Workspace", "allreduce", "decode", "reduce_scatter",
+           "reduce_scatter_start"]
 
 
 @dataclass
@@ -107,6 +108,15 @@ def _phase1(comm, fam, lay: Layout, g, e, ws: Workspace, deferred: Deferred | No
     sends another one, so that every peer raises ``SizeMismatchError``); ``agree(error or None)``
     is called after the checks and returns the error to raise (``hierarchical`` agrees with the
     ranks of the node there). Nothing is modified before it returns."""
+    scale = _phase1_send(comm, fam, lay, g, e, ws, deferred, pend, size_tag, False)
+    pend.wait()
+    return _phase1_check(lay, ws, agree), scale
+
+
+def _phase1_send(comm, fam, lay: Layout, g, e, ws: Workspace, deferred: Deferred | None,
+                 pend: _Pending, size_tag: int | None, async_op: bool) -> float:
+    """Pack and post phase 1's pieces (all async with ``async_op``, else blocking when there
+    is one); return this rank's worker scale. ``e`` is only read."""
     p, chunk, m = lay.world_size, lay.chunk, lay.numel
     pieces = lay.pieces()
     send, recv = fam.view(ws.send), fam.view(ws.recv)
@@ -132,9 +142,14 @@ def _phase1(comm, fam, lay: Layout, g, e, ws: Workspace, deferred: Deferred | No
             msg = _block(ws.send, p, lo, hi, trailer)
             msg[:, hi - lo:] = _trailer(tail).to(msg.device).view(1, P1_TRAILER)
         pend.post(comm.all_to_all_single, _block(ws.recv, p, lo, hi, trailer),
-                  _block(ws.send, p, lo, hi, trailer), len(pieces) == 1)
-    pend.wait()
-    lo, hi = pieces[-1]
+                  _block(ws.send, p, lo, hi, trailer), len(pieces) == 1 and not async_op)
+    return float(scale)
+
+
+def _phase1_check(lay: Layout, ws: Workspace, agree) -> np.ndarray:
+    """After phase 1 arrived: every rank's worker scale, or raise (sizes differ, not finite)."""
+    p, m = lay.world_size, lay.numel
+    lo, hi = lay.pieces()[-1]
     tails = _block(ws.recv, p, lo, hi, P1_TRAILER)[:, hi - lo:].cpu().contiguous().numpy()
     sizes = tails[:, 4:].copy().view(np.uint32).reshape(p)
     wscales = tails[:, :4].copy().view(np.float32).reshape(p)
@@ -152,7 +167,7 @@ def _phase1(comm, fam, lay: Layout, g, e, ws: Workspace, deferred: Deferred | No
         err = agree(err)
     if err is not None:
         raise err
-    return wscales, float(scale)
+    return wscales
 
 
 def allreduce(comm, fam, lay: Layout, g, out, e, s, ws: Workspace,
@@ -231,18 +246,32 @@ def decode(fam, lay: Layout, grecv: torch.Tensor, out) -> None:
 def reduce_scatter(comm, fam, lay: Layout, g, out, e, ws: Workspace) -> float:
     """Phase 1 alone: ``out`` (chunk elements) = this rank's chunk of the mean over ranks of
     scale_i * sign(x_i); ``e`` is updated to x - scale * sign(x). Returns this rank's scale."""
+    return reduce_scatter_start(comm, fam, lay, g, out, e, ws, False)()
+
+
+def reduce_scatter_start(comm, fam, lay: Layout, g, out, e, ws: Workspace,
+                         async_op: bool = True) -> Callable[[], float]:
+    """``reduce_scatter`` in two halves: pack and post now (async with ``async_op``), and
+    return ``finish()``, which waits, checks, writes ``out`` and ``e`` and returns the scale.
+    ``g`` must stay unchanged and ``ws`` unused until ``finish`` has run."""
     pend = _Pending()
     try:
-        wscales, scale = _phase1(comm, fam, lay, g, e, ws, None, pend)
-    finally:
+        scale = _phase1_send(comm, fam, lay, g, e, ws, None, pend, None, async_op)
+    except BaseException:
+        pend.wait()  # an error on the way leaves no request behind
+        raise
+
+    def finish() -> float:
         pend.wait()
-    p, m = lay.world_size, lay.numel
-    coef = (wscales.astype(np.float64) / p).astype(np.float32)
-    recv, gsend = fam.view(ws.recv), fam.view(ws.gsend)
-    pieces = lay.pieces()
-    out[:] = 0
-    for lo, hi in pieces:
-        rows = _block(recv, p, lo, hi, P1_TRAILER if hi == pieces[-1][1] else 0)[:, :hi - lo]
-        fam.server_accumulate(rows, coef, out[8 * lo:8 * hi], gsend[lo:hi])
-    fam.worker_residual(g[:m], e, float(scale))
-    return float(scale)
+        wscales = _phase1_check(lay, ws, None)
+        p, m = lay.world_size, lay.numel
+        coef = (wscales.astype(np.float64) / p).astype(np.float32)
+        recv, gsend = fam.view(ws.recv), fam.view(ws.gsend)
+        pieces = lay.pieces()
+        out[:] = 0
+        for lo, hi in pieces:
+            rows = _block(recv, p, lo, hi, P1_TRAILER if hi == pieces[-1][1] else 0)[:, :hi - lo]
+            fam.server_accumulate(rows, coef, out[8 * lo:8 * hi], gsend[lo:hi])
+        fam.worker_residual(g[:m], e, scale)
+        return scale
+    return finish

@@ -156,8 +156,24 @@ def zero_step(comm, victim, out):
         opt.step()
 
 
+def fsdp_async(comm, victim, out):
+    """compressed.fsdp's collectives called async on the process group, as FSDP2's prefetch
+    calls them: an int8 all-gather and 1-bit reduce-scatters; the survivors start the second
+    reduce-scatter and wait, the victim dies instead of joining."""
+    from compressed.fsdp import QuantizedAllGather, QuantizedReduceScatter
+
+    pg, n = dist.group.WORLD, 64
+    full, grads, shard = torch.empty(n * comm.size), torch.ones(n * comm.size), torch.empty(n)
+    QuantizedAllGather()(full, torch.ones(n), pg, async_op=True).wait()
+    rs = QuantizedReduceScatter(bits=1)
+    rs(shard, grads, pg, dist.ReduceOp.AVG, async_op=True).wait()
+    if comm.rank == victim:
+        die(out)
+    rs(shard, grads, pg, dist.ReduceOp.AVG, async_op=True).wait()
+
+
 CASES = {f.__name__: f for f in (plain, half_async, half_pipelined, process_group, compressed,
-                                   hierarchical, checkpoint, zero_step)}
+                                   hierarchical, checkpoint, zero_step, fsdp_async)}
 
 
 def stalled(comm, out) -> None:

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from bench import common, train_curve
 from mpitest import mpiexec_cmd
 
@@ -57,3 +59,25 @@ def test_train_fsdp_prefetch(tmp_path):
                    "--peers", "fsdp2-mpicomm-r16,fsdp2-mpicomm-q8")
     assert [r["peer"] for r in recs] == ["fsdp2-mpicomm-r16", "fsdp2-mpicomm-q8"]
     assert all(r["wrong"] == 0 and r["trained_steps"] > 0 for r in recs)
+
+
+def test_fsdp_call_cost_rows(capsys):
+    """bench.fsdp_call_cost (one process): a row per op and dtype, the int8 call's cost beside
+    the copy's; the transfer is faked only inside the run (the real one is back after it)."""
+    import math
+
+    from bench import fsdp_call_cost
+    from compressed.fsdp import collectives
+
+    before = collectives._communicator
+    rows = fsdp_call_cost.main(["--kib", "4", "--calls", "3", "--rounds", "2"])
+    assert collectives._communicator is before
+    assert [(r["op"], r["dtype"]) for r in rows] == [
+        ("all_gather", "float32"), ("reduce_scatter", "float32"),
+        ("all_gather", "bfloat16"), ("reduce_scatter", "bfloat16")]
+    for r in rows:
+        assert all(t > 0 and math.isfinite(t) for t in (*r["q8_us"], *r["copy_us"]))
+        assert r["extra_us"] == r["q8_us"][0] - r["copy_us"][0]
+    assert "transfer replaced by a copy" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="expected ranks >= 2"):
+        fsdp_call_cost.measure(ranks=1)

@@ -4,8 +4,6 @@ not a multiple of 8), bf16 and fp32, SUM/AVG/PREMUL_SUM, on mpicomm and gloo gro
 gradients with quantize_comms(grad_bits=1); the error state through ckpt."""
 from __future__ import annotations
 
-import datetime
-
 import numpy as np
 import pytest
 import torch
@@ -15,16 +13,10 @@ from torch.distributed.device_mesh import init_device_mesh
 import mpicomm  # noqa: F401 - registers the backend
 from compressed.fsdp import QuantizedReduceScatter, quantize_comms
 from mpitest import assert_all, assert_close_all
+from test_cmp_fsdp import _local_grads, _model, _rows, _shard_all, _unrow
+from test_cmp_fsdp import groups  # noqa: F401 - the fixture: the mpicomm world and a gloo group
 
 pytestmark = pytest.mark.mpi(min_size=1)
-
-
-@pytest.fixture(scope="module")
-def groups(world):
-    dist.init_process_group("mpicomm", timeout=datetime.timedelta(seconds=120))
-    gloo = dist.new_group(backend="gloo")
-    yield {"mpicomm": dist.group.WORLD, "gloo": gloo}
-    dist.destroy_process_group()
 
 
 def simulate_step(rows: list[np.ndarray], errors: list[np.ndarray]) -> list[np.ndarray]:
@@ -87,7 +79,6 @@ def test_onebit_reduce_scatter_matches_simulation(groups, world, backend, dtype,
 # on FSDP2, and the error state through ckpt
 
 def _fsdp_model(mesh, seed=0, weight_bits=8):
-    from test_cmp_fsdp import _model, _shard_all
     model = _shard_all(_model(seed), mesh)
     quantize_comms(model, weight_bits=weight_bits, grad_bits=1)
     return model
@@ -100,35 +91,94 @@ def _backward(model, rank: int, steps: int) -> None:
         torch.nn.functional.mse_loss(model(x).float(), torch.zeros(4, 5)).backward()
 
 
-def test_fsdp_gradients_match_simulation(groups, world):
-    """FSDP2's sharded gradients after each of 3 backward passes (same weights, same local
-    gradients: the error feedback alone changes the result) against the simulation."""
-    from test_cmp_fsdp import _local_grads, _rows, _unrow
+def _check_grads(world, mesh, replicate: int, steps: int = 3) -> None:
+    """FSDP2's sharded gradients after each of ``steps`` backward passes (same weights, same
+    local gradients: the error feedback alone changes the result) against the simulation; a
+    ``(replicate, shard)`` mesh averages the shard groups' results exactly (FSDP2's all-reduce)."""
     rank, size = world.rank, world.size
-    mesh = init_device_mesh("cpu", (size,))
+    shard = size // replicate
+    i_rep, j = divmod(rank, shard)  # mesh (replicate, shard): the shard group is one row
     model = _fsdp_model(mesh, weight_bits=None)  # exact weights: the plain model's gradients
     x = torch.randn(4, 12, generator=torch.Generator().manual_seed(7 + rank))
     everyone = world.allgather([[g.numpy() for g in layer] for layer in _local_grads(x)])
     errors = {}
-    for step in range(3):
+    for step in range(steps):
         model.zero_grad()
         torch.nn.functional.mse_loss(model(x), torch.zeros(4, 5)).backward()
         for li, idx in enumerate((0, 2)):
             full = [torch.from_numpy(t) for t in everyone[0][li]]
-            rows = [np.stack(_rows([torch.from_numpy(t) for t in everyone[r][li]], size)[0])
-                    for r in range(size)]
-            if size == 1:
-                mean = rows[0][0]
-            else:
-                e = errors.setdefault(idx, [np.zeros(size * (-(-rows[0].shape[1] // 8) * 8))
-                                            for _ in range(size)])
-                mean = simulate_step(rows, e)[rank]
-            expected = _unrow(mean, full, size, rank)
+            total = 0.0
+            for i in range(replicate):
+                members = [i * shard + s for s in range(shard)]
+                rows = [np.stack(_rows([torch.from_numpy(t) for t in everyone[r][li]], shard)[0])
+                        for r in members]
+                if shard == 1:
+                    total = total + rows[0][0]
+                    continue
+                e = errors.setdefault((idx, i), [np.zeros(shard * (-(-rows[0].shape[1] // 8) * 8))
+                                                 for _ in range(shard)])
+                total = total + simulate_step(rows, e)[j]
+            expected = _unrow(total / replicate, full, shard, j)
             got = [p.grad._local_tensor.detach().double().numpy()
                    for p in model[idx].parameters()]
             for g, want in zip(got, expected):
                 assert_close_all(g, want, rtol=1e-5, atol=1e-6 * max(1.0, float(np.abs(want).max(
                     initial=0))), what=f"step {step} layer {idx} gradient")
+
+
+def test_fsdp_gradients_match_simulation(groups, world):
+    _check_grads(world, init_device_mesh("cpu", (world.size,)), 1)
+
+
+@pytest.mark.mpi(min_size=4)
+def test_hsdp_gradients_match_simulation(groups, world):
+    """HSDP on a (2, size/2) mesh: 1-bit within each shard group, FSDP2's exact all-reduce
+    across the two; each shard group's error feedback its own."""
+    if world.size % 2:
+        pytest.skip("HSDP test uses a (2, size/2) mesh")
+    mesh = init_device_mesh("cpu", (2, world.size // 2), mesh_dim_names=("replicate", "shard"))
+    _check_grads(world, mesh, 2, steps=2)
+
+
+@pytest.mark.parametrize("backend", ["mpicomm", "gloo"])
+def test_async_calls_match_blocking(groups, world, backend):
+    """Two 1-bit reduce-scatters in flight at once (started A then B, waited B then A) give bit
+    for bit the outputs and errors of the same calls made blocking, over 3 steps; a third
+    call on A before A's wait finishes A's first."""
+    group, rank, size = groups[backend], world.rank, world.size
+    m = 19
+    blocking = [QuantizedReduceScatter(bits=1) for _ in range(2)]
+    in_flight = [QuantizedReduceScatter(bits=1) for _ in range(2)]
+    for step in range(3):
+        inputs = [_input(step, rank + 10 * k, size, m, torch.float32).reshape(-1) for k in (0, 1)]
+        want = [torch.empty(m) for _ in range(2)]
+        for comm, out, inp in zip(blocking, want, inputs):
+            assert_all(comm(out, inp.clone(), group, dist.ReduceOp.AVG) is None, "not None")
+        got = [torch.full((m,), float("nan")) for _ in range(2)]
+        kept = [inp.clone() for inp in inputs]
+        works = [comm(out, inp, group, dist.ReduceOp.AVG, async_op=True)
+                 for comm, out, inp in zip(in_flight, got, kept)]
+        assert_all(size == 1 or not any(w.is_completed() for w in works),
+                   "a work completed before its wait()")
+        for w in reversed(works):
+            w.wait()
+            w.wait()  # a second wait changes nothing
+        for k in (0, 1):
+            assert_all(torch.equal(got[k], want[k]), f"step {step} call {k}: output differs")
+            assert_all(size == 1 or torch.equal(in_flight[k].state_dict()["worker_error"],
+                                                blocking[k].state_dict()["worker_error"]),
+                       f"step {step} call {k}: worker error differs")
+    # a call on an object whose previous call is in flight finishes that one first
+    inp = _input(5, rank, size, m, torch.float32).reshape(-1)
+    first, second = torch.empty(m), torch.empty(m)
+    w1 = in_flight[0](first, inp.clone(), group, dist.ReduceOp.SUM, async_op=True)
+    w2 = in_flight[0](second, inp.clone(), group, dist.ReduceOp.SUM, async_op=True)
+    assert_all(w1.is_completed() or size == 1, "the first call not finished by the second")
+    w2.wait()
+    b1, b2 = torch.empty(m), torch.empty(m)
+    blocking[0](b1, inp.clone(), group, dist.ReduceOp.SUM)
+    blocking[0](b2, inp.clone(), group, dist.ReduceOp.SUM)
+    assert_all(torch.equal(first, b1) and torch.equal(second, b2), "back-to-back calls differ")
 
 
 def test_error_state_through_ckpt(groups, world, comm, shared_tmp_path):

@@ -75,6 +75,7 @@ def test_a_killed_rank_raises_on_survivors_who_shrink_and_reinit_the_process_gro
     ("compressed", 1),     # 1-bit allreduce: the victim dies entering phase 2
     ("checkpoint", 1),     # ckpt.save: the victim dies writing the data
     ("zero_step", 0),      # ZeroOptimizer stage 2: the victim dies in its reduce-scatter
+    ("fsdp_async", 2),     # compressed.fsdp's async 1-bit reduce-scatter: the victim never joins
 ])
 def test_a_rank_that_dies_inside_a_call_fails_it_on_every_survivor(tmp_path, case, victim):
     _run_case(tmp_path, case, victim)

@@ -70,6 +70,25 @@ class _ThenWork(dist.Work):
         return self._then is None
 
 
+class _LaterWork(dist.Work):
+    """The work of a 1-bit call in flight (``onebit.InFlight``): ``wait()`` finishes it (waits
+    for the transfer, writes the result; its error raised there)."""
+
+    def __init__(self, call) -> None:
+        super().__init__()
+        self._call = call
+
+    def wait(self, timeout=None) -> bool:
+        self._call()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._call.done
+
+    def is_success(self) -> bool:
+        return self._call.done
+
+
 class _Done(dist.Work):
     """A work already finished (nothing to move: a group of one)."""
 
@@ -138,6 +157,16 @@ def _finish(start: Callable[[bool], dist.Work | None], then: Callable[[], None],
     return None
 
 
+def _per_rank(full: torch.Tensor, part: torch.Tensor, world: int, what: str, full_name: str,
+              part_name: str) -> int:
+    """``part``'s element count, after checking that ``full`` holds ``world`` times it."""
+    k = part.numel()
+    if full.numel() != world * k:
+        raise ValueError(f"{what}: expected an {full_name} of {world} x {k} elements (group "
+                         f"size x {part_name}), got {full.numel()}")
+    return k
+
+
 def _row_layout(n: int, block: int, segments: Sequence[int] | None) -> Layout:
     """The layout of a row; segments that do not describe the row fall back to plain blocks."""
     if segments and sum(segments) == n:
@@ -188,10 +217,7 @@ class QuantizedAllGather(_Quantized, AllGather):
                  group: dist.ProcessGroup, async_op: bool = False) -> dist.Work | None:
         """Gather every rank's ``input_tensor`` into ``output_tensor`` (rank order), as FSDP2."""
         world, rank = group.size(), group.rank()
-        n = input_tensor.numel()
-        if output_tensor.numel() != world * n:
-            raise ValueError(f"QuantizedAllGather: expected an output of {world} x {n} elements "
-                             f"(group size x input), got {output_tensor.numel()}")
+        n = _per_rank(output_tensor, input_tensor, world, "QuantizedAllGather", "output", "input")
         if not output_tensor.dtype.is_floating_point:
             return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group,
                                                async_op=async_op)
@@ -251,8 +277,10 @@ class QuantizedReduceScatter(_Quantized, ReduceScatter):
 
     ``bits=1``: the 1-bit engine's reduce-scatter phase (``compressed.fsdp.onebit``): one scale
     per rank and call, the worker error kept by this object (``state_dict()``), so each
-    FSDPModule needs its own; at one rank the gradient passes exactly. Always blocking: with
-    ``async_op=True`` it returns a work already completed.
+    FSDPModule needs its own; at one rank the gradient passes exactly. With ``async_op=True``
+    the signs are packed and posted at the call (the transfer progressing on the process
+    group's own async path) and the work's ``wait()`` sums them and updates the error; a
+    second call of the same object first finishes the one in flight.
     """
 
     def __init__(self, bits: int = 8, block: int = DEFAULT_BLOCK,
@@ -277,10 +305,8 @@ class QuantizedReduceScatter(_Quantized, ReduceScatter):
                  async_op: bool = False) -> dist.Work | None:
         """Reduce ``input_tensor`` (world x shard) over ranks; this rank's shard to ``output``."""
         world, rank = group.size(), group.rank()
-        m = output_tensor.numel()
-        if input_tensor.numel() != world * m:
-            raise ValueError(f"QuantizedReduceScatter: expected an input of {world} x {m} "
-                             f"elements (group size x output), got {input_tensor.numel()}")
+        m = _per_rank(input_tensor, output_tensor, world, "QuantizedReduceScatter", "input",
+                      "output")
         if not input_tensor.dtype.is_floating_point:
             raise ValueError("QuantizedReduceScatter: expected floating-point gradients, got "
                              f"{input_tensor.dtype}")
@@ -293,9 +319,9 @@ class QuantizedReduceScatter(_Quantized, ReduceScatter):
         if self.onebit is not None:
             kind = getattr(op, "op", op)
             mult = 1.0 if kind == _RED.AVG else world * (1.0 if factor is None else factor)
-            self.onebit.reduce_scatter(output_tensor, input_tensor, group,
-                                       _communicator(group, False), mult)
-            return _Done() if async_op else None
+            call = self.onebit.reduce_scatter(output_tensor, input_tensor, group,
+                                              _communicator(group, async_op), mult, async_op)
+            return _LaterWork(call) if async_op else None
         lay = self._layout(m)
         comm = _communicator(group, async_op)
         kernels = _numba(input_tensor)

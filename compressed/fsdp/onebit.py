@@ -10,6 +10,7 @@ elements) is this state's: one per FSDPModule.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,12 +18,31 @@ import torch.distributed as dist
 
 from ..compressor import Compressor
 
-__all__ = ["OnebitState", "padded_row"]
+__all__ = ["InFlight", "OnebitState", "padded_row"]
 
 
 def padded_row(m: int) -> int:
     """Row length on the wire: ``m`` rounded up to a multiple of 8 (signs pack 8 per byte)."""
     return -(-m // 8) * 8
+
+
+class InFlight:
+    """A started call: calling it finishes it (once, whoever calls first); ``done`` says
+    whether it has been finished (or failed while finishing)."""
+
+    __slots__ = ("_finish",)
+
+    def __init__(self, finish: Callable[[], None]) -> None:
+        self._finish: Callable[[], None] | None = finish
+
+    @property
+    def done(self) -> bool:
+        return self._finish is None
+
+    def __call__(self) -> None:
+        finish, self._finish = self._finish, None
+        if finish is not None:
+            finish()
 
 
 class OnebitState:
@@ -32,8 +52,8 @@ class OnebitState:
         self.world: int | None = None
         self.m: int | None = None
         self.worker_error: torch.Tensor | None = None
-        self._compressor: Compressor | None = None
-        self._group_id: int | None = None
+        self._compressors: dict[tuple[int, bool], Compressor] = {}
+        self._pending: InFlight | None = None  # the call in flight
         self._rows: torch.Tensor | None = None
         self._out: torch.Tensor | None = None
 
@@ -57,16 +77,30 @@ class OnebitState:
         return self.worker_error
 
     def _comm(self, group: dist.ProcessGroup, direct) -> Compressor:
-        if self._compressor is None or self._group_id != id(group):
-            self._compressor = Compressor(direct if direct is not None else group,
-                                          hierarchical=False)
-            self._group_id = id(group)
-        return self._compressor
+        key = (id(group), direct is not None)
+        comp = self._compressors.get(key)
+        if comp is None:
+            if len(self._compressors) > 4:  # groups come and go (tests): keep a few
+                self._compressors.clear()
+            comp = self._compressors[key] = Compressor(
+                direct if direct is not None else group, hierarchical=False)
+        return comp
+
+    def settle(self) -> None:
+        """Finish the call in flight, if any (errors raised here)."""
+        call, self._pending = self._pending, None
+        if call is not None:
+            call()
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup,
-                       direct: Any, mult: float) -> None:
+                       direct: Any, mult: float,
+                       async_op: bool = False) -> InFlight | None:
         """``output`` (m) = ``mult`` x the 1-bit mean of every rank's row ``rank`` of ``input``
-        (world x m), error feedback updated. ``direct``: the mpicomm Communicator or None."""
+        (world x m), error feedback updated. ``direct``: the mpicomm Communicator or None (the
+        group's own calls). With ``async_op`` the signs are packed and posted now and calling
+        the returned ``InFlight`` (or ``settle``, or the next call) waits and writes ``output``
+        and the error; ``input`` must stay unchanged until then."""
+        self.settle()  # one call in flight per state: they share the buffers
         world, m = group.size(), output.numel()
         e = self.errors(world, m, input.device)
         m8 = padded_row(m)
@@ -80,17 +114,30 @@ class OnebitState:
             flat = self._rows.view(-1)
         if self._out is None:
             self._out = torch.empty(m8, dtype=torch.float32, device=input.device)
-        self._comm(group, direct).compressed_reduce_scatter(flat, self._out, e)
+        start = self._comm(group, direct).compressed_reduce_scatter_start
+        transfer = start(flat, self._out, e, async_op=async_op)
         mean = self._out[:m]
-        output.view(-1).copy_(mean if mult == 1.0 else mean * mult)
+
+        def write() -> None:
+            transfer()
+            output.view(-1).copy_(mean if mult == 1.0 else mean * mult)
+        call = InFlight(write)
+        if not async_op:
+            call()
+            return None
+        self._pending = call
+        return call
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"world_size", "numel", "worker_error"}`` (None before the first call)."""
+        """``{"world_size", "numel", "worker_error"}`` (None before the first call); a call
+        in flight is finished first."""
+        self.settle()
         return {"world_size": self.world, "numel": self.m, "worker_error": self.worker_error}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take a worker error saved for ``world_size`` ranks x ``numel`` (checked at the next
-        call against the group it runs on)."""
+        call against the group it runs on); a call in flight is finished first."""
+        self.settle()
         world, m, e = state["world_size"], state["numel"], state["worker_error"]
         if e is None:
             self.world = self.m = self.worker_error = None
