@@ -1,8 +1,8 @@
 """Checkpoint benchmark: ZeRO Adam state saved at N ranks and loaded at M ranks, next to the disk.
 
 Run with at least max(N, M) ranks, e.g. ``mpiexec -n 3 python -m bench ckpt``. In one run it
-measures, on the same directory: the disk (one file of the checkpoint's size written from Python
-and fdatasync'ed), ``ckpt.save`` at ``--save-ranks`` (fsync'ed), how long ``ckpt.save(...,
+measures, on the same directory: the disk (one file of the checkpoint's size written from Python,
+with O_DIRECT where the file system takes it as ckpt's data file is, and fdatasync'ed), ``ckpt.save`` at ``--save-ranks`` (fsync'ed), how long ``ckpt.save(...,
 async_save=True)`` blocks and when it commits (a second async save: the first fills its reused
 snapshot memory), ``ckpt.load`` at
 ``--load-ranks`` with each rank's peak RSS growth, and checks the loaded state. When DeepSpeed is
@@ -100,23 +100,35 @@ def _timed_collective(comm, fn):
     return out, comm.allreduce(dt, op=MPI.MAX)
 
 
-def disk_bandwidth(path: str, nbytes: int, block: int = 64 << 20) -> float:
-    """Seconds to write ``nbytes`` to a new file at ``path`` and fdatasync it (file removed after)."""
+def disk_bandwidth(path: str, nbytes: int, block: int = 64 << 20) -> tuple[float, str]:
+    """Seconds to write ``nbytes`` to a new file at ``path`` and fdatasync it (file removed
+    after), and how it was written: with O_DIRECT from an aligned buffer, as ckpt writes its data
+    file (``ckpt.direct_io``: the alignment the file system takes), or, where the file system
+    refuses O_DIRECT, through the page cache (ckpt then writes with MPI-IO, through it too)."""
     import numpy as np
 
-    buf = np.random.default_rng(0).integers(0, 255, size=block, dtype=np.uint8).tobytes()
+    from ckpt import direct_io
+
     t0 = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    opened = direct_io.open_direct(path, True)
+    if opened is None:
+        fd, align, how = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 1, "page cache: O_DIRECT refused"
+    else:
+        (fd, align), how = opened, "O_DIRECT, as ckpt writes"
+    buf = direct_io.aligned_buffer(block, max(align, direct_io.ALIGN))
+    buf[:] = np.random.default_rng(0).integers(0, 255, size=block, dtype=np.uint8)
     try:
-        left = nbytes
-        while left > 0:
-            left -= os.write(fd, buf[:min(block, left)])
+        pos = 0
+        while pos < nbytes:
+            n = -(-min(block, nbytes - pos) // align) * align  # whole aligned blocks; the excess cut below
+            pos += os.pwrite(fd, memoryview(buf[:n]), pos)
+        os.ftruncate(fd, nbytes)
         os.fdatasync(fd)
     finally:
         os.close(fd)
     dt = time.perf_counter() - t0
     os.unlink(path)
-    return dt
+    return dt, how
 
 
 def _async_save(comm, model, opt, path: str) -> tuple[float, float]:
@@ -189,12 +201,13 @@ class _Run:
 
 
 def _disk(run: _Run) -> float:
-    """1. The disk itself: one file of the checkpoint's size, written and fdatasync'ed."""
-    disk_s = None
+    """1. The disk itself: one file of the checkpoint's size, written by one process (O_DIRECT
+    where the file system takes it, as ckpt writes) and fdatasync'ed."""
+    got = None
     if run.world.rank == 0:
-        disk_s = disk_bandwidth(os.path.join(run.base, "disk-probe.bin"), run.nbytes)
-    disk_s = run.world.bcast(disk_s, root=0)
-    run.emit("disk write+fdatasync", 1, run.nbytes, disk_s, "python os.write + fdatasync")
+        got = disk_bandwidth(os.path.join(run.base, "disk-probe.bin"), run.nbytes)
+    disk_s, how = run.world.bcast(got, root=0)
+    run.emit("disk write+fdatasync", 1, run.nbytes, disk_s, f"one process, os.pwrite ({how}) + fdatasync")
     return disk_s
 
 

@@ -17,9 +17,9 @@ from typing import Callable, Iterator
 
 #: ckpt.api's steps, in the order a save (then a load) runs them
 SAVE_PHASES = ("_plan_save", "_plan_writes", "create_workdir", "write_items", "commit_save")
-LOAD_PHASES = ("read_manifest", "_plan_load", "read_items", "verify_data")
+LOAD_PHASES = ("read_manifest_text", "_plan_load", "read_items", "verify_data")
 PHASE_NAMES = {"_plan_save": "plan", "_plan_writes": "plan items", "create_workdir": "workdir",
-               "write_items": "write data", "commit_save": "commit", "read_manifest": "manifest",
+               "write_items": "write data", "commit_save": "commit", "read_manifest_text": "manifest",
                "_plan_load": "plan", "read_items": "read data", "verify_data": "verify",
                "rest": "collectives and the rest"}
 

@@ -24,7 +24,7 @@ from .manifest import DATA_NAME, DEFAULT_BLOCK_SIZE, Manifest, jsonable
 from .model_state import Match, ModelState, plan_model_load, plan_model_save
 from .optimizers import OptimizerPlanner, planner_for
 from .stateful import is_per_rank, is_stateful, restore, split_item
-from .storage import commit_save, create_workdir, read_manifest, resolve, verify_data
+from .storage import commit_save, create_workdir, read_manifest_text, resolve, verify_data
 
 
 def _communicator(comm: Any, opt: OptimizerPlanner | None) -> mpicomm.Communicator:
@@ -222,8 +222,15 @@ def load(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.op
     comm = _communicator(comm, opt)
     async_save_mod.wait_pending(comm)  # a save in flight commits (or raises its failure) first
     run = Collective(comm, "load")
-    text, ckdir = run.on_root("reading the manifest", lambda: (read_manifest(path).to_json(), resolve(path)))
-    m = Manifest.from_json(text)
+    held: list[Manifest] = []  # rank 0's, parsed and checked once
+
+    def read() -> tuple[str, str]:
+        m, text = read_manifest_text(path)
+        held.append(m)
+        return text, resolve(path)
+
+    text, ckdir = run.on_root("reading the manifest", read)
+    m = held[0] if held else Manifest.from_json(text, checked=True)  # the bytes rank 0 checked
     chunk_bytes = max(m.block_size, chunk_bytes // m.block_size * m.block_size)  # rounds end on the saved blocks
     result: dict[str, Any] = {}
     pg_ranks = run.allgather(dtensor.pg_rank())

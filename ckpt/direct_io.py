@@ -11,6 +11,7 @@ written or read, as the MPI-IO path does."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -22,19 +23,49 @@ import torch
 from .byte_ranges import IOItem
 from .checksum import Piece, block_ranges, crc32
 
-ALIGN = 4096  # the largest logical block size O_DIRECT asks offsets, lengths and addresses to align to
+ALIGN = 4096  # the smallest alignment of offsets, lengths and addresses tried with O_DIRECT
+MAX_ALIGN = 1 << 20  # the largest tried: a file system that asks more is written through MPI-IO
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
-def open_direct(filename: str, write: bool) -> int | None:
-    """A descriptor of ``filename`` opened with O_DIRECT (created when ``write``), or None when
-    this system or file system refuses it (the caller then uses MPI-IO, which reports errors)."""
+def open_direct(filename: str, write: bool) -> tuple[int, int] | None:
+    """A descriptor of ``filename`` opened with O_DIRECT (created when ``write``) and the
+    alignment its file system takes, or None when this system or file system refuses it (the
+    caller then uses MPI-IO, which reports errors)."""
     if not O_DIRECT:
         return None
     try:
-        return os.open(filename, (os.O_WRONLY | os.O_CREAT if write else os.O_RDONLY) | O_DIRECT, 0o644)
+        fd = os.open(filename, (os.O_WRONLY | os.O_CREAT if write else os.O_RDONLY) | O_DIRECT, 0o644)
     except OSError:
         return None
+    align = alignment(fd, write)
+    if align is None:
+        os.close(fd)
+        return None
+    return fd, align
+
+
+def alignment(fd: int, write: bool) -> int | None:
+    """The alignment O_DIRECT takes on ``fd``: tried with one block at offset 0 (a write of zeros
+    to a file being created, or a read), from the file system's block size (``st_blksize``,
+    at least ALIGN) up, doubling on EINVAL (a file system that accepts O_DIRECT but asks more
+    than 4 KiB); None when none up to MAX_ALIGN is taken."""
+    blksize = os.fstat(fd).st_blksize
+    align = blksize if ALIGN <= blksize <= MAX_ALIGN and not blksize & (blksize - 1) else ALIGN
+    while align <= MAX_ALIGN:
+        buf = aligned_buffer(align, align)
+        try:
+            if write:
+                buf[:] = 0
+                os.pwrite(fd, memoryview(buf), 0)
+            else:
+                os.preadv(fd, [memoryview(buf)], 0)
+            return align
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                return None
+        align *= 2
+    return None
 
 
 def spans(offset: int, nbytes: int, align: int = ALIGN) -> list[tuple[int, int, bool]]:
@@ -59,14 +90,13 @@ _POOL_KEEP = 2
 
 
 @contextlib.contextmanager
-def staging(nbytes: int) -> Iterator[np.ndarray]:
-    """An aligned buffer of ``nbytes``, one of the few kept for reuse when there is one."""
+def staging(nbytes: int, align: int = ALIGN) -> Iterator[np.ndarray]:
+    """A buffer of ``nbytes`` aligned to ``align``, one of the few kept for reuse when there is one."""
     with _POOL_LOCK:
-        buf = next((b for b in _POOL if len(b) >= nbytes), None)
-        if buf is not None:
-            _POOL.remove(buf)
+        at = next((i for i, b in enumerate(_POOL) if len(b) >= nbytes and not b.ctypes.data % align), None)
+        buf = None if at is None else _POOL.pop(at)  # by position: == on arrays compares their elements
     if buf is None:
-        buf = aligned_buffer(nbytes)
+        buf = aligned_buffer(nbytes, align)
     try:
         yield buf[:nbytes]
     finally:
@@ -105,22 +135,23 @@ def _pread(fd: int, mem: np.ndarray, offset: int, need: int) -> None:
 
 def write(filename: str, fd_direct: int, chunks: Sequence[IOItem], views: Sequence[torch.Tensor], *,
           file_size: int, block_size: int, staging_bytes: int, sync: bool,
-          host: Callable[[torch.Tensor], np.ndarray]) -> list[Piece]:
+          host: Callable[[torch.Tensor], np.ndarray], align: int = ALIGN) -> list[Piece]:
     """Write ``chunks`` (each at most ``staging_bytes``) from the byte ``views`` (``host`` gives a
-    slice's bytes in host memory, as numpy): the file sized to ``file_size``, whole blocks through
-    ``fd_direct`` (closed here), the ends through the page cache; fsync'ed with ``sync``. Returns the CRC of every written piece within each block
-    (computed in a thread from the source bytes while they are written)."""
+    slice's bytes in host memory, as numpy): the file sized to ``file_size``, whole ``align``
+    blocks through ``fd_direct`` (closed here), the ends through the page cache; fsync'ed with
+    ``sync``. Returns the CRC of every written piece within each block (computed in a thread
+    from the source bytes while they are written)."""
     fd = os.open(filename, os.O_WRONLY)
     try:
         os.ftruncate(fd, file_size)  # every rank the same size: a new file's holes read as zeros
         futures = []
-        with staging(staging_bytes + 2 * ALIGN) as buf, ThreadPoolExecutor(max_workers=1) as pool:
+        with staging(staging_bytes + 2 * align, align) as buf, ThreadPoolExecutor(max_workers=1) as pool:
             for c in chunks:
                 src = host(views[c.buf][c.buf_offset:c.buf_offset + c.nbytes])
                 futures.append(pool.submit(_crc_pieces, c.offset, src, block_size))
-                base = c.offset // ALIGN * ALIGN  # buf[x - base] holds file byte x: aligned where x is
+                base = c.offset // align * align  # buf[x - base] holds file byte x: aligned where x is
                 buf[c.offset - base:c.offset - base + c.nbytes] = src
-                for s, e, whole in spans(c.offset, c.nbytes):
+                for s, e, whole in spans(c.offset, c.nbytes, align):
                     _pwrite(fd_direct if whole else fd, buf[s - base:e - base], s)
             pieces = [p for f in futures for p in f.result()]
         if sync:
@@ -133,17 +164,17 @@ def write(filename: str, fd_direct: int, chunks: Sequence[IOItem], views: Sequen
 
 def read(fd_direct: int, chunks: Sequence[IOItem], dests: Sequence[torch.Tensor],
          views: Sequence[torch.Tensor | None], file_dtypes: Sequence[torch.dtype], itemsize: dict[int, int], *,
-         block_size: int, staging_bytes: int, unchecked: set[int]) -> list[Piece]:
+         block_size: int, staging_bytes: int, unchecked: set[int], align: int = ALIGN) -> list[Piece]:
     """Read ``chunks`` (each at most ``staging_bytes``, of whole elements) into ``dests`` through
-    ``fd_direct`` (closed here): each chunk's aligned span in one read, its bytes then copied (or
-    converted from ``file_dtypes``) into place. Returns the CRC of every piece read within each
-    block, except for the dests numbered in ``unchecked``."""
+    ``fd_direct`` (closed here): each chunk's span, widened to ``align`` blocks, in one read, its
+    bytes then copied (or converted from ``file_dtypes``) into place. Returns the CRC of every
+    piece read within each block, except for the dests numbered in ``unchecked``."""
     pieces: list[Piece] = []
     try:
-        with staging(staging_bytes + 2 * ALIGN) as buf:
+        with staging(staging_bytes + 2 * align, align) as buf:
             for c in chunks:
-                base = c.offset // ALIGN * ALIGN
-                top = -(-(c.offset + c.nbytes) // ALIGN) * ALIGN
+                base = c.offset // align * align
+                top = -(-(c.offset + c.nbytes) // align) * align
                 _pread(fd_direct, buf[:top - base], base, c.offset + c.nbytes - base)
                 mem = buf[c.offset - base:c.offset - base + c.nbytes]
                 if c.buf not in unchecked:

@@ -206,7 +206,11 @@ class Sharding:
         return [i for i, p in enumerate(self.placements) if placement_kind(p)[0] != "replicate"]
 
     def replicas(self) -> tuple[int, int]:
-        """(this rank's index among the ranks holding the same shard, their count)."""
+        """(this rank's index among the ranks holding the same shard, their count); computed once."""
+        return self._replicas
+
+    @functools.cached_property
+    def _replicas(self) -> tuple[int, int]:
         rep = [i for i, p in enumerate(self.placements) if placement_kind(p)[0] == "replicate"]
         count = math.prod(self.mesh_shape[i] for i in rep)
         if self.coord is None:

@@ -142,12 +142,16 @@ def _close(fh: MPI.File, failed: BaseException | None) -> None:
             raise
 
 
-def _all_direct(mpi_comm: MPI.Comm, fd: int | None) -> bool:
-    """True when every rank opened the file with O_DIRECT (``fd``); else closes ``fd``."""
-    ok = _rounds(mpi_comm, int(fd is None)) == 0  # collective: MPI-IO unless every rank can
-    if not ok and fd is not None:
-        os.close(fd)
-    return ok
+def _all_direct(mpi_comm: MPI.Comm, opened: tuple[int, int] | None) -> int:
+    """The alignment every rank takes when every rank opened the file with O_DIRECT (``opened``:
+    its descriptor and alignment), the largest of theirs; else 0, ``opened``'s descriptor closed."""
+    refused = 2 * direct_io.MAX_ALIGN
+    align = _rounds(mpi_comm, refused if opened is None else opened[1])  # collective: MPI-IO unless every rank can
+    if align >= refused:
+        if opened is not None:
+            os.close(opened[0])
+        return 0
+    return align
 
 
 def write_items(mpi_comm: MPI.Comm, filename: str, items: Sequence[IOItem],
@@ -163,11 +167,12 @@ def write_items(mpi_comm: MPI.Comm, filename: str, items: Sequence[IOItem],
     through a file view. Checksums run in a thread alongside the writes; with ``sync`` the kernel
     is asked to start writing each round back as soon as it is written, and the file is synced
     at the end."""
-    fd = direct_io.open_direct(filename, True) if direct_io_ok else None
-    if _all_direct(mpi_comm, fd):
+    opened = direct_io.open_direct(filename, True) if direct_io_ok else None
+    align = _all_direct(mpi_comm, opened)
+    if align:
         chunks = chunk(coalesce(items), chunk_bytes, block_size)
-        return direct_io.write(filename, fd, chunks, [byte_view(b) for b in buffers], file_size=file_size,
-                               block_size=block_size, staging_bytes=chunk_bytes, sync=sync, host=_host)
+        return direct_io.write(filename, opened[0], chunks, [byte_view(b) for b in buffers], file_size=file_size,
+                               block_size=block_size, staging_bytes=chunk_bytes, sync=sync, host=_host, align=align)
     host = {i for i, b in enumerate(buffers) if b.device.type == "cpu"}
     rounds = _plan(items, host, chunk_bytes, block_size)
     views = [byte_view(b) for b in buffers]
@@ -255,12 +260,13 @@ def read_items(mpi_comm: MPI.Comm, filename: str, items: Sequence[IOItem],
     direct = [d.dtype == fd and d.device.type == "cpu" and d.is_contiguous()
               for d, fd in zip(dests, file_dtypes)]
     itemsize = {i: torch.empty(0, dtype=fd).element_size() for i, fd in enumerate(file_dtypes)}
-    fd = direct_io.open_direct(filename, False) if direct_io_ok else None
-    if _all_direct(mpi_comm, fd):
+    opened = direct_io.open_direct(filename, False) if direct_io_ok else None
+    align = _all_direct(mpi_comm, opened)
+    if align:
         chunks = chunk(coalesce(items), chunk_bytes, block_size, itemsize)
         views = [byte_view(d) if ok else None for d, ok in zip(dests, direct)]
-        return direct_io.read(fd, chunks, dests, views, file_dtypes, itemsize, block_size=block_size,
-                              staging_bytes=chunk_bytes, unchecked=set(unchecked))
+        return direct_io.read(opened[0], chunks, dests, views, file_dtypes, itemsize, block_size=block_size,
+                              staging_bytes=chunk_bytes, unchecked=set(unchecked), align=align)
     in_place = {i for i, ok in enumerate(direct) if ok}
     rounds = _plan(items, in_place, chunk_bytes, block_size, itemsize)
     nrounds = _rounds(mpi_comm, len(rounds))

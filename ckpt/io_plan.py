@@ -22,8 +22,13 @@ REPLICA_ALIGN = 4096  # a replicated shard is split among its holders at multipl
 
 
 def _what(kind: str, name: str, key: str | None) -> str:
-    return {"param": f"{name!r}", "master": f"master weights of {name!r}", "state": f"optimizer state {key!r} of "
-            f"{name!r}"}.get(kind, f"{name!r}" if key is None else f"{key!r}")
+    if kind == "param":
+        return f"{name!r}"
+    if kind == "master":
+        return f"master weights of {name!r}"
+    if kind == "state":
+        return f"optimizer state {key!r} of {name!r}"
+    return f"{name!r}" if key is None else f"{key!r}"
 
 
 def shard_runs(e: Any, s: dl.Sharding, buf: int) -> list[byte_ranges.IOItem]:

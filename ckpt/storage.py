@@ -76,6 +76,12 @@ def resolve(path: str | os.PathLike) -> str:
 def read_manifest(path: str | os.PathLike) -> Manifest:
     """Read and check the manifest of the checkpoint at ``path`` (no MPI): it must parse, be
     of a format version this code reads, and describe a data file of the size found."""
+    return read_manifest_text(path)[0]
+
+
+def read_manifest_text(path: str | os.PathLike) -> tuple[Manifest, str]:
+    """``read_manifest``, and the manifest's text as read (what ``load`` broadcasts: every
+    other rank parses it with ``Manifest.from_json(text, checked=True)``)."""
     d = resolve(path)
     mpath = os.path.join(d, MANIFEST_NAME)
     if os.path.getsize(mpath) > MAX_MANIFEST_BYTES:
@@ -96,7 +102,7 @@ def read_manifest(path: str | os.PathLike) -> Manifest:
     if size != want:
         raise DamagedCheckpointError(f"{dpath}: expected {want} bytes, found {size} "
                                      f"({'truncated' if size < want else 'longer than written'})")
-    return m
+    return m, raw.decode("utf-8")
 
 
 def create_workdir(path: str, world_size: int, overwrite: bool) -> str:

@@ -59,10 +59,7 @@ def test_direct_and_mpiio_write_and_read_the_same_bytes(world, shared_tmp_path):
         buf[pos:pos + n] = torch.from_numpy(ref[off:off + n])
         items.append(IOItem(off, n, 0, pos))
         pos += n
-    usable = direct_io.open_direct(str(shared_tmp_path / "probe"), True)
-    if world.allreduce(int(usable is None)):
-        pytest.skip("this file system refuses O_DIRECT")
-    direct_io.os.close(usable)
+    _skip_without_direct(world, shared_tmp_path)
     crcs = {}
     for direct in (True, False):
         name = str(shared_tmp_path / f"data-{direct}.bin")
@@ -95,6 +92,77 @@ def test_direct_and_mpiio_write_and_read_the_same_bytes(world, shared_tmp_path):
                    direct_io_ok=direct, unchecked={0})
         expect = np.concatenate([ref[o:o + n].view(np.float32) for o, n in f32]) if f32 else np.zeros(0)
         np.testing.assert_array_equal(wide.numpy(), expect.astype(np.float64))
+
+
+def _skip_without_direct(world, tmp) -> None:
+    usable = direct_io.open_direct(str(tmp / f"probe{world.rank}"), True)
+    if world.allreduce(int(usable is None)):
+        pytest.skip("this file system refuses O_DIRECT")
+    direct_io.os.close(usable[0])
+
+
+def _demanding_fs(monkeypatch, need: int) -> list[tuple[str, int, int]]:
+    """Make O_DIRECT calls fail with EINVAL unless offset, length and address are multiples of
+    ``need`` (a file system that takes O_DIRECT but asks more than 4 KiB); return the list of the
+    direct calls that went through: (call, offset, length)."""
+    import errno
+    import fcntl
+    import os
+
+    done: list[tuple[str, int, int]] = []
+    real_pwrite, real_preadv = os.pwrite, os.preadv
+
+    def check(call: str, fd: int, mem, offset: int) -> None:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            arr = np.frombuffer(mem, np.uint8)
+            if offset % need or len(arr) % need or arr.ctypes.data % need:
+                raise OSError(errno.EINVAL, "Invalid argument")
+            done.append((call, offset, len(arr)))
+
+    def pwrite(fd, data, offset):
+        check("pwrite", fd, data, offset)
+        return real_pwrite(fd, data, offset)
+
+    def preadv(fd, buffers, offset):
+        check("preadv", fd, buffers[0], offset)
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(direct_io.os, "pwrite", pwrite)
+    monkeypatch.setattr(direct_io.os, "preadv", preadv)
+    return done
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("need", [1 << 16, 4 * (1 << 20)])
+def test_a_file_system_that_asks_more_alignment_still_saves_and_loads(world, shared_tmp_path, monkeypatch, need):
+    """O_DIRECT accepted at open but EINVAL below ``need`` bytes of alignment: the save and load
+    use the alignment the file system takes (64 KiB), or MPI-IO when none up to MAX_ALIGN (1 MiB)
+    is taken; the bytes and CRC pieces are the reference's either way."""
+    _skip_without_direct(world, shared_tmp_path)
+    size = 3 * BLOCK + 1234
+    ref = np.random.default_rng(3).integers(0, 256, size, dtype=np.uint8)
+    cuts = [0, *(size * r // world.size + 17 for r in range(1, world.size)), size]  # unaligned, large ranges
+    off, n = cuts[world.rank], cuts[world.rank + 1] - cuts[world.rank]
+    buf = torch.from_numpy(ref[off:off + n].copy())
+    items = [IOItem(off, n, 0, 0)]
+    done = _demanding_fs(monkeypatch, need)
+    name = str(shared_tmp_path / f"demanding-{need}.bin")
+    pieces = write_items(world, name, items, [buf], file_size=size, block_size=BLOCK, chunk_bytes=4 * BLOCK)
+    world.Barrier()
+    assert np.array_equal(np.fromfile(name, np.uint8), ref)
+    assert all(p.crc == zlib.crc32(ref[p.offset:p.offset + p.length].tobytes()) for p in pieces)
+    assert sum(p.length for p in pieces) == n
+    direct_writes = [d for d in done if d[0] == "pwrite" and d[2] > 0]
+    out = torch.zeros_like(buf)
+    pieces = read_items(world, name, items, [out], [torch.uint8], block_size=BLOCK, chunk_bytes=4 * BLOCK)
+    assert torch.equal(out, buf)
+    assert all(p.crc == zlib.crc32(ref[p.offset:p.offset + p.length].tobytes()) for p in pieces)
+    if need > 1 << 20:
+        assert done == []  # every alignment refused: MPI-IO wrote and read it all
+    else:
+        assert len(direct_writes) >= 2  # the probe, then whole 64 KiB blocks of data
+        assert any(d[0] == "preadv" for d in done)
+        assert all(o % need == 0 and ln % need == 0 for _c, o, ln in done)
 
 
 def _bxor():

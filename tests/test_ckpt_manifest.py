@@ -114,3 +114,40 @@ def test_jsonable_and_like():
         jsonable({"lr": object()}, "g")
     assert like((0.9, 0.99), [0.8, 0.7]) == (0.8, 0.7)
     assert like(0.1, 0.2) == 0.2
+
+
+def _full_manifest() -> Manifest:
+    pk = Packer()
+    pk.add("w", 0, "param", (8, 3), "float32", layout={"mesh": [4], "placements": [["shard", 0]]})
+    pk.add("w", 0, "state", (8, 3), "float32", key="exp_avg", layout={"mesh": [2, 2], "placements": [
+        ["replicate"], ["strided", 0, 2]]})
+    pk.add("b", 1, "param", (3,), "bfloat16")
+    pk.add("rng", -1, "item", (5,), "uint8", key="rng/0")
+    return Manifest(world_size=4, stage=None, step=3, params=[ParamInfo("w", (8, 3), "float32"),
+                                                               ParamInfo("b", (3,), "bfloat16", True)],
+                    tensors=pk.entries, files={"data.bin": {"nbytes": pk.size, "crc32": [7, 2**32 - 1]}},
+                    optimizer={"class": "torch.optim.adamw.AdamW", "param_groups": [{"params": [0, 1]}],
+                               "scalars": {"0": {"step": {"value": 1.0, "dtype": "float32"}}}},
+                    extra={"a": 1}, block_size=128, info={"torch": "x"},
+                    state={"items": {"rng": {"value": {"@tensor": 0}, "tensors": ["rng/0"]}}})
+
+
+def test_a_checked_parse_gives_what_the_full_parse_gives():
+    """load's other ranks parse rank 0's checked bytes without the checks: the same manifest,
+    field by field (the layout and boxes too, which TensorEntry's == leaves out)."""
+    from dataclasses import asdict
+
+    text = _full_manifest().to_json()
+    full, fast = Manifest.from_json(text), Manifest.from_json(text, checked=True)
+    assert asdict(fast) == asdict(full)
+    assert [(t.layout, t.boxes) for t in fast.tensors] == [(t.layout, t.boxes) for t in full.tensors]
+    assert [type(t.shape) for t in fast.tensors + fast.params] == [tuple] * 6
+    assert fast.to_json() == full.to_json() == text
+
+
+@pytest.mark.parametrize("bad", [True, 1.0, -1, 2**32, "3"])
+def test_block_checksums_of_the_wrong_type_or_range_are_refused(bad):
+    m = _full_manifest()
+    m.files["data.bin"]["crc32"] = [5, bad]
+    with pytest.raises(ManifestError, match=r"expected block checksums in \[0, 2\*\*32\), got " + repr(bad)):
+        m.validate()
