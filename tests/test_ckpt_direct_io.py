@@ -139,7 +139,7 @@ def test_a_file_system_that_asks_more_alignment_still_saves_and_loads(world, sha
     use the alignment the file system takes (64 KiB), or MPI-IO when none up to MAX_ALIGN (1 MiB)
     is taken; the bytes and CRC pieces are the reference's either way."""
     _skip_without_direct(world, shared_tmp_path)
-    size = 3 * BLOCK + 1234
+    size = 3 * BLOCK * world.size + 1234  # every rank's range holds whole 64 KiB blocks
     ref = np.random.default_rng(3).integers(0, 256, size, dtype=np.uint8)
     cuts = [0, *(size * r // world.size + 17 for r in range(1, world.size)), size]  # unaligned, large ranges
     off, n = cuts[world.rank], cuts[world.rank + 1] - cuts[world.rank]

@@ -133,8 +133,8 @@ def test_plain_init_under_mpiexec_at_4_ranks(tmp_path):
 def test_plain_init_under_mpiexec_with_local_world_size_exported(tmp_path):
     """LOCAL_WORLD_SIZE (accelerate sets it) is no sign of torchrun: MPI still gives the ranks."""
     script = tmp_path / "init.py"
-    script.write_text(_INIT_JOB + "t = torch.ones(1); dist.all_reduce(t)\n"
-                      "print('sum', dist.get_rank(), t.item(), flush=True)\n")
+    script.write_text(_INIT_JOB + "t = torch.ones(1); dist.all_reduce(t)\nimport sys\n"  # one write per line:
+                      "sys.stdout.write(f'sum {dist.get_rank()} {t.item()}\\n'); sys.stdout.flush()\n")  # no interleaving
     proc = subprocess.run([*_mpiexec(2), sys.executable, "-m", "mpi4py", str(script)], cwd=ROOT,
                           env=_env(LOCAL_WORLD_SIZE="2"), capture_output=True, text=True,
                           timeout=120)
