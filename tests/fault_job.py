@@ -77,8 +77,8 @@ def half_async(comm, victim, out):
 
 def half_pipelined(comm, victim, out):
     """Async 16-bit all_reduce of 12 MiB, in reduce16's pipelined segments: every rank starts
-    it, the victim dies with its first segments posted (run with the TCP eager limit raised
-    above the segment size: docs/failures.md)."""
+    it, the victim dies with its first segments posted (run with segments at or below the TCP
+    eager limit: docs/failures.md)."""
     x = torch.ones(3 << 21, dtype=torch.bfloat16)
     comm.all_reduce(torch.ones(4, dtype=torch.bfloat16))
     work = comm.all_reduce(x, async_op=True)
