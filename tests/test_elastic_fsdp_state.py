@@ -57,11 +57,13 @@ def full_state(model, opt):
     return out
 
 
-def test_a_lost_rank0s_shards_come_back_on_the_survivors_mesh(pg, comm):
+def _three_commits(comm, **state_args):
+    """An FSDP2 TorchState over the world with RebuildFSDP building on ranks 1..N-1's mesh, after
+    three training steps each committed: (state, the models built, full state after each commit)."""
     n, me = comm.size, comm.rank
     model, opt = sharded(_mesh(n))
     sub_group = dist.new_group(list(range(1, n)))      # collective over the world
-    state = elastic.TorchState(model=model, optimizer=opt, comm=comm, step=0)
+    state = elastic.TorchState(model=model, optimizer=opt, comm=comm, step=0, **state_args)
     built = []
 
     def build():
@@ -76,6 +78,12 @@ def test_a_lost_rank0s_shards_come_back_on_the_survivors_mesh(pg, comm):
         state.step += 1
         state.commit()
         wants.append(full_state(model, opt))
+    return state, built, wants
+
+
+def test_a_lost_rank0s_shards_come_back_on_the_survivors_mesh(pg, comm):
+    n, me = comm.size, comm.rank
+    state, built, wants = _three_commits(comm)
     want = wants[1]                                    # the commit before the newest (a death inside commit())
     sub = comm.split(None if me == 0 else 0)
     got = {}
@@ -160,24 +168,7 @@ def test_the_disk_fall_back_loads_the_newest_checkpoint_into_the_rebuilt_model(p
     the disk path (as when a shard and its replica are both lost): RebuildFSDP builds the model on
     their mesh and loads the checkpoint of commit 2 (saved over all ranks) into it."""
     n, me = comm.size, comm.rank
-    model, opt = sharded(_mesh(n))
-    sub_group = dist.new_group(list(range(1, n)))      # collective over the world
-    state = elastic.TorchState(model=model, optimizer=opt, comm=comm, checkpoint_dir=str(shared_tmp_path / "ck"),
-                               checkpoint_every=2, step=0)
-    built = []
-
-    def build():
-        built.append(sharded(DeviceMesh.from_group(sub_group, "cpu")))
-        return built[-1]
-    state.register_reset_callbacks([elastic.RebuildFSDP(state, build)])
-    wants = []
-    for step in range(3):
-        opt.zero_grad()
-        local_loss(model, step, me, n).backward()
-        opt.step()
-        state.step += 1
-        state.commit()
-        wants.append(full_state(model, opt))
+    state, built, wants = _three_commits(comm, checkpoint_dir=str(shared_tmp_path / "ck"), checkpoint_every=2)
     state.wait_checkpoint()
     want = wants[1]                                    # the checkpoint of commit 2
     sub = comm.split(None if me == 0 else 0)
