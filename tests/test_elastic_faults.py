@@ -139,32 +139,27 @@ def test_a_rank_dying_inside_an_async_checkpoint_save(tmp_path):
     get a RankFailedError (no hang, no abort), recover in memory and end with the reference
     weights; the half-written checkpoint is never published, and the recovery writes it again."""
     _ulfm()
-    out, ckdir = str(tmp_path / "run"), str(tmp_path / "ck")
-    proc = _launch(3, [os.path.join(HERE, "elastic_disk_job.py"), "zero2", ckdir, str(STEPS), "1", "2", out,
-                       "insave"], timeout=120)
-    log = f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    assert os.path.exists(out + ".json"), log
-    with open(out + ".json") as f:
-        info = json.load(f)
+    info, log = _disk_job(tmp_path, 3, ["1", "2", "insave"], steps=STEPS, timeout=120)
     assert info["world_size"] == 2 and [r["lost"] for r in info["recoveries"]] == [[1]], (info, log)
     assert info["recoveries"][0]["save_in_flight"] == "failed", info
-    assert _published_checkpoints_are_whole(ckdir)[-1] == "step4", os.listdir(ckdir)
-    got = np.load(out + ".npz")
-    for i, ref in enumerate(reference(STEPS)):
-        np.testing.assert_allclose(got[f"p{i}"], ref.numpy(), rtol=1e-5, atol=1e-6, err_msg=f"param {i}\n{log}")
+    assert _published_checkpoints_are_whole(str(tmp_path / "ck"))[-1] == "step4", os.listdir(tmp_path / "ck")
 
 
-def _disk_job(tmp_path, n: int, args: list[str]) -> tuple[dict, str]:
+def _disk_job(tmp_path, n: int, args: list[str], *, layout: str = "zero2", steps: int = STEPS + 2,
+              timeout: int = 150, ref=reference) -> tuple[dict, str]:
+    """tests/elastic_disk_job.py of ``layout`` on n ranks (``args``: victims, step, then the
+    mode's words), checkpoints in tmp_path/ck: its OUT.json and log, once its final weights are
+    checked against ``ref(steps)``, the single-process reference."""
     out, ckdir = str(tmp_path / "run"), str(tmp_path / "ck")
-    proc = _launch(n, [os.path.join(HERE, "elastic_disk_job.py"), "zero2", ckdir, str(STEPS + 2), *args[:2], out,
-                       *args[2:]], timeout=150)
+    proc = _launch(n, [os.path.join(HERE, "elastic_disk_job.py"), layout, ckdir, str(steps), *args[:2], out,
+                       *args[2:]], timeout=timeout)
     log = f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     assert os.path.exists(out + ".json"), log
     with open(out + ".json") as f:
         info = json.load(f)
     got = np.load(out + ".npz")
-    for i, ref in enumerate(reference(STEPS + 2)):
-        np.testing.assert_allclose(got[f"p{i}"], ref.numpy(), rtol=1e-5, atol=1e-6, err_msg=f"param {i}\n{log}")
+    for i, want in enumerate(ref(steps)):
+        np.testing.assert_allclose(got[f"p{i}"], want.numpy(), rtol=1e-5, atol=1e-6, err_msg=f"param {i}\n{log}")
     return info, log
 
 
