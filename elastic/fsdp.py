@@ -3,7 +3,7 @@ DTensor parameter and optimizer state into one buffer, kept here and sent to the
 recovery re-partitions them over the survivors with the placement rules ckpt uses for N->M
 (``ckpt.dtensor_layout``: torch's chunk semantics, uneven last shards included) and
 ``RebuildFSDP``, a reset callback, loads them into the model and optimizer built anew on the
-survivors' mesh. ``new_shard`` and ``local_shape`` are the pure re-partition step."""
+survivors' mesh. ``plan`` and ``local_shape`` are the pure re-partition step."""
 from __future__ import annotations
 
 import math
@@ -15,56 +15,13 @@ import torch
 
 from ckpt import dtensor_layout as dl
 
+from . import repartition, reshard
 from .errors import ElasticError, ShardsLostError
-
-
-def _runs(shape: Sequence[int], world: int, rank: int, placements: Sequence[Any]) -> list[tuple[int, int, int]]:
-    return sorted(dl.runs(shape, dl.layout(shape, (world,), (rank,), placements)))
 
 
 def local_shape(shape: Sequence[int], world: int, rank: int, placements: Sequence[Any]) -> tuple[int, ...]:
     """The local shard shape of ``rank`` of a tensor of global ``shape`` on a 1-D mesh of ``world``."""
     return dl.local_shape(dl.layout(shape, (world,), (rank,), placements))
-
-
-def new_shard(shape: Sequence[int], placements: Sequence[Any], old_rows: Sequence[torch.Tensor],
-              new_world: int, new_rank: int) -> torch.Tensor:
-    """The local shard of ``new_rank`` on a 1-D mesh of ``new_world`` ranks, built from
-    ``old_rows[r]``: the local shard old rank ``r`` held on a 1-D mesh of ``len(old_rows)`` ranks
-    (``placements`` on both meshes, e.g. ``(Shard(0),)``)."""
-    shape = tuple(int(s) for s in shape)
-    old_world = len(old_rows)
-    if old_world < 1 or not 0 <= new_rank < new_world:
-        raise ValueError(f"expected >= 1 old rows and 0 <= new_rank < new_world, got {old_world} rows, "
-                         f"new_rank={new_rank}, new_world={new_world}")
-    want = local_shape(shape, new_world, new_rank, placements)
-    out = torch.empty(want, dtype=old_rows[0].dtype, device=old_rows[0].device)
-    flat = out.reshape(-1)
-    mine = _runs(shape, new_world, new_rank, placements)
-    filled = 0
-    for r, row in enumerate(old_rows):
-        expect = local_shape(shape, old_world, r, placements)
-        if tuple(row.shape) != expect:
-            raise ValueError(f"old rank {r}: expected a local shard of shape {list(expect)} of global shape "
-                             f"{list(shape)} over {old_world} ranks, got {list(row.shape)}")
-        src = row.reshape(-1)
-        theirs = _runs(shape, old_world, r, placements)
-        i = j = 0
-        while i < len(mine) and j < len(theirs):  # both sorted by full-tensor offset
-            fa, la, na = mine[i]
-            fb, lb, nb = theirs[j]
-            lo, hi = max(fa, fb), min(fa + na, fb + nb)
-            if lo < hi:
-                flat[la + lo - fa:la + hi - fa].copy_(src[lb + lo - fb:lb + hi - fb])
-                filled += hi - lo
-            if fa + na <= fb + nb:
-                i += 1
-            else:
-                j += 1
-    if filled != flat.numel():
-        raise ValueError(f"the old shards cover {filled} of the {flat.numel()} elements of new rank "
-                         f"{new_rank}'s shard of global shape {list(shape)}: are the placements replicated?")
-    return out
 
 
 # -- commit, rollback and rebuild of an FSDP2 model in a TorchState ------------------------------
@@ -127,6 +84,24 @@ def _offsets(entries: Sequence[Entry], world: int, rank: int) -> list[int]:
     for e in entries:
         out.append(out[-1] + e.nbytes(world, rank))
     return out
+
+
+def plan(entries: Sequence[Entry], old_world: int, new_world: int) -> list[reshard.Piece]:
+    """The byte runs that move from the old ranks' packed buffers (``old_world`` ranks) into the
+    new ranks' (``new_world``), every entry laid out by its placements on a 1-D mesh of each size."""
+    old_offs = [_offsets(entries, old_world, s) for s in range(old_world)]
+    new_offs = [_offsets(entries, new_world, r) for r in range(new_world)]
+    old: list[tuple[int, int, int, int]] = []
+    new: list[tuple[int, int, int, int]] = []
+    base = 0                                    # the entry's first byte in all entries joined
+    for i, e in enumerate(entries):
+        size = e.dtype.itemsize
+        for world, offs, runs in ((old_world, old_offs, old), (new_world, new_offs, new)):
+            for r in range(world):
+                for full, local, n in dl.runs(e.shape, dl.layout(e.shape, (world,), (r,), e.placements)):
+                    runs.append((base + full * size, n * size, r, offs[r][i] + local * size))
+        base += math.prod(e.shape) * size
+    return reshard.overlaps(old, new)
 
 
 def _view(buf: torch.Tensor, e: Entry, lo: int, world: int, rank: int) -> torch.Tensor:
@@ -227,8 +202,9 @@ def commit(state: Any, old: Any) -> tuple[dict[str, Any], list[Any]]:
 
 def rollback(state: Any, c: dict[str, Any], count: int, new_comm: Any, survivors: Sequence[int]) -> None:
     """Re-partition commit ``c`` (of the old world; the ``count``-th user commit) over ``new_comm``
-    (old ranks ``survivors``): every old rank's buffer comes from its owner or its buddy; the new
-    local shards wait in the state for ``RebuildFSDP`` to load them into the rebuilt model."""
+    (old ranks ``survivors``): each survivor receives the pieces of its new local shards from the
+    owners or buddies of the old ones; they wait in the state for ``RebuildFSDP`` to load them
+    into the rebuilt model."""
     from . import replicas
 
     world = c["world"]
@@ -243,24 +219,19 @@ def rollback(state: Any, c: dict[str, Any], count: int, new_comm: Any, survivors
                            "elastic.RebuildFSDP(state, build) with state.register_reset_callbacks")
     entries = c["entries"]
     me = survivors[int(new_comm.rank)]
-    offs = [_offsets(entries, world, s) for s in range(world)]
-    bufs = []
-    for s in range(world):
-        if held[s] == me:
-            buf = c["own"] if s == me else c["ward"]
-        else:
-            buf = torch.empty(offs[s][-1], dtype=torch.uint8)
-        new_comm.broadcast(buf, src=survivors.index(held[s]))
-        bufs.append(buf)
-    ok = torch.tensor([int(all(int(b[:_HEAD].view(torch.int64)[0]) == digest(entries) for b in bufs))])
-    new_comm.all_reduce(ok, op=_min())
-    if not int(ok[0]):
+    mine = {s: (c["own"] if s == me else c["ward"]) for s in range(world) if held[s] == me}
+    seen = [digest(entries)] + [int(b[:_HEAD].view(torch.int64)[0]) for b in mine.values()]
+    both = torch.tensor([min(seen), -max(seen)], dtype=torch.int64)    # every rank's digest, every held buffer's
+    new_comm.all_reduce(both, op=_min())
+    if int(both[0]) != -int(both[1]):
         raise ElasticError("elastic: the old ranks' FSDP2 commits do not list the same parameters and optimizer "
                            "state (names, shapes, placements, dtypes); the shards cannot be re-partitioned")
     n, r = int(new_comm.size), int(new_comm.rank)
-    shards = {e.key: new_shard(e.shape, e.placements, [_view(bufs[s], e, offs[s][i], world, s) for s in range(world)],
-                               n, r)
-              for i, e in enumerate(entries)}
+    offs = _offsets(entries, n, r)
+    (packed,) = repartition.exchange(new_comm, plan(entries, world, n), {s: [b] for s, b in mine.items()},
+                                     [survivors.index(h) for h in held], [torch.empty(0, dtype=torch.uint8)],
+                                     offs[-1])
+    shards = {e.key: _view(packed, e, offs[i], n, r) for i, e in enumerate(entries)}
     object.__setattr__(state, "_fsdp_pending", {"entries": entries, "shards": shards, "plain": c["plain"],
                                                 "count": count})
 

@@ -1,6 +1,7 @@
-"""A ZeroOptimizer group's shards put back together in parameter order (pure, no MPI)."""
+"""A ZeroOptimizer group's shards re-partitioned over another world size (pure, no MPI)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -18,20 +19,53 @@ def split_state(state: dict[str, Any], master: torch.Tensor) -> tuple[dict[str, 
     return elementwise, other
 
 
-def assemble(layout: Any, rows: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Join every old rank's local shard (``rows[r]``, ``layout.local_numel`` elements) into
-    the group's unpadded flat buffer in parameter order (``layout.total_numel`` elements)."""
-    if len(rows) != layout.world_size:
-        raise ValueError(f"expected {layout.world_size} rows, got {len(rows)}")
-    offsets = [0]
-    for n in layout.numels:
-        offsets.append(offsets[-1] + n)
-    index = {pid: i for i, pid in enumerate(layout.param_ids)}
-    out = torch.empty(layout.total_numel, dtype=rows[0].dtype, device=rows[0].device)
-    for r, row in enumerate(rows):
-        if row.numel() != layout.local_numel:
-            raise ValueError(f"row {r}: expected {layout.local_numel} elements, got {row.numel()}")
-        for s in layout.segments(r):
-            lo = offsets[index[s.param]] + s.start
-            out[lo:lo + s.length].copy_(row.reshape(-1)[s.local:s.local + s.length])
+@dataclass(frozen=True)
+class Piece:
+    """``length`` elements at ``src_local`` of old rank ``src``'s local shard that land at
+    ``dst_local`` of new rank ``dst``'s local shard."""
+
+    src: int
+    dst: int
+    src_local: int
+    dst_local: int
+    length: int
+
+
+def _runs(layout: Any) -> list[tuple[int, int, int, int]]:
+    """(global start, length, rank, local) of every segment of ``layout`` (the global order:
+    parameters one after another, as ``layout.param_ids`` lists them)."""
+    offsets = {}
+    pos = 0
+    for pid, n in zip(layout.param_ids, layout.numels):
+        offsets[pid] = pos
+        pos += n
+    return [(offsets[s.param] + s.start, s.length, r, s.local) for r, s in layout.all_segments()]
+
+
+def pieces(old: Any, new: Any) -> list[Piece]:
+    """What moves where when a group laid out as ``old`` (a ``zero.ShardLayout``) is laid out
+    as ``new`` (the same parameters over another world size): every run of elements in both an
+    old rank's and a new rank's shard, once. Padding is in no piece."""
+    if old.numels != new.numels or old.param_ids != new.param_ids or old.stage != new.stage:
+        raise ValueError(f"expected layouts of the same parameters and stage, got {old!r} and {new!r}")
+    return overlaps(_runs(old), _runs(new))
+
+
+def overlaps(old: Sequence[tuple[int, int, int, int]], new: Sequence[tuple[int, int, int, int]]) -> list[Piece]:
+    """The pieces shared by two splits of one range: ``old`` and ``new`` list its runs as
+    (start in the range, length, rank, start in the rank's buffer), each run of a split in one
+    rank's buffer, no two runs of a split overlapping (gaps, e.g. what no rank holds, are allowed)."""
+    a, b = sorted(old), sorted(new)
+    out: list[Piece] = []
+    i = j = 0
+    while i < len(a) and j < len(b):
+        a_lo, a_n, src, src_local = a[i]
+        b_lo, b_n, dst, dst_local = b[j]
+        lo, hi = max(a_lo, b_lo), min(a_lo + a_n, b_lo + b_n)
+        if lo < hi:
+            out.append(Piece(src, dst, src_local + lo - a_lo, dst_local + lo - b_lo, hi - lo))
+        if a_lo + a_n <= b_lo + b_n:
+            i += 1
+        else:
+            j += 1
     return out

@@ -8,7 +8,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from . import fsdp, replicas, reshard, values
+from . import fsdp, repartition, replicas, reshard, values
 
 _OWN = frozenset({"model", "optimizer", "checkpoint_dir", "checkpoint_every"})
 _TAG = 29029
@@ -291,7 +291,8 @@ class TorchState:
             return None
         opt = self.optimizer
         # re-partitioned over the survivors with placeholders; the load fills every shard
-        opt.rebind(new_comm, [(torch.zeros(g.layout.total_numel, dtype=torch.float32), {}, {}) for g in opt.groups])
+        opt.rebind(new_comm, [(torch.zeros(lay.local_numel, dtype=torch.float32), {}, {})
+                              for lay in opt.layouts_for(int(new_comm.size))])
         object.__setattr__(self, "_comm", new_comm)
         object.__setattr__(self, "resumed", None)
         self._resume()
@@ -311,27 +312,17 @@ class TorchState:
                 f"the next rank, both failed; survivors: old ranks {survivors}); no checkpoint_dir to fall back to",
                 lost)
         me = survivors[int(new_comm.rank)]
+        senders = [survivors.index(h) for h in held]        # the new rank that sends old shard s
         opt = self.optimizer
-        pieces: list[list[torch.Tensor]] = [[] for _ in c.own]
-        for s in range(old_world):
-            src = survivors.index(held[s])
-            for i, like in enumerate(c.own):
-                if held[s] == me:
-                    buf = c.own[i] if s == me else c.ward[i]
-                else:
-                    buf = torch.empty_like(like)
-                new_comm.broadcast(buf, src=src)
-                pieces[i].append(buf)
-        full, i = [], 0
-        for gi, g in enumerate(opt.groups):
-            master = reshard.assemble(g.layout, pieces[i])
-            i += 1
-            elementwise = {}
-            for k in c.keys[gi]:
-                elementwise[k] = reshard.assemble(g.layout, pieces[i])
-                i += 1
-            full.append((master, elementwise, values.restore(None, ("value", c.other[gi]))))
-        opt.rebind(new_comm, full)
+        local, i = [], 0
+        for gi, (g, layout) in enumerate(zip(opt.groups, opt.layouts_for(int(new_comm.size)))):
+            kinds = 1 + len(c.keys[gi])                     # the master, then the elementwise state
+            rows = {s: (c.own if s == me else c.ward)[i:i + kinds] for s, h in enumerate(held) if h == me}
+            master, *rest = repartition.exchange(new_comm, reshard.pieces(g.layout, layout), rows, senders,
+                                                 c.own[i:i + kinds], layout.local_numel)
+            local.append((master, dict(zip(c.keys[gi], rest)), values.restore(None, ("value", c.other[gi]))))
+            i += kinds
+        opt.rebind(new_comm, local)
 
 
 #: Elements copied between two tests of the exchange in flight (each test moves it along).

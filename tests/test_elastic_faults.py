@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -200,7 +201,12 @@ def _too_small(tmp_path, mode: str) -> subprocess.CompletedProcess:
     proc = _launch(4, [os.path.join(HERE, "elastic_disk_job.py"), "zero2", ckdir, str(STEPS + 2), "1", "3", out,
                        f"{mode}+min:3"], timeout=150)
     log = f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    assert proc.returncode != 0 and not os.path.exists(out + ".json"), log
+    assert not os.path.exists(out + ".json"), log
+    # the survivors end the job with MPI_Abort(COMM_WORLD, 1) (python -m mpi4py on an uncaught
+    # error); Open MPI 5.0.11's prterun under ULFM once exited 0 after it (one CI run; 0 of 8 jobs
+    # here), so the abort's own error code, which prterun prints, is taken as the exit status then
+    abort = re.search(r"MPI_ABORT was invoked on rank \d+ .*?Errorcode: (\d+)", proc.stdout + proc.stderr, re.S)
+    assert proc.returncode != 0 or (abort is not None and abort.group(1) != "0"), log
     assert proc.stderr.count("elastic.errors.WorldTooSmallError") >= 2, log
     assert "2 survivors, fewer than min_world_size=3" in proc.stderr, log
     return proc

@@ -1,4 +1,4 @@
-"""elastic.fsdp: the N->M reshard of Shard(0) local shards against torch.chunk of the full tensor;
+"""elastic.fsdp: the N->M re-partition plan of packed local shards against torch.chunk of the full tensors;
 the packed commit buffer; the errors a recovery raises before any collective."""
 import pytest
 import torch
@@ -17,29 +17,56 @@ def _chunks(full, world, dim=0):
     return parts
 
 
-@pytest.mark.parametrize("shape", [(10, 3), (7,), (2, 5), (5, 4, 3), (0, 4)])
+def _pack(entries, fulls, world, rank, dims):
+    """Old rank ``rank``'s packed buffer, its local shards cut by torch.chunk (the reference)."""
+    offs = fsdp._offsets(entries, world, rank)
+    buf = torch.zeros(offs[-1], dtype=torch.uint8)
+    for e, f, lo, dim in zip(entries, fulls, offs, dims):
+        fsdp._view(buf, e, lo, world, rank).copy_(_chunks(f, world, dim)[rank])
+    return buf
+
+
+def _moved(entries, fulls, old, new, dims):
+    """Every new rank's packed buffer, filled from the old ranks' by ``fsdp.plan`` alone."""
+    rows = [_pack(entries, fulls, old, s, dims) for s in range(old)]
+    out = [torch.zeros(fsdp._offsets(entries, new, r)[-1], dtype=torch.uint8) for r in range(new)]
+    for p in fsdp.plan(entries, old, new):
+        into = out[p.dst][p.dst_local:p.dst_local + p.length]
+        into.copy_(rows[p.src][p.src_local:p.src_local + p.length])
+    return out
+
+
 @pytest.mark.parametrize("old,new", [(4, 3), (3, 2), (2, 3), (4, 1), (1, 4), (3, 3)])
-def test_new_shard_matches_torch_chunk(shape, old, new):
-    full = torch.arange(int(torch.tensor(shape).prod()), dtype=torch.float64).reshape(shape)
-    rows = _chunks(full, old)
-    want = _chunks(full, new)
+def test_plan_moves_shards_as_torch_chunk_cuts_them(old, new):
+    """Shard(0) tensors of several shapes and dtypes (empty ones, fewer rows than ranks) and a
+    Shard(1) one: the new ranks' shards are torch.chunk's of the full tensors."""
+    shapes = [(10, 3), (7,), (2, 5), (5, 4, 3), (0, 4), (3, 11)]
+    dtypes = [torch.float32, torch.bfloat16, torch.float64, torch.int64, torch.float16, torch.float32]
+    dims = [0, 0, 0, 0, 0, 1]
+    entries = [fsdp.Entry(("model", f"p{i}"), shape, (Shard(dim),), dt)
+               for i, (shape, dt, dim) in enumerate(zip(shapes, dtypes, dims))]
+    fulls = [(torch.arange(int(torch.tensor(shape).prod())) + 1).reshape(shape).to(dt)
+             for shape, dt in zip(shapes, dtypes)]
+    got = _moved(entries, fulls, old, new, dims)
     for r in range(new):
-        got = fsdp.new_shard(shape, (Shard(0),), rows, new, r)
-        assert got.shape == want[r].shape
-        assert torch.equal(got, want[r])
+        offs = fsdp._offsets(entries, new, r)
+        for e, f, lo, dim in zip(entries, fulls, offs, dims):
+            want = _chunks(f, new, dim)[r]
+            shard = fsdp._view(got[r], e, lo, new, r)
+            assert shard.shape == want.shape and torch.equal(shard, want), (e.key, r)
 
 
-def test_shard_dim1_matches_torch_chunk():
-    full = torch.randn(3, 11, dtype=torch.float64)
-    rows = _chunks(full, 4, dim=1)
-    for r in range(3):
-        assert torch.equal(fsdp.new_shard((3, 11), (Shard(1),), rows, 3, r), _chunks(full, 3, dim=1)[r])
-
-
-def test_wrong_row_shape_raises():
-    rows = [torch.zeros(3), torch.zeros(3), torch.zeros(2)]
-    with pytest.raises(ValueError, match="old rank 1"):
-        fsdp.new_shard((8,), (Shard(0),), [rows[0], torch.zeros(2), rows[2]], 2, 0)
+def test_plan_moves_every_byte_once():
+    entries = [fsdp.Entry(("model", "w"), (9, 2), (Shard(0),), torch.float32),
+               fsdp.Entry(("optim", "w", "exp_avg"), (9, 2), (Shard(0),), torch.float32)]
+    for old, new in [(4, 3), (2, 5)]:
+        moved = sum(p.length for p in fsdp.plan(entries, old, new))
+        assert moved == 2 * 9 * 2 * 4
+        seen = set()
+        for p in fsdp.plan(entries, old, new):
+            span = {(p.dst, b) for b in range(p.dst_local, p.dst_local + p.length)}
+            assert not span & seen, p
+            seen |= span
 
 
 def test_packed_pieces_of_mixed_dtypes_read_back():
@@ -115,17 +142,14 @@ def test_a_commit_before_the_rebuild_is_refused():
         fsdp.commit(state, None)
 
 
-class _OneRankComm:
-    """A survivor's communicator whose broadcasts deliver a buffer of another layout (zeros)."""
+class _OtherDigestComm:
+    """A survivor's communicator on which the other survivor lists other tensors (its digest
+    and its held buffers' are 0); it has no point-to-point calls, so nothing may be exchanged."""
 
     rank, size = 0, 2
 
-    def broadcast(self, buf, src):
-        if src != self.rank:
-            buf.zero_()
-
     def all_reduce(self, t, op):
-        pass
+        t.copy_(torch.minimum(t, torch.zeros_like(t)))
 
 
 def test_a_buffer_listing_other_tensors_is_refused_not_used():
@@ -136,4 +160,4 @@ def test_a_buffer_listing_other_tensors_is_refused_not_used():
     state._callbacks.append(fsdp.RebuildFSDP(state, lambda: None))
     c = {"world": 3, "entries": entries, "own": own, "ward": None}
     with pytest.raises(elastic.ElasticError, match="do not list the same parameters"):
-        fsdp.rollback(state, c, 1, _OneRankComm(), [0, 2])
+        fsdp.rollback(state, c, 1, _OtherDigestComm(), [0, 2])

@@ -36,28 +36,52 @@ def test_holders_rejects_unknown_survivors():
         replicas.holders(3, [0, 5])
 
 
+def _rows(flat: torch.Tensor, numels: list[int], world: int, stage: int, pad: float) -> torch.Tensor:
+    """Every rank's local shard, as ShardLayout's docstring defines it (stage 1: the flat buffer
+    padded and split evenly; stage 2: each parameter split on its own into ceil(n / world) pieces)."""
+    if stage == 1:
+        local = -(-len(flat) // world)
+        out = torch.full((world * local,), pad)
+        out[:len(flat)] = flat
+        return out.view(world, local)
+    rows = [[] for _ in range(world)]
+    at = 0
+    for n in numels:
+        piece = -(-n // world)
+        for r in range(world):
+            part = torch.full((piece,), pad)
+            got = flat[at + min(n, r * piece):at + min(n, (r + 1) * piece)]
+            part[:len(got)] = got
+            rows[r].append(part)
+        at += n
+    return torch.stack([torch.cat(r) if r else torch.zeros(0) for r in rows])
+
+
 @pytest.mark.parametrize("stage", [1, 2])
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_assemble_rebuilds_parameter_order(stage, world):
-    numels = [7, 1, 12, 5]
+@pytest.mark.parametrize("old_world,new_world", [(4, 3), (4, 2), (3, 1), (2, 3), (1, 4), (5, 2), (3, 3)])
+def test_pieces_move_every_element_once(stage, old_world, new_world):
+    numels = [7, 1, 12, 0, 5]
+    ids = [3, 0, 4, 2, 1]              # ids in another order than the parameters': order is by position
     flat = torch.arange(sum(numels), dtype=torch.float32) + 0.5
-    offsets = np.cumsum([0] + numels)
-    layout = ShardLayout(numels, world, stage)
-    rows = []
-    for r in range(world):     # what each rank holds, built from the layout's definition
-        row = torch.full((layout.local_numel,), -1.0)
-        for s in layout.segments(r):
-            row[s.local:s.local + s.length] = flat[offsets[s.param] + s.start:offsets[s.param] + s.start + s.length]
-        rows.append(row)
-    assert torch.equal(reshard.assemble(layout, rows), flat)
+    old_rows = _rows(flat, numels, old_world, stage, pad=-1.0)
+    want = _rows(flat, numels, new_world, stage, pad=0.0)
+    old, new = ShardLayout(numels, old_world, stage, ids), ShardLayout(numels, new_world, stage, ids)
+    got = torch.zeros(new_world, new.local_numel)
+    moved = 0
+    for p in reshard.pieces(old, new):
+        into = got[p.dst, p.dst_local:p.dst_local + p.length]
+        assert p.length > 0 and bool((into == 0).all()), p      # nothing is written twice
+        into.copy_(old_rows[p.src, p.src_local:p.src_local + p.length])
+        moved += p.length
+    assert moved == sum(numels)
+    assert torch.equal(got, want)
 
 
-def test_assemble_checks_rows():
-    layout = ShardLayout([4, 4], 2, 1)
-    with pytest.raises(ValueError, match="expected 2 rows, got 1"):
-        reshard.assemble(layout, [torch.zeros(4)])
-    with pytest.raises(ValueError, match="row 1: expected 4 elements, got 3"):
-        reshard.assemble(layout, [torch.zeros(4), torch.zeros(3)])
+def test_pieces_need_layouts_of_the_same_parameters():
+    with pytest.raises(ValueError, match="same parameters and stage"):
+        reshard.pieces(ShardLayout([4, 4], 2, 1), ShardLayout([4, 5], 3, 1))
+    with pytest.raises(ValueError, match="same parameters and stage"):
+        reshard.pieces(ShardLayout([4, 4], 2, 1), ShardLayout([4, 4], 3, 2))
 
 
 def test_split_state():

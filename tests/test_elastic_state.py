@@ -7,6 +7,7 @@ torch run on the same global batches (tests/elastic_job_lib.py).
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from mpi4py import MPI
@@ -214,12 +215,11 @@ def test_rebind_one_process(stage):
     opt = ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=stage, comm=comm, lr=LR)
     for step in range(4):
         if step == 2:
-            full = []
+            local = []
             for gi, g in enumerate(opt.groups):
                 el, other = elastic.reshard.split_state(opt.shard_state(gi), g.master)
-                full.append((elastic.reshard.assemble(g.layout, [g.master]),
-                             {k: elastic.reshard.assemble(g.layout, [v]) for k, v in el.items()}, other))
-            opt.rebind(mpicomm.Communicator(MPI.COMM_SELF), full)
+                local.append((g.master.clone(), {k: v.clone() for k, v in el.items()}, other))
+            opt.rebind(mpicomm.Communicator(MPI.COMM_SELF), local)
         opt.zero_grad()
         local_loss(model, step, 0, 1).backward()
         opt.step()
@@ -232,8 +232,25 @@ def test_rebind_checks_sizes():
     opt = ZeroOptimizer(torch.optim.Adam, make_model().parameters(), stage=1, comm=comm, lr=LR)
     with pytest.raises(ValueError, match="expected 1 groups, got 0"):
         opt.rebind(comm, [])
-    with pytest.raises(ValueError, match="'master': expected 66 elements, got 3"):
+    with pytest.raises(ValueError, match=r"'master': expected a flat tensor of 66 elements on cpu \(rank 0 of 1\), "
+                                         r"got shape \(3,\)"):
         opt.rebind(comm, [(torch.zeros(3), {}, {})])
+    with pytest.raises(ValueError, match=r"'exp_avg': expected a flat tensor of 66 elements"):
+        opt.rebind(comm, [(torch.zeros(66), {"exp_avg": torch.zeros(6, 11)}, {})])
+    with pytest.raises(TypeError, match="'master': expected float32, got torch.float64"):
+        opt.rebind(comm, [(torch.zeros(66, dtype=torch.float64), {}, {})])
+
+
+def _join(layout, rows) -> torch.Tensor:
+    """Every rank's local shard (``rows[r]``) joined into the group's flat buffer in parameter order."""
+    offsets = np.cumsum([0] + list(layout.numels))
+    index = {pid: i for i, pid in enumerate(layout.param_ids)}
+    out = torch.empty(layout.total_numel, dtype=rows[0].dtype)
+    for r, row in enumerate(rows):
+        for s in layout.segments(r):
+            lo = int(offsets[index[s.param]]) + s.start
+            out[lo:lo + s.length] = row.reshape(-1)[s.local:s.local + s.length]
+    return out
 
 
 def _drop(world: mpicomm.Communicator, dropped: list[int]):
@@ -348,7 +365,7 @@ def test_onebit_after_freeze_restarts_from_the_exact_mean_momentum(drop):
             (loc,) = opt.optimizer._local.values()
             L = g.layout.local_numel
             means = _allgather(comm, loc["mom"]).double().mean(0)[:, :L]   # (owner, chunk) -> shards
-            full = lambda rows: elastic.reshard.assemble(g.layout, list(rows))   # noqa: E731
+            full = lambda rows: _join(g.layout, list(rows))   # noqa: E731
             want_m = full(means)
             want_master = full(_allgather(comm, g.master))
             want_v = full(_allgather(comm, opt.optimizer.state[g.master]["exp_avg_sq"]))
@@ -363,7 +380,7 @@ def test_onebit_after_freeze_restarts_from_the_exact_mean_momentum(drop):
             assert inner._local == {}, "the local momenta must restart from the mean"
             gi = opt.groups[0]
             st = inner.state[gi.master]
-            got = lambda t: elastic.reshard.assemble(gi.layout, list(_allgather(new, t)))   # noqa: E731
+            got = lambda t: _join(gi.layout, list(_allgather(new, t)))   # noqa: E731
             torch.testing.assert_close(got(gi.master), want_master, rtol=0, atol=0)
             torch.testing.assert_close(got(st["exp_avg_sq"]), want_v, rtol=0, atol=0)
             torch.testing.assert_close(got(st["exp_avg"]).double(), want_m, rtol=1e-6, atol=1e-9)

@@ -408,49 +408,45 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if isinstance(self.optimizer, ShardedOnebitAdam):
             self.optimizer.restart_local()
 
-    @torch.no_grad()
-    def rebind(self, comm: Any, full_state: list[tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, Any]]]) -> None:
-        """Carry on over ``comm`` (e.g. the survivors of a failure), re-partitioned from every
-        group's full state.
+    def layouts_for(self, world_size: int) -> list[ShardLayout]:
+        """Every group's layout over ``world_size`` ranks (how ``rebind`` to a communicator of
+        that size partitions it)."""
+        return [ShardLayout(g.layout.numels, int(world_size), self.stage, g.layout.param_ids) for g in self._groups]
 
-        ``full_state[gi]`` is ``(master, elementwise, other)``: group ``gi``'s fp32 masters
-        flattened in parameter order (``layout.total_numel`` elements), the wrapped optimizer's
-        per-element state in that order (name -> tensor of the same size) and its other state
-        (name -> value, e.g. ``step``). Nothing is sent over the old communicator (it may hold
-        dead ranks): its gradient communicator is dropped, not freed. The model's weights are
-        left as they are. 1-bit Adam: ``other["step"]`` is its step count, and its per-rank
-        local momenta and worker errors restart as after a checkpoint load at another world size
-        (from ``exp_avg``, errors at zero; see ``ShardedOnebitAdam.rebound``)."""
+    @torch.no_grad()
+    def rebind(self, comm: Any,
+               local_state: list[tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, Any]]]) -> None:
+        """Carry on over ``comm`` (e.g. the survivors of a failure) with this rank's new shards.
+
+        ``local_state[gi]`` is ``(master, elementwise, other)``: this rank's fp32 master shard of
+        group ``gi`` as ``layouts_for(comm.size)[gi]`` lays it out (``local_numel`` elements,
+        padding included), the wrapped optimizer's per-element state laid out alike
+        (name -> tensor) and its other state (name -> value, e.g. ``step``); the tensors are
+        kept, not copied. Nothing is sent over the old communicator (it may hold dead ranks): its
+        gradient communicator is dropped, not freed. The model's weights are left as they are.
+        1-bit Adam: ``other["step"]`` is its step count, and its per-rank local momenta and
+        worker errors restart as after a checkpoint load at another world size (from
+        ``exp_avg``, errors at zero; see ``ShardedOnebitAdam.rebound``)."""
         import mpicomm
 
-        if len(full_state) != len(self._groups):
-            raise ValueError(f"ZeroOptimizer.rebind: expected {len(self._groups)} groups, got {len(full_state)}")
+        if len(local_state) != len(self._groups):
+            raise ValueError(f"ZeroOptimizer.rebind: expected {len(self._groups)} groups, got {len(local_state)}")
         comm = mpicomm.as_communicator(comm)
         world, rank = int(comm.size), int(comm.rank)
         new_groups: list[ShardGroup] = []
         new_states = []
-        for gi, (g, (master, elementwise, other)) in enumerate(zip(self._groups, full_state)):
+        for gi, (g, layout, (master, elementwise, other)) in enumerate(
+                zip(self._groups, self.layouts_for(world), local_state)):
             for name, t in [("master", master), *elementwise.items()]:
-                if t.numel() != g.layout.total_numel:
-                    raise ValueError(f"ZeroOptimizer.rebind: group {gi} {name!r}: expected "
-                                     f"{g.layout.total_numel} elements, got {t.numel()}")
-            layout = ShardLayout(g.layout.numels, world, self.stage, g.layout.param_ids)
-            offsets = [0]
-            for n in layout.numels:
-                offsets.append(offsets[-1] + n)
-
-            def local(full: torch.Tensor) -> torch.Tensor:
-                out = torch.zeros(layout.local_numel, dtype=full.dtype, device=g.master.device)
-                flat = full.reshape(-1)
-                for s in layout.segments(rank):
-                    lo = offsets[layout.param_ids.index(s.param)] + s.start
-                    out[s.local:s.local + s.length].copy_(flat[lo:lo + s.length])
-                return out
-
-            new_master = local(master.to(torch.float32))
-            state = {k: local(v) for k, v in elementwise.items()}
+                if t.dim() != 1 or t.numel() != layout.local_numel or t.device != g.master.device:
+                    raise ValueError(f"ZeroOptimizer.rebind: group {gi} {name!r}: expected a flat tensor of "
+                                     f"{layout.local_numel} elements on {g.master.device} (rank {rank} of "
+                                     f"{world}), got shape {tuple(t.shape)} on {t.device}")
+            if master.dtype != torch.float32:
+                raise TypeError(f"ZeroOptimizer.rebind: group {gi} 'master': expected float32, got {master.dtype}")
+            state = dict(elementwise)
             state.update({k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in other.items()})
-            new_groups.append(ShardGroup(g.params, layout, new_master, g.dtype))
+            new_groups.append(ShardGroup(g.params, layout, master, g.dtype))
             new_states.append(state)
         self.optimizer.state.clear()
         for inner, g, state in zip(self.optimizer.param_groups, new_groups, new_states):
