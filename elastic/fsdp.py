@@ -162,10 +162,10 @@ def _tensors(state: Any) -> tuple[list[tuple[Entry, torch.Tensor]], dict[str, An
     return shards, plain
 
 
-def commit(state: Any, old: Any) -> tuple[dict[str, Any], list[Any]]:
-    """This rank's FSDP2 commit: its local shards packed into one buffer (sent to its buddy, the
-    next rank, while the ward's buffer is received) and a copy of the replicated rest; returns
-    the commit and the transfers to wait for. ``old``: the commit whose memory may be reused."""
+def commit(state: Any, old: Any, stride: int = 1) -> tuple[dict[str, Any], list[Any]]:
+    """This rank's FSDP2 commit: its local shards packed into one buffer (sent to its buddy,
+    ``stride`` ranks on, while the ward's buffer is received) and a copy of the replicated rest;
+    returns the commit and the transfers to wait for. ``old``: the commit whose memory may be reused."""
     from . import replicas, values
 
     if getattr(state, "_fsdp_pending", None) is not None:
@@ -190,17 +190,18 @@ def commit(state: Any, old: Any) -> tuple[dict[str, Any], list[Any]]:
     c = {"entries": entries, "world": world, "offs": offs, "own": own, "ward": None}
     works = []
     if world > 1:      # the packed shards travel while the replicated rest is copied
-        prev = replicas.ward(me, world)
+        prev = replicas.ward(me, world, stride)
         need = old["ward"].numel() if same else _offsets(entries, world, prev)[-1]
         ward = old.get("ward")
         c["ward"] = ward if ward is not None and ward.numel() == need else torch.empty(need, dtype=torch.uint8)
         works = [state.comm.irecv(c["ward"], prev, tag=_TAG),
-                 state.comm.isend(own, replicas.buddy(me, world), tag=_TAG)]
+                 state.comm.isend(own, replicas.buddy(me, world, stride), tag=_TAG)]
     c["plain"] = values.tree_copy(plain, old.get("plain"))
     return c, works
 
 
-def rollback(state: Any, c: dict[str, Any], count: int, new_comm: Any, survivors: Sequence[int]) -> None:
+def rollback(state: Any, c: dict[str, Any], count: int, new_comm: Any, survivors: Sequence[int],
+             stride: int = 1) -> None:
     """Re-partition commit ``c`` (of the old world; the ``count``-th user commit) over ``new_comm``
     (old ranks ``survivors``): each survivor receives the pieces of its new local shards from the
     owners or buddies of the old ones; they wait in the state for ``RebuildFSDP`` to load them
@@ -208,11 +209,11 @@ def rollback(state: Any, c: dict[str, Any], count: int, new_comm: Any, survivors
     from . import replicas
 
     world = c["world"]
-    held = replicas.holders(world, survivors)
+    held = replicas.holders(world, survivors, stride)
     lost = [s for s, h in enumerate(held) if h is None]
     if lost:
         raise ShardsLostError(
-            f"elastic: the FSDP2 shards of old ranks {lost} are lost (each rank and its buddy, the next rank, "
+            f"elastic: the FSDP2 shards of old ranks {lost} are lost (each rank and its buddy, {stride} on, "
             f"both failed; survivors: old ranks {list(survivors)})", lost)
     if not any(isinstance(fn, RebuildFSDP) for fn in state._callbacks):
         raise ElasticError("elastic: an FSDP2 model must be rebuilt on the survivors: register "

@@ -153,7 +153,7 @@ def _attempt(state: TorchState, new: Any, old_rank: int, old_world: int, min_wor
                 f"elastic.run: old ranks {lost} failed; {new.size} survivors, fewer than min_world_size="
                 f"{min_world_size}") from err
         sharded = "ZeroOptimizer" if state.sharded else "FSDP2" if state._fsdp else None
-        shards_lost = replicas.lost_shards(old_world, survivors) if sharded else []
+        shards_lost = replicas.lost_shards(old_world, survivors, state.replica_stride) if sharded else []
         if shards_lost:
             why = ("no checkpoint_dir to fall back to" if state.checkpoint_dir is None
                    else None if disk.newest_exists(state, new)
@@ -161,7 +161,8 @@ def _attempt(state: TorchState, new: Any, old_rank: int, old_world: int, min_wor
             if why is not None:
                 raise ShardsLostError(
                     f"elastic: the {sharded} shards of old ranks {shards_lost} are lost (each rank and its "
-                    f"buddy, the next rank, both failed; survivors: old ranks {survivors}); {why}", shards_lost)
+                    f"buddy, {state.replica_stride} on, both failed; survivors: old ranks {survivors}); {why}",
+                    shards_lost)
         gen_t = torch.tensor([state.generation], dtype=torch.int64)
         new.all_reduce(gen_t, op=mpicomm.ReduceOp.MIN)
         gen = int(gen_t)

@@ -10,7 +10,7 @@ import torch
 
 from . import fsdp, repartition, replicas, reshard, values
 
-_OWN = frozenset({"model", "optimizer", "checkpoint_dir", "checkpoint_every"})
+_OWN = frozenset({"model", "optimizer", "checkpoint_dir", "checkpoint_every", "failure_domain"})
 _TAG = 29029
 
 
@@ -20,6 +20,7 @@ class Commit:
 
     gen: int
     count: int = 0                        # user commits since the run began (checkpoint_every counts them)
+    stride: int = 1                       # sharded state: the replica is on the rank this many on
     model: Any = None                     # model.state_dict() copy (replicated)
     optimizer: Any = None                 # plain optimizer: state_dict() copy (replicated)
     attrs: dict[str, Any] = field(default_factory=dict)
@@ -48,7 +49,10 @@ class TorchState:
 
     ``state.commit()`` keeps a copy of the replicated state (model weights, a plain optimizer's
     state, the attributes) on this rank and, for a ``zero.ZeroOptimizer``, sends this rank's
-    shard to its buddy rank (the next one) and keeps the previous rank's. The last two commits
+    shard to its buddy rank and keeps its ward's (the buddy is ``replica_stride`` ranks on:
+    the next rank, or the first shift that puts every buddy in another failure domain, so that
+    a host lost whole loses no shard; ``failure_domain`` names this rank's, default the host's
+    name). The last two commits
     are held, so every survivor can roll back to the newest one that all of them completed.
     An FSDP2 model (``fully_shard`` on a 1-D mesh) has its local DTensor shards (parameters and
     optimizer state) replicated the same way; register ``elastic.RebuildFSDP(state, build)`` to
@@ -63,8 +67,12 @@ class TorchState:
 
     def __init__(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
                  checkpoint_dir: str | None = None, checkpoint_every: int | None = None,
-                 comm: Any = None, **attrs: Any) -> None:
+                 comm: Any = None, failure_domain: str | None = None, **attrs: Any) -> None:
         import mpicomm
+
+        if failure_domain is not None and not (isinstance(failure_domain, str) and failure_domain):
+            raise TypeError(f"elastic.TorchState: expected failure_domain a non-empty str or None, got "
+                            f"{failure_domain!r}")
 
         if (checkpoint_dir is None) != (checkpoint_every is None):
             raise ValueError("elastic.TorchState: checkpoint_dir and checkpoint_every go together; got "
@@ -82,6 +90,8 @@ class TorchState:
         object.__setattr__(self, "checkpoint_dir", None if checkpoint_dir is None
                            else os.path.abspath(os.fspath(checkpoint_dir)))
         object.__setattr__(self, "checkpoint_every", checkpoint_every)
+        object.__setattr__(self, "failure_domain", failure_domain)
+        object.__setattr__(self, "_strides", (None, 1))     # (communicator, its replica stride)
         object.__setattr__(self, "_count", 0)           # user commits so far (restored by a resume)
         object.__setattr__(self, "_saving", None)       # the ckpt.SaveHandle in flight
         object.__setattr__(self, "resumed", None)       # what the resume from checkpoint_dir loaded
@@ -99,7 +109,7 @@ class TorchState:
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name.startswith("_") or name in _OWN or name in ("commit_seconds", "recoveries", "resumed"):
-            if name in ("checkpoint_dir", "checkpoint_every"):
+            if name in ("checkpoint_dir", "checkpoint_every", "failure_domain"):
                 raise AttributeError(f"elastic.TorchState: {name} is fixed at construction")
             object.__setattr__(self, name, value)
             return
@@ -139,6 +149,29 @@ class TorchState:
     def generation(self) -> int:
         """How many commits this rank completed (0: none yet)."""
         return self._commits[-1].gen if self._commits else 0
+
+    @property
+    def replica_stride(self) -> int:
+        """How many ranks on (cyclically) the newest commit's shard replicas went: 1, or the
+        shift that puts every rank's buddy in another failure domain."""
+        return self._commits[-1].stride if self._commits else 1
+
+    def _stride(self, comm: Any) -> int:
+        """The replica stride over ``comm`` from every rank's failure domain (collective, once
+        per communicator): ``failure_domain``, else the host's name."""
+        known, value = self._strides
+        if known is not comm:
+            import hashlib
+
+            from mpi4py import MPI
+
+            name = self.failure_domain or MPI.Get_processor_name()
+            mine = int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little", signed=True)
+            ids = torch.zeros(int(comm.size), dtype=torch.int64)
+            comm.all_gather_into_tensor(ids, torch.tensor([mine], dtype=torch.int64))
+            value = replicas.stride(ids.tolist())
+            object.__setattr__(self, "_strides", (comm, value))
+        return value
 
     def replica_bytes(self) -> int:
         """Bytes this rank holds in commits (both generations)."""
@@ -198,10 +231,12 @@ class TorchState:
         # the oldest commit is dropped now and its memory reused (no fresh pages to fault in)
         old = self._commits.pop(0) if len(self._commits) == 2 else Commit(0)
         c = Commit(self.generation + 1, count)
+        if self.sharded or self._fsdp:
+            c.stride = self._stride(self.optimizer.comm if self.sharded else self._comm)
         # the shard pieces leave for the buddy first; the local copies are made while they travel
         works = self._send_shards(c, old) if self.sharded else []
         if self._fsdp:
-            c.fsdp, works = fsdp.commit(self, old.fsdp)
+            c.fsdp, works = fsdp.commit(self, old.fsdp, c.stride)
         for name in self._names:
             c.attrs[name] = values.save(getattr(self, name), old.attrs.get(name))
         if self.model is not None and not self._fsdp:
@@ -244,8 +279,8 @@ class TorchState:
             c.ward = _buffers_like(pieces, old.ward)
             me = int(comm.rank)
             for i, (mine, theirs) in enumerate(zip(pieces, c.ward)):
-                works.append(comm.irecv(theirs, replicas.ward(me, world), tag=_TAG + i))
-                works.append(comm.isend(mine, replicas.buddy(me, world), tag=_TAG + i))
+                works.append(comm.irecv(theirs, replicas.ward(me, world, c.stride), tag=_TAG + i))
+                works.append(comm.isend(mine, replicas.buddy(me, world, c.stride), tag=_TAG + i))
         _copy_polling(c.own, pieces, works)
         return works
 
@@ -266,7 +301,7 @@ class TorchState:
         if self.model is not None and not self._fsdp:
             self.model.load_state_dict(values.tree_copy(c.model), strict=not self.sharded)
         if self._fsdp:    # loaded into the model rebuilt on the survivors by elastic.RebuildFSDP
-            fsdp.rollback(self, c.fsdp, c.count, new_comm, survivors)
+            fsdp.rollback(self, c.fsdp, c.count, new_comm, survivors, c.stride)
         elif self.sharded:
             self._rebuild_shards(c, new_comm, survivors, old_world)
             self.optimizer.gather_params()          # the model's weights from the masters
@@ -304,12 +339,12 @@ class TorchState:
     def _rebuild_shards(self, c: Commit, new_comm: Any, survivors: list[int], old_world: int) -> None:
         from .errors import ShardsLostError
 
-        held = replicas.holders(old_world, survivors)
+        held = replicas.holders(old_world, survivors, c.stride)
         lost = [s for s, h in enumerate(held) if h is None]
         if lost:
             raise ShardsLostError(
                 f"elastic: the ZeroOptimizer shards of old ranks {lost} are lost (each rank and its buddy, "
-                f"the next rank, both failed; survivors: old ranks {survivors}); no checkpoint_dir to fall back to",
+                f"{c.stride} on, both failed; survivors: old ranks {survivors}); no checkpoint_dir to fall back to",
                 lost)
         me = survivors[int(new_comm.rank)]
         senders = [survivors.index(h) for h in held]        # the new rank that sends old shard s

@@ -4,15 +4,17 @@ elastic.run with a checkpoint every 2 commits.
     mpiexec [--with-ft ulfm] -n N python tests/elastic_disk_job.py OPT DIR STEPS KILL KILL_STEP OUT [MODE]
 
 OPT: ddp | zero2 | fsdp2 (``fully_shard`` per layer and at the root, rebuilt by
-elastic.RebuildFSDP after a recovery); all with Adam; DIR: checkpoint_dir; KILL: world ranks (comma-separated, -1: nobody) that die
-(SIGKILL) at the start of step KILL_STEP (MODE ``insave``: inside the background write of
-the checkpoint taken at commit KILL_STEP instead; MODE ``again:R``: world rank R dies too, inside
-the recovery, right after its first shrink; ``then:R:S``: world rank R dies too, at the start of
-step S; ``min:M``: ``elastic.run(min_world_size=M)``; several joined by ``+``). Without ULFM the launcher then ends the whole
-job, and a relaunch resumes from DIR's newest checkpoint by itself; under ULFM the survivors
-recover from their in-memory commits, or from DIR's newest checkpoint when a shard was lost with
-its replica. ``badreset``: a reset callback raises. Rank 0 writes the final weights (OUT.npz) and
-what happened (OUT.json).
+elastic.RebuildFSDP after a recovery); all with Adam; DIR: checkpoint_dir; KILL: world ranks
+(comma-separated, -1: nobody) that die (SIGKILL) at the start of step KILL_STEP. MODE, several
+joined by ``+``: ``insave``: they die inside the background write of the checkpoint taken at
+commit KILL_STEP instead; ``again:R``: world rank R dies too, inside the recovery, right after
+its first shrink; ``then:R:S``: world rank R dies too, at the start of step S; ``min:M``:
+``elastic.run(min_world_size=M)``; ``domains:K``: ranks in blocks of K share a failure domain,
+as ranks on one host do (``TorchState(failure_domain=...)``); ``badreset``: a reset callback
+raises. Without ULFM the launcher then ends the whole job, and a relaunch resumes from DIR's
+newest checkpoint by itself; under ULFM the survivors recover from their in-memory commits, or
+from DIR's newest checkpoint when a shard was lost with its replica. Rank 0 writes the final
+weights (OUT.npz) and what happened (OUT.json).
 """
 from __future__ import annotations
 
@@ -60,6 +62,8 @@ def main() -> None:
     torch.set_num_threads(1)
     world = mpicomm.init()
     mdist.init_process_group()
+    modes = (sys.argv[7] if len(sys.argv) > 7 else "").split("+")
+    block = next((int(m[8:]) for m in modes if m.startswith("domains:")), None)
     model = make_model()
     if opt_kind == "ddp":
         opt: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=LR)
@@ -68,10 +72,10 @@ def main() -> None:
     else:
         opt = ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=2, comm=world.dup(), lr=LR)
     state = elastic.TorchState(model=model, optimizer=opt, comm=None if opt_kind == "zero2" else world,
-                               checkpoint_dir=ckdir, checkpoint_every=2, step=0)
+                               checkpoint_dir=ckdir, checkpoint_every=2, step=0,
+                               failure_domain=None if block is None else f"host{world.rank // block}")
     if opt_kind == "fsdp2":
         state.register_reset_callbacks([elastic.RebuildFSDP(state, build_fsdp2)])
-    modes = (sys.argv[7] if len(sys.argv) > 7 else "").split("+")
     mode = modes[0]
     later = {int(m.split(":")[2]): int(m.split(":")[1]) for m in modes if m.startswith("then:")}
     min_world = next((int(m[4:]) for m in modes if m.startswith("min:")), 1)
@@ -121,7 +125,7 @@ def main() -> None:
     if state.rank == 0:
         np.savez(out + ".npz", **weights)
         with open(out + ".json", "w") as f:
-            json.dump({"resumed": state.resumed, "world_size": state.world_size,
+            json.dump({"resumed": state.resumed, "world_size": state.world_size, "stride": state.replica_stride,
                        "dist_world_size": dist.get_world_size(), "commits": state.commits,
                        "recoveries": state.recoveries}, f)
     dist.destroy_process_group()

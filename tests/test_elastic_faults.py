@@ -180,6 +180,19 @@ def test_a_shard_lost_with_its_replica_falls_back_to_the_disk_checkpoint(tmp_pat
     assert info["commits"] == STEPS + 2, info
 
 
+def test_a_host_lost_whole_is_recovered_in_memory(tmp_path):
+    """4 ranks, ZeroOptimizer stage 2, in two failure domains of two ranks each (as two hosts):
+    the replicas go 2 ranks on (to the other "host"), so when ranks 0 and 1 are SIGKILLed
+    together at step 3, ranks 2 and 3 hold both lost shards and recover in memory, no disk,
+    to the reference weights. (With the next rank as buddy, shard 0 would be lost.)"""
+    _ulfm()
+    info, log = _disk_job(tmp_path, 4, ["0,1", "3", "domains:2"])
+    assert info["world_size"] == info["dist_world_size"] == 2, (info, log)
+    (rec,) = info["recoveries"]
+    assert rec["lost"] == [0, 1] and rec["survivors"] == [2, 3] and rec["from_disk"] is None, rec
+    assert info["stride"] == 1, info          # the survivors: one per former "host", the next rank
+
+
 def test_a_second_failure_during_the_recovery_is_recovered_from(tmp_path):
     """4 ranks, ZeroOptimizer stage 2: rank 1 dies at step 3, and rank 3 right after the
     survivors' first shrink (inside the recovery); the recovery starts again over ranks 0 and 2,

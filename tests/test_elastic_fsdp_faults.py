@@ -67,6 +67,18 @@ def test_fsdp2_shard_lost_with_its_replica_falls_back_to_the_disk_checkpoint(tmp
     assert rec["from_disk"]["path"].endswith(f"step{rec['from_disk']['commits']}"), rec
 
 
+def test_fsdp2_a_host_lost_whole_is_recovered_in_memory(tmp_path):
+    """4 ranks in two failure domains of two (as two hosts): the replicas go 2 ranks on, so
+    when ranks 0 and 1 (one "host") are SIGKILLed together at step 3, ranks 2 and 3 hold both
+    lost shards' replicas and recover in memory, no disk, to the Adam reference weights."""
+    _ulfm()
+    info, log = _disk_job(tmp_path, 4, ["0,1", "3", "domains:2"], layout="fsdp2", timeout=180,
+                          ref=elastic_job_lib.reference)
+    assert info["world_size"] == info["dist_world_size"] == 2 and info["stride"] == 1, (info, log)
+    (rec,) = info["recoveries"]
+    assert rec["lost"] == [0, 1] and rec["survivors"] == [2, 3] and rec["from_disk"] is None, rec
+
+
 def test_fsdp2_rank_dying_inside_an_async_checkpoint_save(tmp_path):
     """3 ranks, FSDP2 with Adam: rank 1 dies inside the write of the checkpoint taken at commit 2;
     the survivors recover in memory (RebuildFSDP), the recovery writes that checkpoint again from

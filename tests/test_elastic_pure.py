@@ -31,6 +31,36 @@ def test_holders(world, survivors, expected):
     assert replicas.lost_shards(world, survivors) == [s for s, h in enumerate(expected) if h is None]
 
 
+@pytest.mark.parametrize("domains,expected", [
+    ([0, 0, 1, 1], 2),                     # two hosts of two ranks, ranks in blocks
+    ([0, 0, 0, 1, 1, 1, 2, 2, 2], 3),
+    ([0, 1, 0, 1], 1),                     # ranks dealt round-robin: the next is on the other host
+    ([5, 5, 5, 5], 1),                     # one host: the next rank
+    ([7], 1),
+    ([0, 0, 0, 1], 1),                     # no shift separates more than 2 ranks of 4: the first
+])
+def test_stride_puts_every_buddy_on_another_host(domains, expected):
+    s = replicas.stride(domains)
+    assert s == expected
+    world = len(domains)
+    apart = [domains[r] != domains[replicas.buddy(r, world, s)] for r in range(world)]
+    if len(set(domains)) > 1:     # as many ranks separated as by any other shift
+        assert sum(apart) == max(sum(domains[r] != domains[(r + t) % world] for r in range(world))
+                                 for t in range(1, world))
+
+
+def test_a_host_lost_whole_loses_no_shard_with_its_stride():
+    domains = [0, 0, 0, 1, 1, 1]
+    s = replicas.stride(domains)
+    assert [replicas.buddy(r, 6, s) for r in range(6)] == [3, 4, 5, 0, 1, 2]
+    assert [replicas.ward(r, 6, s) for r in range(6)] == [3, 4, 5, 0, 1, 2]
+    assert replicas.holders(6, [3, 4, 5], s) == [3, 4, 5, 3, 4, 5]
+    assert replicas.lost_shards(6, [0, 1, 2], s) == []
+    assert replicas.lost_shards(6, [3, 4, 5], 1) == [0, 1]      # the next rank is on the same host
+    with pytest.raises(ValueError, match="stride=6, world=6"):
+        replicas.buddy(0, 6, 6)
+
+
 def test_holders_rejects_unknown_survivors():
     with pytest.raises(ValueError, match="range\\(3\\)"):
         replicas.holders(3, [0, 5])

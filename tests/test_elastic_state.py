@@ -45,6 +45,22 @@ def test_checkpoint_arguments_are_checked():
         elastic.TorchState(model=model, checkpoint_dir="/tmp/x", checkpoint_every=2).checkpoint_every = 3
 
 
+def test_failure_domain_is_checked_and_one_rank_replicates_to_itself():
+    with pytest.raises(TypeError, match="failure_domain a non-empty str or None, got 3"):
+        elastic.TorchState(failure_domain=3)
+    with pytest.raises(TypeError, match="failure_domain a non-empty str or None, got ''"):
+        elastic.TorchState(failure_domain="")
+    comm = mpicomm.Communicator(MPI.COMM_SELF)
+    model = make_model()
+    opt = ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=2, comm=comm, lr=LR)
+    state = elastic.TorchState(model=model, optimizer=opt, failure_domain="rack-7", step=0)
+    assert state.failure_domain == "rack-7" and state.replica_stride == 1
+    with pytest.raises(AttributeError, match="failure_domain is fixed"):
+        state.failure_domain = "rack-8"
+    state.commit()
+    assert state.replica_stride == 1
+
+
 def _disk_run(ckdir: str, steps: int, stop: int | None = None, after_commit=None):
     """Train on one rank with a checkpoint every 3 commits; ``stop``: leave after that step
     without waiting for the save in flight (as a killed job would); ``after_commit(state)``:
