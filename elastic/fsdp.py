@@ -86,20 +86,49 @@ def _offsets(entries: Sequence[Entry], world: int, rank: int) -> list[int]:
     return out
 
 
-def plan(entries: Sequence[Entry], old_world: int, new_world: int) -> list[reshard.Piece]:
+def _rows(e: Entry, world: int, rank: int) -> tuple[int, int]:
+    """The rows of ``e``'s sharded dimension that ``rank`` holds on a 1-D mesh of ``world`` (torch.chunk's)."""
+    dim = dl.placement_kind(e.placements[0])[1]
+    return dl.chunk(e.shape[dim], world, rank)
+
+
+def _touching(e: Entry, world: int, lo: int, hi: int) -> range:
+    """The ranks of a 1-D mesh of ``world`` whose shard of ``e`` holds some of rows [lo, hi)."""
+    dim = dl.placement_kind(e.placements[0])[1]
+    full = -(-e.shape[dim] // world) if e.shape[dim] else 0
+    return range(lo // full, min(world, (hi - 1) // full + 1)) if hi > lo and full else range(0)
+
+
+def plan(entries: Sequence[Entry], old_world: int, new_world: int, *, dst: int | None = None,
+         srcs: Sequence[int] | None = None) -> list[reshard.Piece]:
     """The byte runs that move from the old ranks' packed buffers (``old_world`` ranks) into the
-    new ranks' (``new_world``), every entry laid out by its placements on a 1-D mesh of each size."""
-    old_offs = [_offsets(entries, old_world, s) for s in range(old_world)]
-    new_offs = [_offsets(entries, new_world, r) for r in range(new_world)]
+    new ranks' (``new_world``), every entry laid out by its placement (one ``Shard``) on a 1-D
+    mesh of each size. ``dst``: only those landing in that new rank's buffer; ``srcs``: only
+    those leaving these old ranks' buffers (either found without the other ranks' runs)."""
+    offs: dict[tuple[int, int], list[int]] = {}
+
+    def at(world: int, r: int, i: int) -> int:
+        if (world, r) not in offs:
+            offs[world, r] = _offsets(entries, world, r)
+        return offs[world, r][i]
+
     old: list[tuple[int, int, int, int]] = []
     new: list[tuple[int, int, int, int]] = []
     base = 0                                    # the entry's first byte in all entries joined
     for i, e in enumerate(entries):
         size = e.dtype.itemsize
-        for world, offs, runs in ((old_world, old_offs, old), (new_world, new_offs, new)):
-            for r in range(world):
+        if dst is not None:
+            news: Sequence[int] = [dst]
+            olds: Sequence[int] = _touching(e, old_world, *_rows(e, new_world, dst))
+        elif srcs is not None:
+            olds = srcs
+            news = sorted({r for s in srcs for r in _touching(e, new_world, *_rows(e, old_world, s))})
+        else:
+            olds, news = range(old_world), range(new_world)
+        for world, ranks, runs in ((old_world, olds, old), (new_world, news, new)):
+            for r in ranks:
                 for full, local, n in dl.runs(e.shape, dl.layout(e.shape, (world,), (r,), e.placements)):
-                    runs.append((base + full * size, n * size, r, offs[r][i] + local * size))
+                    runs.append((base + full * size, n * size, r, at(world, r, i) + local * size))
         base += math.prod(e.shape) * size
     return reshard.overlaps(old, new)
 
@@ -229,9 +258,9 @@ def rollback(state: Any, c: dict[str, Any], count: int, new_comm: Any, survivors
                            "state (names, shapes, placements, dtypes); the shards cannot be re-partitioned")
     n, r = int(new_comm.size), int(new_comm.rank)
     offs = _offsets(entries, n, r)
-    (packed,) = repartition.exchange(new_comm, plan(entries, world, n), {s: [b] for s, b in mine.items()},
-                                     [survivors.index(h) for h in held], [torch.empty(0, dtype=torch.uint8)],
-                                     offs[-1])
+    (packed,) = repartition.exchange(new_comm, plan(entries, world, n, dst=r), plan(entries, world, n, srcs=list(mine)),
+                                     {s: [b] for s, b in mine.items()}, [survivors.index(h) for h in held],
+                                     [torch.empty(0, dtype=torch.uint8)], offs[-1])
     shards = {e.key: _view(packed, e, offs[i], n, r) for i, e in enumerate(entries)}
     object.__setattr__(state, "_fsdp_pending", {"entries": entries, "shards": shards, "plain": c["plain"],
                                                 "count": count})

@@ -2,7 +2,7 @@
 receives only the pieces of its new shard, never the full state."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 
@@ -12,27 +12,30 @@ from .reshard import Piece
 _TAG = 29229
 
 
-def exchange(comm: Any, plan: Sequence[Piece], rows: dict[int, Sequence[torch.Tensor]],
-             holder: Sequence[int], like: Sequence[torch.Tensor], numel: int) -> list[torch.Tensor]:
+def exchange(comm: Any, incoming: Iterable[Piece], outgoing: Iterable[Piece],
+             rows: dict[int, Sequence[torch.Tensor]], holder: Sequence[int], like: Sequence[torch.Tensor],
+             numel: int) -> list[torch.Tensor]:
     """This rank's new shard, one ``numel``-element tensor per kind of ``like`` (its dtype and
-    device), padding zero. ``plan``: ``reshard.pieces(old, new)``; old rank ``s``'s shard is sent
-    by rank ``holder[s]`` of ``comm``, which holds it as ``rows[s]`` (one tensor per kind).
-    Collective over ``comm``: every rank calls it with the same plan and holders."""
+    device), padding zero. ``incoming``: the pieces of this rank's new shard; ``outgoing``: the
+    pieces of the old shards this rank holds (``rows[s]``, one tensor per kind, for old rank
+    ``s``); old rank ``s``'s shard is sent by rank ``holder[s]`` of ``comm``. Collective over
+    ``comm``: every rank calls it, with the pieces of one plan (``reshard.pieces``)."""
     me = int(comm.rank)
     out = [torch.zeros(numel, dtype=t.dtype, device=t.device) for t in like]
-    sends: dict[int, list[Piece]] = {}
     recvs: dict[int, list[Piece]] = {}
-    for p in plan:
-        src = holder[p.src]
-        if src == me and p.dst == me:
+    for p in incoming:
+        if holder[p.src] == me:
             for k, o in enumerate(out):
                 o[p.dst_local:p.dst_local + p.length].copy_(_cut(rows[p.src][k], p.src_local, p.length))
-        elif src == me:
+        else:
+            recvs.setdefault(holder[p.src], []).append(p)
+    sends: dict[int, list[Piece]] = {}
+    for p in outgoing:
+        if p.dst != me:
             sends.setdefault(p.dst, []).append(p)
-        elif p.dst == me:
-            recvs.setdefault(src, []).append(p)
     works, unpack = [], []
     for src, ps in sorted(recvs.items()):
+        ps.sort(key=lambda p: p.dst_local)          # the order the sender packs them in
         total = sum(p.length for p in ps)
         for k, o in enumerate(out):
             if len(ps) == 1:       # one run: straight into its place
@@ -42,6 +45,7 @@ def exchange(comm: Any, plan: Sequence[Piece], rows: dict[int, Sequence[torch.Te
                 unpack.append((buf, o, ps))
             works.append(comm.irecv(buf, src, tag=_TAG + k))
     for dst, ps in sorted(sends.items()):
+        ps.sort(key=lambda p: p.dst_local)
         for k in range(len(out)):
             runs = [_cut(rows[p.src][k], p.src_local, p.length) for p in ps]
             works.append(comm.isend(runs[0] if len(runs) == 1 else torch.cat(runs), dst, tag=_TAG + k))

@@ -46,9 +46,38 @@ def pieces(old: Any, new: Any) -> list[Piece]:
     """What moves where when a group laid out as ``old`` (a ``zero.ShardLayout``) is laid out
     as ``new`` (the same parameters over another world size): every run of elements in both an
     old rank's and a new rank's shard, once. Padding is in no piece."""
+    _same(old, new)
+    return overlaps(_runs(old), _runs(new))
+
+
+def _same(old: Any, new: Any) -> None:
     if old.numels != new.numels or old.param_ids != new.param_ids or old.stage != new.stage:
         raise ValueError(f"expected layouts of the same parameters and stage, got {old!r} and {new!r}")
-    return overlaps(_runs(old), _runs(new))
+
+
+def pieces_to(old: Any, new: Any, dst: int) -> list[Piece]:
+    """The pieces of ``pieces(old, new)`` that land in new rank ``dst``'s shard, by
+    ``dst_local``; found from the layouts' arithmetic, without the other ranks' runs."""
+    _same(old, new)
+    index = {pid: i for i, pid in enumerate(new.param_ids)}
+    out = []
+    for seg in new.segments(dst):
+        for src, s in old.locate(index[seg.param], seg.start, seg.length):
+            out.append(Piece(src, dst, s.local, seg.local + s.start - seg.start, s.length))
+    return out
+
+
+def pieces_from(old: Any, new: Any, src: int) -> list[Piece]:
+    """The pieces of ``pieces(old, new)`` that leave old rank ``src``'s shard, by ``dst`` and
+    ``dst_local``; found from the layouts' arithmetic, without the other ranks' runs."""
+    _same(old, new)
+    index = {pid: i for i, pid in enumerate(old.param_ids)}
+    out = []
+    for seg in old.segments(src):
+        for dst, s in new.locate(index[seg.param], seg.start, seg.length):
+            out.append(Piece(src, dst, seg.local + s.start - seg.start, s.local, s.length))
+    out.sort(key=lambda p: (p.dst, p.dst_local))
+    return out
 
 
 def overlaps(old: Sequence[tuple[int, int, int, int]], new: Sequence[tuple[int, int, int, int]]) -> list[Piece]:

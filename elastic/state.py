@@ -353,7 +353,9 @@ class TorchState:
         for gi, (g, layout) in enumerate(zip(opt.groups, opt.layouts_for(int(new_comm.size)))):
             kinds = 1 + len(c.keys[gi])                     # the master, then the elementwise state
             rows = {s: (c.own if s == me else c.ward)[i:i + kinds] for s, h in enumerate(held) if h == me}
-            master, *rest = repartition.exchange(new_comm, reshard.pieces(g.layout, layout), rows, senders,
+            incoming = reshard.pieces_to(g.layout, layout, int(new_comm.rank))
+            outgoing = [p for s in rows for p in reshard.pieces_from(g.layout, layout, s)]
+            master, *rest = repartition.exchange(new_comm, incoming, outgoing, rows, senders,
                                                  c.own[i:i + kinds], layout.local_numel)
             local.append((master, dict(zip(c.keys[gi], rest)), values.restore(None, ("value", c.other[gi]))))
             i += kinds

@@ -56,6 +56,22 @@ def test_plan_moves_shards_as_torch_chunk_cuts_them(old, new):
             assert shard.shape == want.shape and torch.equal(shard, want), (e.key, r)
 
 
+@pytest.mark.parametrize("old,new", [(4, 3), (2, 5), (5, 5), (7, 2)])
+def test_one_ranks_plan_is_its_share_of_the_full_plan(old, new):
+    """plan(dst=...) / plan(srcs=...), found from the chunk arithmetic, against the full plan."""
+    shapes = [(10, 3), (7,), (2, 5), (0, 4), (3, 11), (40, 2)]
+    dims = [0, 0, 0, 0, 1, 0]
+    entries = [fsdp.Entry(("model", f"p{i}"), shape, (Shard(dim),), torch.float32)
+               for i, (shape, dim) in enumerate(zip(shapes, dims))]
+    full = fsdp.plan(entries, old, new)
+    key = lambda p: (p.src, p.dst, p.dst_local)       # noqa: E731
+    for d in range(new):
+        assert sorted(fsdp.plan(entries, old, new, dst=d), key=key) == sorted((p for p in full if p.dst == d), key=key)
+    for srcs in ([0], [old - 1], [0, old - 1], list(range(old))):
+        got = sorted(fsdp.plan(entries, old, new, srcs=srcs), key=key)
+        assert got == sorted((p for p in full if p.src in srcs), key=key)
+
+
 def test_plan_moves_every_byte_once():
     entries = [fsdp.Entry(("model", "w"), (9, 2), (Shard(0),), torch.float32),
                fsdp.Entry(("optim", "w", "exp_avg"), (9, 2), (Shard(0),), torch.float32)]

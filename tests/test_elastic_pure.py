@@ -107,6 +107,44 @@ def test_pieces_move_every_element_once(stage, old_world, new_world):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("old_world,new_world", [(4, 3), (5, 2), (2, 5), (7, 7), (3, 1)])
+def test_one_ranks_pieces_are_those_of_the_full_plan(stage, old_world, new_world):
+    """pieces_to / pieces_from (the layouts' arithmetic, one rank's share) against the full
+    sweep over every rank's runs, which test_pieces_move_every_element_once checks."""
+    numels, ids = [7, 1, 12, 0, 5, 30], [3, 0, 4, 2, 1, 5]
+    old, new = ShardLayout(numels, old_world, stage, ids), ShardLayout(numels, new_world, stage, ids)
+    full = reshard.pieces(old, new)
+    for d in range(new_world):
+        assert reshard.pieces_to(old, new, d) == sorted((p for p in full if p.dst == d), key=lambda p: p.dst_local)
+    for s in range(old_world):
+        assert reshard.pieces_from(old, new, s) == sorted((p for p in full if p.src == s),
+                                                          key=lambda p: (p.dst, p.dst_local))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_locate_finds_every_element_where_segments_put_it(stage):
+    numels = [7, 1, 12, 0, 5]
+    layout = ShardLayout(numels, 4, stage)
+    where = {}                                  # (param index, element) -> (rank, local)
+    for r, seg in layout.all_segments():
+        for e in range(seg.length):
+            where[(seg.param, seg.start + e)] = (r, seg.local + e)
+    for i, n in enumerate(numels):
+        for start in range(n):
+            for length in range(n - start + 1):
+                got = {}
+                for r, seg in layout.locate(i, start, length):
+                    assert seg.param == i and seg.length > 0
+                    for e in range(seg.length):
+                        got[(i, seg.start + e)] = (r, seg.local + e)
+                assert got == {(i, e): where[(i, e)] for e in range(start, start + length)}
+    with pytest.raises(ValueError, match="within the 7 elements of parameter 0"):
+        layout.locate(0, 5, 3)
+    with pytest.raises(ValueError, match="0 <= index < 5"):
+        layout.locate(5, 0, 0)
+
+
 def test_pieces_need_layouts_of_the_same_parameters():
     with pytest.raises(ValueError, match="same parameters and stage"):
         reshard.pieces(ShardLayout([4, 4], 2, 1), ShardLayout([4, 5], 3, 1))

@@ -125,6 +125,31 @@ class ShardLayout:
                 out.append(Segment(self.param_ids[i], start, self._local_offsets[i], length))
         return out
 
+    def locate(self, index: int, start: int, length: int) -> list[tuple[int, Segment]]:
+        """Where elements [start, start + length) of the parameter at position ``index`` of
+        ``numels`` live: (rank, its Segment there) pairs in element order."""
+        if not 0 <= index < len(self.numels):
+            raise ValueError(f"expected 0 <= index < {len(self.numels)}, got {index}")
+        end = start + length
+        if start < 0 or length < 0 or end > self.numels[index]:
+            raise ValueError(f"expected a range within the {self.numels[index]} elements of parameter {index}, "
+                             f"got start={start}, length={length}")
+        out: list[tuple[int, Segment]] = []
+        if length == 0:
+            return out
+        pid = self.param_ids[index]
+        if self.per_param:
+            piece, base = self.pieces[index], self._local_offsets[index]
+            for r in range(start // piece, (end - 1) // piece + 1):
+                lo, hi = max(start, r * piece), min(end, (r + 1) * piece)
+                out.append((r, Segment(pid, lo, base + lo - r * piece, hi - lo)))
+        else:
+            base, size = self._offsets[index], self.local_numel
+            for r in range((base + start) // size, (base + end - 1) // size + 1):
+                lo, hi = max(base + start, r * size), min(base + end, (r + 1) * size)
+                out.append((r, Segment(pid, lo - base, lo - r * size, hi - lo)))
+        return out
+
     def all_segments(self) -> list[tuple[int, Segment]]:
         """Every rank's segments as (rank, segment) pairs."""
         return [(r, s) for r in range(self.world_size) for s in self.segments(r)]
