@@ -55,27 +55,26 @@ def _same(old: Any, new: Any) -> None:
         raise ValueError(f"expected layouts of the same parameters and stage, got {old!r} and {new!r}")
 
 
+def _matches(here: Any, there: Any, rank: int) -> list[tuple[int, int, int, int]]:
+    """(rank of ``there``, local start in ``rank``'s shard of ``here``, local start in that rank's
+    shard, length) of every run ``rank``'s shard under layout ``here`` shares with a shard of
+    ``there``, in ``rank``'s local order; found from ``there``'s arithmetic (``locate``)."""
+    _same(here, there)
+    index = {pid: i for i, pid in enumerate(here.param_ids)}
+    return [(other, seg.local + s.start - seg.start, s.local, s.length)
+            for seg in here.segments(rank) for other, s in there.locate(index[seg.param], seg.start, seg.length)]
+
+
 def pieces_to(old: Any, new: Any, dst: int) -> list[Piece]:
     """The pieces of ``pieces(old, new)`` that land in new rank ``dst``'s shard, by
     ``dst_local``; found from the layouts' arithmetic, without the other ranks' runs."""
-    _same(old, new)
-    index = {pid: i for i, pid in enumerate(new.param_ids)}
-    out = []
-    for seg in new.segments(dst):
-        for src, s in old.locate(index[seg.param], seg.start, seg.length):
-            out.append(Piece(src, dst, s.local, seg.local + s.start - seg.start, s.length))
-    return out
+    return [Piece(src, dst, there, here, n) for src, here, there, n in _matches(new, old, dst)]
 
 
 def pieces_from(old: Any, new: Any, src: int) -> list[Piece]:
     """The pieces of ``pieces(old, new)`` that leave old rank ``src``'s shard, by ``dst`` and
     ``dst_local``; found from the layouts' arithmetic, without the other ranks' runs."""
-    _same(old, new)
-    index = {pid: i for i, pid in enumerate(old.param_ids)}
-    out = []
-    for seg in old.segments(src):
-        for dst, s in new.locate(index[seg.param], seg.start, seg.length):
-            out.append(Piece(src, dst, seg.local + s.start - seg.start, s.local, s.length))
+    out = [Piece(src, dst, here, there, n) for dst, here, there, n in _matches(old, new, src)]
     out.sort(key=lambda p: (p.dst, p.dst_local))
     return out
 
