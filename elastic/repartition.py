@@ -19,7 +19,8 @@ def exchange(comm: Any, incoming: Iterable[Piece], outgoing: Iterable[Piece],
     device), padding zero. ``incoming``: the pieces of this rank's new shard; ``outgoing``: the
     pieces of the old shards this rank holds (``rows[s]``, one tensor per kind, for old rank
     ``s``); old rank ``s``'s shard is sent by rank ``holder[s]`` of ``comm``. Collective over
-    ``comm``: every rank calls it, with the pieces of one plan (``reshard.pieces``)."""
+    ``comm``: every rank calls it, with the pieces of one plan (``reshard.pieces_to`` /
+    ``pieces_from``, ``fsdp.plan``)."""
     me = int(comm.rank)
     out = [torch.zeros(numel, dtype=t.dtype, device=t.device) for t in like]
     recvs: dict[int, list[Piece]] = {}

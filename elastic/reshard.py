@@ -31,25 +31,6 @@ class Piece:
     length: int
 
 
-def _runs(layout: Any) -> list[tuple[int, int, int, int]]:
-    """(global start, length, rank, local) of every segment of ``layout`` (the global order:
-    parameters one after another, as ``layout.param_ids`` lists them)."""
-    offsets = {}
-    pos = 0
-    for pid, n in zip(layout.param_ids, layout.numels):
-        offsets[pid] = pos
-        pos += n
-    return [(offsets[s.param] + s.start, s.length, r, s.local) for r, s in layout.all_segments()]
-
-
-def pieces(old: Any, new: Any) -> list[Piece]:
-    """What moves where when a group laid out as ``old`` (a ``zero.ShardLayout``) is laid out
-    as ``new`` (the same parameters over another world size): every run of elements in both an
-    old rank's and a new rank's shard, once. Padding is in no piece."""
-    _same(old, new)
-    return overlaps(_runs(old), _runs(new))
-
-
 def _same(old: Any, new: Any) -> None:
     if old.numels != new.numels or old.param_ids != new.param_ids or old.stage != new.stage:
         raise ValueError(f"expected layouts of the same parameters and stage, got {old!r} and {new!r}")
@@ -66,14 +47,16 @@ def _matches(here: Any, there: Any, rank: int) -> list[tuple[int, int, int, int]
 
 
 def pieces_to(old: Any, new: Any, dst: int) -> list[Piece]:
-    """The pieces of ``pieces(old, new)`` that land in new rank ``dst``'s shard, by
-    ``dst_local``; found from the layouts' arithmetic, without the other ranks' runs."""
+    """What lands in new rank ``dst``'s shard when a group laid out as ``old`` (a
+    ``zero.ShardLayout``) is laid out as ``new`` (the same parameters over another world size),
+    by ``dst_local``; found from the layouts' arithmetic, without the other ranks' runs. Padding
+    is in no piece."""
     return [Piece(src, dst, there, here, n) for src, here, there, n in _matches(new, old, dst)]
 
 
 def pieces_from(old: Any, new: Any, src: int) -> list[Piece]:
-    """The pieces of ``pieces(old, new)`` that leave old rank ``src``'s shard, by ``dst`` and
-    ``dst_local``; found from the layouts' arithmetic, without the other ranks' runs."""
+    """What leaves old rank ``src``'s shard (the same pieces as ``pieces_to`` gives the
+    receivers), by ``dst`` and ``dst_local``."""
     out = [Piece(src, dst, here, there, n) for dst, here, there, n in _matches(old, new, src)]
     out.sort(key=lambda p: (p.dst, p.dst_local))
     return out

@@ -88,38 +88,34 @@ def _rows(flat: torch.Tensor, numels: list[int], world: int, stage: int, pad: fl
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-@pytest.mark.parametrize("old_world,new_world", [(4, 3), (4, 2), (3, 1), (2, 3), (1, 4), (5, 2), (3, 3)])
+@pytest.mark.parametrize("old_world,new_world", [(4, 3), (4, 2), (3, 1), (2, 3), (1, 4), (5, 2), (3, 3), (7, 7)])
 def test_pieces_move_every_element_once(stage, old_world, new_world):
-    numels = [7, 1, 12, 0, 5]
-    ids = [3, 0, 4, 2, 1]              # ids in another order than the parameters': order is by position
+    """Every new rank's pieces_to, applied to the old shards, give the new shards as ShardLayout's
+    docstring defines them; every old rank's pieces_from are the same pieces, seen from the sender."""
+    numels = [7, 1, 12, 0, 5, 30]
+    ids = [3, 0, 4, 2, 1, 5]           # ids in another order than the parameters': order is by position
     flat = torch.arange(sum(numels), dtype=torch.float32) + 0.5
     old_rows = _rows(flat, numels, old_world, stage, pad=-1.0)
     want = _rows(flat, numels, new_world, stage, pad=0.0)
     old, new = ShardLayout(numels, old_world, stage, ids), ShardLayout(numels, new_world, stage, ids)
     got = torch.zeros(new_world, new.local_numel)
-    moved = 0
-    for p in reshard.pieces(old, new):
-        into = got[p.dst, p.dst_local:p.dst_local + p.length]
-        assert p.length > 0 and bool((into == 0).all()), p      # nothing is written twice
-        into.copy_(old_rows[p.src, p.src_local:p.src_local + p.length])
-        moved += p.length
-    assert moved == sum(numels)
-    assert torch.equal(got, want)
-
-
-@pytest.mark.parametrize("stage", [1, 2])
-@pytest.mark.parametrize("old_world,new_world", [(4, 3), (5, 2), (2, 5), (7, 7), (3, 1)])
-def test_one_ranks_pieces_are_those_of_the_full_plan(stage, old_world, new_world):
-    """pieces_to / pieces_from (the layouts' arithmetic, one rank's share) against the full
-    sweep over every rank's runs, which test_pieces_move_every_element_once checks."""
-    numels, ids = [7, 1, 12, 0, 5, 30], [3, 0, 4, 2, 1, 5]
-    old, new = ShardLayout(numels, old_world, stage, ids), ShardLayout(numels, new_world, stage, ids)
-    full = reshard.pieces(old, new)
+    incoming = []
     for d in range(new_world):
-        assert reshard.pieces_to(old, new, d) == sorted((p for p in full if p.dst == d), key=lambda p: p.dst_local)
+        ps = reshard.pieces_to(old, new, d)
+        assert [p.dst_local for p in ps] == sorted(p.dst_local for p in ps) and {p.dst for p in ps} <= {d}
+        for p in ps:
+            into = got[p.dst, p.dst_local:p.dst_local + p.length]
+            assert p.length > 0 and bool((into == 0).all()), p      # nothing is written twice
+            into.copy_(old_rows[p.src, p.src_local:p.src_local + p.length])
+        incoming += ps
+    assert sum(p.length for p in incoming) == sum(numels)
+    assert torch.equal(got, want)
+    outgoing = []
     for s in range(old_world):
-        assert reshard.pieces_from(old, new, s) == sorted((p for p in full if p.src == s),
-                                                          key=lambda p: (p.dst, p.dst_local))
+        ps = reshard.pieces_from(old, new, s)
+        assert ps == sorted(ps, key=lambda p: (p.dst, p.dst_local)) and {p.src for p in ps} <= {s}
+        outgoing += ps
+    assert sorted(outgoing, key=lambda p: (p.dst, p.dst_local)) == sorted(incoming, key=lambda p: (p.dst, p.dst_local))
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -147,9 +143,9 @@ def test_locate_finds_every_element_where_segments_put_it(stage):
 
 def test_pieces_need_layouts_of_the_same_parameters():
     with pytest.raises(ValueError, match="same parameters and stage"):
-        reshard.pieces(ShardLayout([4, 4], 2, 1), ShardLayout([4, 5], 3, 1))
+        reshard.pieces_to(ShardLayout([4, 4], 2, 1), ShardLayout([4, 5], 3, 1), 0)
     with pytest.raises(ValueError, match="same parameters and stage"):
-        reshard.pieces(ShardLayout([4, 4], 2, 1), ShardLayout([4, 4], 3, 2))
+        reshard.pieces_from(ShardLayout([4, 4], 2, 1), ShardLayout([4, 4], 3, 2), 0)
 
 
 def test_split_state():
