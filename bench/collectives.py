@@ -16,7 +16,10 @@ a process group of the mpicomm backend: what a torch user calls), ``mpi4py`` and
 Opt-in peer ``mpicomm-pg-q8`` (all_gather and reduce_scatter only): ``compressed.fsdp``'s
 ``QuantizedAllGather`` / ``QuantizedReduceScatter`` on that process group, called as FSDP2 calls
 them (blocking), checked against the documented int8 error bound per block of 512 elements;
-``--peers mpicomm-pg,mpicomm-pg-q8`` times it beside FSDP2's own collective.
+``--peers mpicomm-pg,mpicomm-pg-q8`` times it beside FSDP2's own collective. Opt-in peer
+``mpicomm-pg-q1`` (reduce_scatter only): ``QuantizedReduceScatter(bits=1)``, its error feedback
+carried from call to call as in training; checked on a fresh error against the documented 1-bit
+result (one scale per rank, the signs of its chunks), on check values of mixed signs.
 
 The mpi4py peer is what a user would write by hand: numpy buffers (on memory allocated and
 written as the torch peers', so that all peers move the same kind of pages); for float16/bfloat16
@@ -38,7 +41,7 @@ from . import common, netsim, values
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 PEERS = ("mpicomm", "mpicomm-pg", "mpi4py", "gloo")
-OPT_PEERS = ("mpicomm-pg-q8",)  # only when asked for (--peers)
+OPT_PEERS = ("mpicomm-pg-q8", "mpicomm-pg-q1")  # only when asked for (--peers)
 Q8_BLOCK = 512
 DTYPES = values.DTYPES
 DEVICES = ("cpu", "cuda")
@@ -189,6 +192,8 @@ def make_case(peer: str, op: str, count: int, per_rank: int, name: str, device: 
         return _mpi4py_case(op, count, per_rank, name, mpi_comm)
     if peer == "mpicomm-pg-q8":
         return _q8_case(op, count, per_rank, name, device, n, mcomm)
+    if peer == "mpicomm-pg-q1":
+        return _q1_case(op, count, per_rank, name, device, n, mcomm)
     if peer in ("mpicomm", "mpicomm-pg", "gloo"):
         return _torch_case(peer, op, count, per_rank, name, device, n, mcomm)
     raise ValueError(f"unknown peer {peer!r}; expected one of {PEERS + OPT_PEERS}")
@@ -226,6 +231,61 @@ def _q8_case(op, count, per_rank, name, device, n, group) -> Case:
     return Case(np.zeros(0), lambda: _to_host(tr, name), call,
                 lambda v: ts.copy_(_from_host(v, name, device)), sync=sync, check="int8",
                 wire_factor=wire, keep=[ts, tr])
+
+
+def _q1_case(op, count, per_rank, name, device, n, group) -> Case:
+    """compressed.fsdp's 1-bit reduce-scatter (error feedback) on the mpicomm process group."""
+    import torch
+    import torch.distributed as dist
+
+    from compressed.fsdp import QuantizedReduceScatter
+
+    dt = _torch_dtype(name)
+    ts = torch.zeros(count, dtype=dt, device=device)
+    tr = torch.zeros(per_rank, dtype=dt, device=device)
+    rs = [QuantizedReduceScatter(bits=1)]   # the error state: replaced by the check's load
+
+    def call():
+        if op != "reduce_scatter":
+            raise ValueError(f"peer mpicomm-pg-q1: expected op reduce_scatter, got {op}")
+        if not dt.is_floating_point:
+            raise ValueError(f"peer mpicomm-pg-q1: expected a floating dtype, got {name}")
+        return rs[0](tr, ts, group, dist.ReduceOp.SUM)
+
+    def load(v: np.ndarray) -> None:
+        rs[0] = QuantizedReduceScatter(bits=1)      # the check starts from a zero error
+        signed = values.to_host(values.as_float(v, name) * _q1_signs(v.size), name)
+        ts.copy_(_from_host(signed, name, device))
+
+    sync = torch.cuda.synchronize if device == "cuda" else None
+    m8 = -(-per_rank // 8) * 8
+    wire = m8 / 8 / (per_rank * dt.itemsize) + 4 / max(1, per_rank * dt.itemsize)  # signs + a scale
+    return Case(np.zeros(0), lambda: _to_host(tr, name), call, load, sync=sync, check="onebit",
+                wire_factor=wire, keep=[ts, tr])
+
+
+def _q1_signs(length: int) -> np.ndarray:
+    """The signs the 1-bit check puts on the check values (every third element negative)."""
+    return np.where(np.arange(length) % 3 == 1, -1.0, 1.0)
+
+
+def q1_wrong(got: np.ndarray, rank: int, n: int, per_rank: int, name: str) -> int:
+    """Elements of a 1-bit reduce-scatter's result (SUM, from a zero error) off the documented
+    one: each rank ``i`` sends the signs of its chunk for this rank (+1 at zero) with one scale
+    ``sqrt(sum(x_i**2) / (n * m8))`` over its whole input (``m8``: the chunk rounded up to a
+    multiple of 8), and this rank sums ``scale_i * sign``; fp32 rounding allowed (2**-20
+    relative), then one rounding to ``name``."""
+    count = n * per_rank
+    m8 = -(-per_rank // 8) * 8
+    want = np.zeros(per_rank)
+    for i in range(n):
+        x = values.as_float(values.to_host(values.as_float(values._pattern(i, np.arange(count), name),
+                                                           name) * _q1_signs(count), name), name)
+        scale = np.sqrt(np.sum(x.astype(np.float64) ** 2) / (n * m8))
+        want += scale * np.where(x[rank * per_rank:(rank + 1) * per_rank] >= 0, 1.0, -1.0)
+    rel = (2 ** -8 if name in values.SIXTEEN_BIT else 0.0) + 2 ** -20
+    err = np.abs(values.as_float(got, name) - want)
+    return int(np.count_nonzero(err > rel * np.abs(want)))
 
 
 def q8_wrong(got: np.ndarray, op: str, rank: int, n: int, per_rank: int, name: str) -> int:
@@ -280,7 +340,7 @@ def available_peers(wanted, mpi_comm: MPI.Comm) -> tuple[list[str], dict, list[s
             if not all(mpi_comm.allgather(ok)):
                 notes.append(f"peer gloo skipped: torch.distributed gloo did not initialise{why}")
                 continue
-        elif peer in ("mpicomm-pg", "mpicomm-pg-q8"):
+        elif peer in ("mpicomm-pg", "mpicomm-pg-q8", "mpicomm-pg-q1"):
             ctx[peer] = _mpicomm_group()
         elif peer != "mpi4py":
             raise ValueError(f"unknown peer {peer!r}; expected one of {PEERS + OPT_PEERS}")
@@ -369,6 +429,8 @@ def measure_size(peers, op: str, size_bytes: int, name: str, device: str, mpi_co
             ulps = n - 1 if case.check != "exact" else 0
             if case.check == "int8":
                 local = q8_wrong(np.asarray(case.result()), op, rank, n, per_rank, name)
+            elif case.check == "onebit":
+                local = q1_wrong(np.asarray(case.result()), rank, n, per_rank, name)
             else:
                 local = values.count_wrong(np.asarray(case.result()), want, name, ulps)
             wrong = mpi_comm.allreduce(local, op=MPI.SUM)

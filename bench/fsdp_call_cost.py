@@ -42,6 +42,9 @@ class _Group:
 class _CopyTransfer:
     """The transfer as copies: every rank's row is this rank's (the bytes a peer would send)."""
 
+    def __init__(self, group: "_Group") -> None:
+        self.size, self.rank = group.size(), group.rank()
+
     @staticmethod
     def all_gather_into_tensor(recv: torch.Tensor, send: torch.Tensor) -> None:
         for row in recv.view(recv.shape[0], -1):
@@ -69,7 +72,7 @@ def measure(kib: int = 64, ranks: int = 2, calls: int = 200, rounds: int = 7,
         raise ValueError(f"fsdp_call_cost: expected ranks >= 2 and kib, calls, rounds >= 1, got "
                          f"ranks={ranks} kib={kib} calls={calls} rounds={rounds}")
     group, rows = _Group(ranks), []
-    with mock.patch.object(collectives, "_communicator", lambda g, a: _CopyTransfer()):
+    with mock.patch.object(collectives, "_communicator", lambda g, a: _CopyTransfer(g)):
         for dtype in dtypes:
             n = kib * 1024 // torch.empty((), dtype=dtype).element_size()
             x = torch.randn(n).to(dtype)

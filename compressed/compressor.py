@@ -110,6 +110,7 @@ class Compressor:
         self.calls = 0
         self.wire_bytes = 0
         self._workspaces: OrderedDict[tuple, engine.Workspace] = OrderedDict()
+        self._layouts: dict[int, Layout] = {}
         self._families: dict[str, Any] = {}
         # one node: shared memory, nothing to overlap; pieces would only add synchronisation
         self._max_pieces = 1 if _one_node(self.comm) else _env_pieces()
@@ -209,7 +210,12 @@ class Compressor:
 
     def layout(self, numel: int) -> Layout:
         """The wire layout of a call on ``numel`` elements (``compressed.wire_format``)."""
-        return Layout(numel, self.size, self._max_pieces)
+        lay = self._layouts.get(numel)
+        if lay is None:
+            if len(self._layouts) >= 64:  # sizes come and go: keep the recent ones
+                self._layouts.clear()
+            lay = self._layouts[numel] = Layout(numel, self.size, self._max_pieces)
+        return lay
 
     def family(self, buf) -> Any:
         """The kernel family (``compressed.families``) a call on ``buf`` runs; ``.name`` is

@@ -148,11 +148,19 @@ def _phase1_send(comm, fam, lay: Layout, g, e, ws: Workspace, deferred: Deferred
 
 def _phase1_check(lay: Layout, ws: Workspace, agree) -> np.ndarray:
     """After phase 1 arrived: every rank's worker scale, or raise (sizes differ, not finite)."""
-    p, m = lay.world_size, lay.numel
+    p = lay.world_size
     lo, hi = lay.pieces()[-1]
     tails = _block(ws.recv, p, lo, hi, P1_TRAILER)[:, hi - lo:].cpu().contiguous().numpy()
     sizes = tails[:, 4:].copy().view(np.uint32).reshape(p)
     wscales = tails[:, :4].copy().view(np.float32).reshape(p)
+    return _tails_check(lay, sizes, wscales, agree)
+
+
+def _tails_check(lay: Layout, sizes: np.ndarray, wscales: np.ndarray, agree) -> np.ndarray:
+    """``wscales``, or raise when the ``sizes`` the ranks sent differ or a scale is not finite."""
+    p, m = lay.world_size, lay.numel
+    if agree is None and (sizes == m % (1 << 32)).all() and np.isfinite(wscales).all():
+        return wscales
     bad = [r for r in range(p) if not math.isfinite(float(wscales[r]))]
     err: Exception | None = None
     if (sizes != m % (1 << 32)).any():
@@ -254,6 +262,8 @@ def reduce_scatter_start(comm, fam, lay: Layout, g, out, e, ws: Workspace,
     """``reduce_scatter`` in two halves: pack and post now (async with ``async_op``), and
     return ``finish()``, which waits, checks, writes ``out`` and ``e`` and returns the scale.
     ``g`` must stay unchanged and ``ws`` unused until ``finish`` has run."""
+    if not async_op and isinstance(g, np.ndarray) and len(lay.pieces()) == 1:
+        return _reduce_scatter_one_piece(comm, fam, lay, g, out, e, ws)
     pend = _Pending()
     try:
         scale = _phase1_send(comm, fam, lay, g, e, ws, None, pend, None, async_op)
@@ -275,3 +285,40 @@ def reduce_scatter_start(comm, fam, lay: Layout, g, out, e, ws: Workspace,
         fam.worker_residual(g[:m], e, scale)
         return scale
     return finish
+
+
+def _one_piece_views(fam, lay: Layout, ws: Workspace) -> tuple:
+    """Host views of a one-piece phase 1's messages, made once per workspace: each row's sign
+    bytes and the (p, 2) uint32 trailers (scale, size) of the send and receive buffers."""
+    views = ws.scratch.get("one_piece")
+    if views is None:
+        p = lay.world_size
+        (lo, hi), = lay.pieces()
+        smsg, rmsg = _block(ws.send, p, lo, hi, P1_TRAILER), _block(ws.recv, p, lo, hi, P1_TRAILER)
+        srows, rrows = fam.view(smsg), fam.view(rmsg)
+        views = ws.scratch["one_piece"] = (
+            smsg, rmsg, [srows[j:j + 1, :hi - lo] for j in range(p)], srows[:, hi - lo:].view(np.uint32),
+            rrows[:, :hi - lo], rrows[:, hi - lo:].view(np.uint32), fam.view(ws.gsend)[lo:hi])
+    return views
+
+
+def _reduce_scatter_one_piece(comm, fam, lay: Layout, g, out, e, ws: Workspace) -> Callable[[], float]:
+    """``reduce_scatter_start`` blocking, for host arrays and a chunk sent as one piece: the
+    same passes and messages without the per-piece bookkeeping (the views are kept)."""
+    p, chunk, m = lay.world_size, lay.chunk, lay.numel
+    smsg, rmsg, sign_rows, stail, rsigns, rtail, gsend = _one_piece_views(fam, lay, ws)
+    span = 8 * gsend.shape[0]
+    ssq = 0.0
+    for j in range(p):
+        a = j * chunk
+        ssq += fam.encode(g[min(a, m):min(a + span, m)], e[a:a + span], sign_rows[j])
+    scale = np.float32(math.sqrt(ssq / lay.padded))
+    stail[:, 0] = scale.view(np.uint32)
+    stail[:, 1] = m % (1 << 32)
+    comm.all_to_all_single(rmsg, smsg)
+    wscales = _tails_check(lay, rtail[:, 1], rtail[:, 0].view(np.float32), None)
+    coef = (wscales.astype(np.float64) / p).astype(np.float32)
+    out[:] = 0
+    fam.server_accumulate(rsigns, coef, out[:span], gsend)
+    fam.worker_residual(g[:m], e, scale)
+    return lambda: float(scale)

@@ -23,6 +23,7 @@ ranks see the same node count, so they agree on the layout).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 #: Smallest piece worth a message of its own, in bytes of packed signs per chunk.
 PIECE_BYTES = 1 << 17
@@ -62,27 +63,32 @@ class Layout:
     def __post_init__(self) -> None:
         padded_size(self.numel, self.world_size)  # validates
 
-    @property
+    # derived once per layout (a frozen dataclass: cached_property writes its own __dict__)
+    @cached_property
     def padded(self) -> int:
         """Padded element count (worker error size)."""
         return padded_size(self.numel, self.world_size)
 
-    @property
+    @cached_property
     def chunk(self) -> int:
         """Elements per rank's chunk (server error size)."""
         return self.padded // self.world_size
 
-    @property
+    @cached_property
     def chunk_bytes(self) -> int:
         """Bytes of packed signs per chunk."""
         return self.chunk // 8
 
     def pieces(self) -> list[tuple[int, int]]:
         """Byte ranges [lo, hi) of a chunk's packed signs sent as one message each (>= 1)."""
+        return list(self._pieces)
+
+    @cached_property
+    def _pieces(self) -> tuple[tuple[int, int], ...]:
         cb = self.chunk_bytes
         most = MAX_PIECES if self.max_pieces is None else max(1, int(self.max_pieces))
         step = max(8, PIECE_BYTES - PIECE_BYTES % 8, -(-cb // (8 * most)) * 8)
-        return [(lo, min(lo + step, cb)) for lo in range(0, cb, step)] or [(0, 0)]
+        return tuple((lo, min(lo + step, cb)) for lo in range(0, cb, step)) or ((0, 0),)
 
     def wire_bytes(self) -> int:
         """Bytes one rank sends to the other ranks in both phases."""

@@ -1,5 +1,6 @@
 """The bench rows of compressed.fsdp, as users run them (2-rank jobs): bench train --curve
---curve-fsdp and bench collectives' mpicomm-pg-q8 peer beside mpicomm-pg."""
+--curve-fsdp and bench collectives' mpicomm-pg-q8 and mpicomm-pg-q1 peers beside mpicomm-pg;
+the q1 peer's check against the float64 simulation of the 1-bit reduce-scatter."""
 from __future__ import annotations
 
 import json
@@ -7,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from bench import common, train_curve
@@ -49,6 +51,45 @@ def test_collectives_q8_peer(tmp_path):
                    for p in ("mpicomm-pg", "mpicomm-pg-q8")} - {("broadcast", "mpicomm-pg-q8")}
     assert all(r["wrong"] == 0 for r in recs)
     assert "peer mpicomm-pg-q8 skipped for broadcast" in stdout
+
+
+def test_collectives_q1_peer(tmp_path):
+    stdout, recs = _run(tmp_path, "collectives", "--ops", "reduce_scatter,all_gather",
+                        "--peers", "mpicomm-pg,mpicomm-pg-q1", "--sizes", "8K,100K", "--rounds", "1",
+                        "--iters", "3", "--warmup", "1", "--dtype", "float32", "bfloat16")
+    got = {(r["op"], r["peer"], r["dtype"], r["size_bytes"]) for r in recs}
+    sizes = {r["size_bytes"] for r in recs}
+    assert len(sizes) == 2
+    assert got == {(op, p, d, b) for op, p in (("reduce_scatter", "mpicomm-pg"), ("reduce_scatter", "mpicomm-pg-q1"),
+                                               ("all_gather", "mpicomm-pg"))
+                   for d in ("float32", "bfloat16") for b in sizes}
+    assert all(r["wrong"] == 0 for r in recs)
+    assert "peer mpicomm-pg-q1 skipped for all_gather" in stdout
+
+
+@pytest.mark.parametrize("name", ["float32", "bfloat16"])
+def test_bench_q1_check_counts_only_wrong_elements(name):
+    """bench collectives' mpicomm-pg-q1 check: the float64 simulation's result (SUM, from a zero
+    error, rows not a multiple of 8) passes on every rank; one element with its sign flipped, or
+    off by a part in 10**4, is counted."""
+    from bench import values
+    from bench.collectives import _q1_signs, q1_wrong
+    from test_cmp_fsdp_onebit import simulate_step
+
+    n, per = 3, 45
+    m8 = -(-per // 8) * 8
+    rows = [values.as_float(values.to_host(values.as_float(values._pattern(i, np.arange(n * per), name), name)
+                                           * _q1_signs(n * per), name), name).reshape(n, per) for i in range(n)]
+    means = simulate_step(rows, [np.zeros(n * m8) for _ in range(n)])
+    for rank in range(n):
+        got = values.to_host(means[rank] * n, name)
+        assert q1_wrong(got, rank, n, per, name) == 0
+        flipped = values.to_host(means[rank] * n * np.where(np.arange(per) == 7, -1.0, 1.0), name)
+        assert q1_wrong(flipped, rank, n, per, name) == 1
+        if name == "float32":
+            off = got.copy()
+            off[3] *= np.float32(1 + 1e-4)
+            assert q1_wrong(off, rank, n, per, name) == 1
 
 
 def test_train_fsdp_prefetch(tmp_path):

@@ -304,7 +304,8 @@ class QuantizedReduceScatter(_Quantized, ReduceScatter):
                  group: dist.ProcessGroup, op=dist.ReduceOp.SUM,
                  async_op: bool = False) -> dist.Work | None:
         """Reduce ``input_tensor`` (world x shard) over ranks; this rank's shard to ``output``."""
-        world, rank = group.size(), group.rank()
+        direct = _communicator(group, async_op)
+        world, rank = (group.size(), group.rank()) if direct is None else (direct.size, direct.rank)
         m = _per_rank(input_tensor, output_tensor, world, "QuantizedReduceScatter", "input",
                       "output")
         if not input_tensor.dtype.is_floating_point:
@@ -319,11 +320,11 @@ class QuantizedReduceScatter(_Quantized, ReduceScatter):
         if self.onebit is not None:
             kind = getattr(op, "op", op)
             mult = 1.0 if kind == _RED.AVG else world * (1.0 if factor is None else factor)
-            call = self.onebit.reduce_scatter(output_tensor, input_tensor, group,
-                                              _communicator(group, async_op), mult, async_op)
+            call = self.onebit.reduce_scatter(output_tensor, input_tensor, group, direct, mult,
+                                              async_op)
             return _LaterWork(call) if async_op else None
         lay = self._layout(m)
-        comm = _communicator(group, async_op)
+        comm = direct
         kernels = _numba(input_tensor)
         x = _host(input_tensor, world) if kernels is not None else None
         out = _host(output_tensor, 1) if x is not None else None
