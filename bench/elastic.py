@@ -4,8 +4,9 @@ training that lost nothing.
     mpirun --with-ft ulfm -n 4 python -m bench elastic --params 20M --kill-rank 1 --kill-step 3
 
 Part 1, at the full world, no failure: per mode (DDP + Adam, ZeroOptimizer stage 2 + Adam) the
-step time, the time of ``state.commit()`` after every step, and the memory the two commits a
-rank holds take (its copies and its ward's replicas) beside one optimizer shard. Part 2: the
+step time of steps not committed and of steps followed by ``state.commit()`` (alternating), the
+time in ``commit``, the cost of committing against the step that is not committed, and the memory the two commits a rank holds take (its copies
+and its ward's replicas) beside one optimizer shard. Part 2: the
 same ZeroOptimizer training again, committing every step, and rank ``--kill-rank``
 ``os._exit(9)``s at step ``--kill-step``: detection (its death to the survivors' error, wall
 clocks of one host), recovery (its death to the survivors' first committed step), of which the
@@ -80,19 +81,23 @@ def part_commit(args, comm, mode: str) -> dict:
     model, opt, state = _setup(args, comm, mode)
     _step(args, model, opt, state, mode)        # warm-up (optimizer state exists from here)
     state.commit()
-    steps, commits = [], []
-    for _ in range(args.steps):
+    bare, steps, commits = [], [], []
+    for i in range(2 * args.steps):     # steps without and with a commit after them, alternating
         comm.barrier()
         t0 = time.perf_counter()
         _step(args, model, opt, state, mode)
         t1 = time.perf_counter()
         state.step += 1
-        state.commit()
-        t2 = time.perf_counter()
-        steps.append(t1 - t0)
-        commits.append(t2 - t1)
-    row = {"mode": mode, "ranks": comm.size, "step_s": statistics.median(steps),
-           "commit_s": statistics.median(commits), "held_bytes": state.replica_bytes(),
+        if i % 2:
+            state.commit()
+            steps.append(t1 - t0)
+            commits.append(time.perf_counter() - t1)
+        else:
+            bare.append(t1 - t0)
+    held = state.replica_bytes()
+    bare_s, step_s, commit_s = (statistics.median(x) for x in (bare, steps, commits))
+    row = {"mode": mode, "ranks": comm.size, "bare_s": bare_s, "step_s": step_s, "commit_s": commit_s,
+           "cost_s": step_s + commit_s - bare_s, "held_bytes": held,
            "shard_bytes": _shard_bytes(opt), "total_s": sum(steps) + sum(commits)}
     if isinstance(opt, ZeroOptimizer):
         opt.close()
@@ -150,14 +155,16 @@ def main(argv: list[str] | None = None) -> int:
     if comm.rank == 0:
         n = sum(q.numel() for q in make_model(args.params, args.width).parameters())
         print(f"# bench elastic: {comm.size} ranks, {n / 1e6:.1f}M parameters, Adam, commit every step")
-        print(f"{'mode':<8}{'ranks':>6}{'step ms':>10}{'commit ms':>11}{'commit/step':>13}"
+        print("# steps alternate: step ms: one not committed; step+ ms: one committed; "
+              "commit ms: its state.commit(); cost/step: (step+ + commit - step) / step (medians)")
+        print(f"{'mode':<8}{'ranks':>6}{'step ms':>10}{'step+ ms':>10}{'commit ms':>11}{'cost/step':>11}"
               f"{'commits MiB':>13}{'shard MiB':>11}")
     for mode in ("ddp", "zero"):
         row = part_commit(args, comm, mode)
         if comm.rank == 0:
-            print(f"{mode:<8}{row['ranks']:>6}{row['step_s'] * 1e3:>10.1f}{row['commit_s'] * 1e3:>11.1f}"
-                  f"{row['commit_s'] / row['step_s']:>12.1%} {_mb(row['held_bytes']):>12}"
-                  f"{_mb(row['shard_bytes']):>11}")
+            print(f"{mode:<8}{row['ranks']:>6}{row['bare_s'] * 1e3:>10.1f}{row['step_s'] * 1e3:>10.1f}"
+                  f"{row['commit_s'] * 1e3:>11.1f}{row['cost_s'] / row['bare_s']:>10.1%} "
+                  f"{_mb(row['held_bytes']):>12}{_mb(row['shard_bytes']):>11}")
         base = row
     if not getattr(comm, "fault_tolerant", False):
         if comm.rank == 0:
