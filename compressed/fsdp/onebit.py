@@ -121,12 +121,13 @@ class OnebitState:
             host = self._host(comp, flat.numel(), e)
             if host is not None:    # the engine on the kept host views: no per-call checks
                 fam, lay, ws, e_np, out_np = host
-                engine.reduce_scatter_start(comp.comm, fam, lay, flat.numpy(), out_np, e_np, ws, False)()
+                engine.reduce_scatter_start(comp.comm, fam, lay, flat.detach().numpy(), out_np, e_np, ws,
+                                            False)()
                 comp.calls += 1
                 comp.wire_bytes += lay.wire_bytes() - (comp.size - 1) * (lay.chunk_bytes + 4)
                 if (output.dtype == torch.float32 and output.is_cpu and output.is_contiguous()
                         and not output.is_neg()):
-                    np.multiply(out_np[:m], np.float32(mult), out=output.view(-1).numpy())
+                    np.multiply(out_np[:m], np.float32(mult), out=output.detach().view(-1).numpy())
                 else:
                     if mult != 1.0:
                         np.multiply(out_np[:m], np.float32(mult), out=out_np[:m])
