@@ -191,9 +191,23 @@ class Compressor:
         g = self._input(fam, ws, inp, lay)
         finish = engine.reduce_scatter_start(self.comm, fam, lay, g, _flat(fam, out),
                                              _flat(fam, worker_error), ws, async_op)
+        self.count_reduce_scatter(lay)
+        return finish
+
+    def count_reduce_scatter(self, lay: Layout) -> None:
+        """Count one reduce-scatter of ``lay`` (phase 1 alone) in ``calls`` and ``wire_bytes``."""
         self.calls += 1
         self.wire_bytes += lay.wire_bytes() - (self.size - 1) * (lay.chunk_bytes + 4)
-        return finish
+
+    def host_plan(self, like, numel: int) -> tuple | None:
+        """``(family, layout, workspace)`` of a call on ``numel`` elements of buffers like
+        ``like`` when its kernels are host ones (numpy arrays), else None; for callers that run
+        ``compressed.engine`` on buffers of their own, already checked."""
+        fam = self.family(like)
+        if fam.name == "torch":
+            return None
+        lay = self.layout(numel)
+        return (fam, lay, self._setup(like, lay)[1])
 
     def call_wire_bytes(self, numel: int) -> int:
         """Bytes this rank sends (to any rank) in one ``allreduce_into`` of ``numel`` elements."""

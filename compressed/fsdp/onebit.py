@@ -123,8 +123,7 @@ class OnebitState:
                 fam, lay, ws, e_np, out_np = host
                 engine.reduce_scatter_start(comp.comm, fam, lay, flat.detach().numpy(), out_np, e_np, ws,
                                             False)()
-                comp.calls += 1
-                comp.wire_bytes += lay.wire_bytes() - (comp.size - 1) * (lay.chunk_bytes + 4)
+                comp.count_reduce_scatter(lay)
                 if (output.dtype == torch.float32 and output.is_cpu and output.is_contiguous()
                         and not output.is_neg()):
                     np.multiply(out_np[:m], np.float32(mult), out=output.detach().view(-1).numpy())
@@ -156,11 +155,10 @@ class OnebitState:
         if self._host_views is not None and self._host_views[1] == n \
                 and all(a is b for a, b in zip(self._host_views[0], key)):
             return self._host_views[2]
-        fam = comp.family(e)
-        if fam.name == "torch":
+        plan = comp.host_plan(e, n)
+        if plan is None:
             return None
-        lay = comp.layout(n)
-        _, ws = comp._setup(e, lay)
+        fam, lay, ws = plan
         views = (fam, lay, ws, fam.view(e), fam.view(self._out))
         self._host_views = (key, n, views)
         return views
