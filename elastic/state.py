@@ -8,7 +8,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from . import fsdp, repartition, replicas, reshard, values
+from . import fsdp, gradrep, repartition, replicas, reshard, values
 
 _OWN = frozenset({"model", "optimizer", "checkpoint_dir", "checkpoint_every", "failure_domain"})
 _TAG = 29029
@@ -26,14 +26,24 @@ class Commit:
     attrs: dict[str, Any] = field(default_factory=dict)
     own: list[torch.Tensor] = field(default_factory=list)      # ZeroOptimizer: this rank's shard pieces
     ward: list[torch.Tensor] = field(default_factory=list)     # ZeroOptimizer: the previous rank's pieces
+    # ZeroOptimizer of a plain torch optimizer (replicated by gradient, elastic.gradrep):
+    own_live: bool = False                # ``own`` is the live shard itself (no update since this commit)
+    own_copy: list[torch.Tensor] = field(default_factory=list)  # what ``own`` is copied into before an update
+    grad: list[torch.Tensor] = field(default_factory=list)      # the ward's gradient of the first update since
+    grad_hp: Any = None                   # (the ward's encoded hyperparameters, this rank's own) of that update
+    updates: int = 0                      # shard updates since this commit
+    comm: Any = None                      # the ZeroOptimizer's communicator it was made over
+    kind: str = "state"                   # "state", or a ZeroOptimizer's "gradient" / "full" (elastic.gradrep)
     other: list[dict[str, Any]] = field(default_factory=list)  # ZeroOptimizer: per group, its non-elementwise state
     keys: list[list[str]] = field(default_factory=list)        # ZeroOptimizer: per group, its elementwise state names
     fsdp: Any = None                      # FSDP2 model: elastic.fsdp.commit's packed shards and the rest
 
     def nbytes(self) -> int:
         """Bytes of tensors this commit holds."""
+        own = [] if self.own_live or self.own is self.own_copy else self.own    # the live shard is not a copy
         return (values.nbytes(self.model) + values.nbytes(self.optimizer) + values.nbytes(self.attrs)
-                + values.nbytes(self.own) + values.nbytes(self.ward) + values.nbytes(self.fsdp))
+                + values.nbytes(own) + values.nbytes(self.own_copy) + values.nbytes(self.ward)
+                + values.nbytes(self.grad) + values.nbytes(self.fsdp))
 
 
 def _is_zero(opt: Any) -> bool:
@@ -99,11 +109,14 @@ class TorchState:
             comm = optimizer.comm
         object.__setattr__(self, "_comm", mpicomm.as_communicator(comm))
         object.__setattr__(self, "_callbacks", [])
-        object.__setattr__(self, "_commits", [])   # oldest first, at most two
+        object.__setattr__(self, "_commits", [])   # oldest first, at most two (one replicated by gradient)
+        object.__setattr__(self, "_hooked", None)  # the ZeroOptimizer whose updates _before_update sees
+        object.__setattr__(self, "_epoch", None)   # the communicator the next commit agrees over (ULFM)
         object.__setattr__(self, "commit_seconds", 0.0)
         object.__setattr__(self, "recoveries", [])  # one dict per recovery: lost ranks, timings
         for k, v in attrs.items():
             setattr(self, k, v)
+        self._open_epoch()
 
     # -- attributes ------------------------------------------------------------------------------
 
@@ -151,6 +164,14 @@ class TorchState:
         return self._commits[-1].gen if self._commits else 0
 
     @property
+    def commit_kind(self) -> str | None:
+        """How the newest commit kept the ZeroOptimizer shards: ``"gradient"`` (the buddy replayed
+        the update whose gradient it received), ``"full"`` (the shards were sent; elastic.gradrep
+        says when), ``"state"`` (1-bit Adam, FSDP2 or no sharded state: copies and full
+        replicas); None before the first commit."""
+        return self._commits[-1].kind if self._commits else None
+
+    @property
     def replica_stride(self) -> int:
         """How many ranks on (cyclically) the newest commit's shard replicas went: 1, or the
         shift that puts every rank's buddy in another failure domain."""
@@ -174,8 +195,34 @@ class TorchState:
         return value
 
     def replica_bytes(self) -> int:
-        """Bytes this rank holds in commits (both generations)."""
+        """Bytes this rank holds in commits (both generations; with a ZeroOptimizer of a plain
+        torch optimizer one: its own copy, its ward's replica and gradient)."""
         return sum(c.nbytes() for c in self._commits)
+
+    @property
+    def _by_gradient(self) -> bool:
+        """Whether the shards are replicated by gradient (a ZeroOptimizer of a plain torch
+        optimizer; 1-bit Adam's compressed steps are collective and keep full-state commits)."""
+        if not self.sharded:
+            return False
+        from zero.inner import is_onebit
+
+        return not is_onebit(self.optimizer.optimizer_class)
+
+    def _open_epoch(self) -> None:
+        """Under ULFM, the next commit agrees (``Communicator.agree``) over the ZeroOptimizer's
+        communicator so that it happens on every survivor or on none; a recovery that starts
+        before it joins that agreement with False (``_close_epoch``)."""
+        comm = self.optimizer.comm if self._by_gradient else None
+        object.__setattr__(self, "_epoch", comm if getattr(comm, "fault_tolerant", False) else None)
+
+    def _close_epoch(self) -> None:
+        """At the start of a recovery: join the agreement the next commit would have made, as
+        False (survivors inside that commit's agreement are waiting for it; collective)."""
+        comm = self._epoch
+        object.__setattr__(self, "_epoch", None)
+        if comm is not None:
+            comm.agree(False)
 
     # -- commit ----------------------------------------------------------------------------------
 
@@ -227,6 +274,9 @@ class TorchState:
 
     @torch.no_grad()
     def _commit(self, count: int) -> None:
+        if self._by_gradient:
+            self._commit_zero(count)
+            return
         t0 = time.perf_counter()
         # the oldest commit is dropped now and its memory reused (no fresh pages to fault in)
         old = self._commits.pop(0) if len(self._commits) == 2 else Commit(0)
@@ -257,6 +307,139 @@ class TorchState:
             return sd
         held = {id(p) for g in self.optimizer.groups for p in g.params}
         return {k: v for k, v in sd.items() if id(v) not in held}
+
+    def _live_pieces(self) -> tuple[list[torch.Tensor], list[list[str]], list[dict[str, Any]]]:
+        """This rank's live shard as a flat list (per group: the master, then the elementwise
+        optimizer state by name), the names, and a copy of each group's other state (``step``)."""
+        opt = self.optimizer
+        pieces, keys, other = [], [], []
+        for gi, g in enumerate(opt.groups):
+            elementwise, rest = reshard.split_state(opt.shard_state(gi), g.master)
+            names = sorted(elementwise)
+            keys.append(names)
+            other.append(values.save(rest)[1])
+            pieces.append(g.master)
+            pieces.extend(elementwise[k] for k in names)
+        return [t.detach() for t in pieces], keys, other
+
+    def _ensure_hook(self) -> None:
+        opt = self.optimizer
+        if self._hooked is opt:
+            return
+        import weakref
+
+        me = weakref.ref(self)
+
+        def before_update(o: Any) -> None:
+            state = me()
+            if state is not None:
+                state._before_update(o)
+        opt.register_update_pre_hook(before_update)
+        object.__setattr__(self, "_hooked", opt)
+
+    @torch.no_grad()
+    def _before_update(self, opt: Any) -> None:
+        """Before the first shard update after a commit: copy the shard (what a rollback to the
+        commit needs once it changes) and exchange the averaged gradient shards and the update's
+        hyperparameters with the buddies (the transfers travel while the copy runs)."""
+        if opt is not self.optimizer or not self._commits or self._commits[-1].comm is None:
+            return
+        c = self._commits[-1]
+        c.updates += 1
+        if c.updates != 1 or not c.own_live:
+            return
+        comm, world = opt.comm, int(opt.comm.size)
+        works: list[Any] = []
+        if world > 1 and comm is c.comm:
+            hp = opt.update_hyperparams()
+            grads = [g.master.grad for g in opt.groups]
+            vec = gradrep.encode(hp, [g is not None for g in grads])
+            inbox = torch.empty_like(vec)
+            c.grad = _buffers_like([g.master for g in opt.groups], c.grad)
+            me = int(comm.rank)
+            buddy, ward = replicas.buddy(me, world, c.stride), replicas.ward(me, world, c.stride)
+            works.append(comm.irecv(inbox, ward, tag=gradrep.TAG))
+            works.append(comm.isend(vec, buddy, tag=gradrep.TAG))
+            for i, (theirs, mine, g) in enumerate(zip(c.grad, grads, opt.groups)):
+                works.append(comm.irecv(theirs, ward, tag=gradrep.TAG + 1 + i))
+                mine = torch.zeros_like(g.master) if mine is None else mine.detach()
+                works.append(comm.isend(mine, buddy, tag=gradrep.TAG + 1 + i))
+        c.own_copy = _buffers_like(c.own, c.own_copy)
+        _copy_polling(c.own_copy, c.own, works)
+        c.own, c.own_live = c.own_copy, False
+        for w in works:
+            w.wait()
+        if works:
+            c.grad_hp = (inbox, hp)
+
+    @torch.no_grad()
+    def _commit_zero(self, count: int) -> None:
+        """Commit with a ZeroOptimizer replicated by gradient: the buddy replays the ward's one
+        update since the previous commit on its replica, or (elastic.gradrep's rule) the full
+        shards are sent. One commit is held; under ULFM the commit is agreed over the
+        optimizer's communicator first, so it happens on every survivor or on none."""
+        from zero.inner import replay_update
+
+        t0 = time.perf_counter()
+        self._ensure_hook()
+        opt = self.optimizer
+        comm, world = opt.comm, int(opt.comm.size)
+        prev = self._commits[-1] if self._commits else None
+        c = Commit(self.generation + 1, count, comm=comm)
+        c.stride = self._stride(comm)
+        live, c.keys, c.other = self._live_pieces()
+        by_grad = prev is not None and gradrep.gradient_commit(
+            prev.comm is not None, prev.comm is comm and prev.stride == c.stride, prev.updates,
+            prev.grad_hp is not None)
+        works, staging = [], []
+        if not by_grad and world > 1:
+            # fresh buffers: the previous commit's replica stays whole until this one is agreed
+            staging = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in live]
+            me = int(comm.rank)
+            for i, (mine, theirs) in enumerate(zip(live, staging)):
+                works.append(comm.irecv(theirs, replicas.ward(me, world, c.stride), tag=_TAG + i))
+                works.append(comm.isend(mine, replicas.buddy(me, world, c.stride), tag=_TAG + i))
+        for name in self._names:
+            c.attrs[name] = values.save(getattr(self, name))
+        if self.model is not None:
+            c.model = values.tree_copy(self._model_entries())
+        error: BaseException | None = None
+        try:
+            for w in works:
+                w.wait()
+        except Exception as e:  # noqa: BLE001 - a failure: settled by the agreement below
+            if not getattr(comm, "fault_tolerant", False):
+                raise
+            error = e
+            comm.revoke()           # no rank stays inside a transfer of this commit
+        done = error is None
+        atomic = self._epoch is comm
+        if atomic:
+            object.__setattr__(self, "_epoch", None)
+            done = comm.agree(done)
+        if not done:
+            if error is not None:
+                raise error
+            raise RuntimeError(f"elastic: commit {c.gen} did not complete on every rank (a rank failed); "
+                               f"rolling back to commit {self.generation}")
+        c.kind = "gradient" if by_grad else "full"
+        if by_grad:
+            assert prev is not None
+            hp, flags = gradrep.decode(prev.grad_hp[0], prev.grad_hp[1])
+            masters, states = gradrep.ward_state(prev.ward, prev.keys, prev.other)
+            states = replay_update(opt.optimizer, masters, states,
+                                   [g if f else None for g, f in zip(prev.grad, flags)], hp)
+            c.ward = gradrep.join(masters, states, c.keys)
+        else:
+            c.ward = staging
+        c.own, c.own_live = live, True
+        if prev is not None and prev.comm is comm:
+            c.own_copy, c.grad = prev.own_copy, prev.grad      # reused: no fresh pages to fault in
+        self._commits[:] = [c]
+        if atomic:
+            object.__setattr__(self, "_epoch", comm)
+        object.__setattr__(self, "_count", count)
+        object.__setattr__(self, "commit_seconds", self.commit_seconds + time.perf_counter() - t0)
 
     def _send_shards(self, c: Commit, old: Commit) -> list[Any]:
         """Start exchanging this rank's shard pieces with the buddies (sent from the live
