@@ -30,7 +30,7 @@ class Commit:
     own_live: bool = False                # ``own`` is the live shard itself (no update since this commit)
     own_copy: list[torch.Tensor] = field(default_factory=list)  # what ``own`` is copied into before an update
     grad: list[torch.Tensor] = field(default_factory=list)      # the ward's gradient of the first update since
-    grad_hp: Any = None                   # (the ward's encoded hyperparameters, this rank's own) of that update
+    grad_hp: Any = None                   # (the ward's hyperparameters, which groups had a gradient) of that update
     updates: int = 0                      # shard updates since this commit
     comm: Any = None                      # the ZeroOptimizer's communicator it was made over
     kind: str = "state"                   # "state", or a ZeroOptimizer's "gradient" / "full" (elastic.gradrep)
@@ -64,6 +64,9 @@ class TorchState:
     a host lost whole loses no shard; ``failure_domain`` names this rank's, default the host's
     name). The last two commits
     are held, so every survivor can roll back to the newest one that all of them completed.
+    A ZeroOptimizer of a plain torch optimizer is replicated by gradient instead (its buddy
+    replays the rank's update; ``elastic.gradrep``) and one commit is held, agreed over its
+    communicator under ULFM so that it happened on every survivor or on none.
     An FSDP2 model (``fully_shard`` on a 1-D mesh) has its local DTensor shards (parameters and
     optimizer state) replicated the same way; register ``elastic.RebuildFSDP(state, build)`` to
     build it anew on the survivors' mesh after a recovery (see ``elastic.fsdp``).
@@ -113,6 +116,7 @@ class TorchState:
         object.__setattr__(self, "_hooked", None)  # the ZeroOptimizer whose updates _before_update sees
         object.__setattr__(self, "_epoch", None)   # the communicator the next commit agrees over (ULFM)
         object.__setattr__(self, "commit_seconds", 0.0)
+        object.__setattr__(self, "replicate_seconds", 0.0)   # in steps: own copies, gradient exchanges
         object.__setattr__(self, "recoveries", [])  # one dict per recovery: lost ranks, timings
         for k, v in attrs.items():
             setattr(self, k, v)
@@ -121,7 +125,8 @@ class TorchState:
     # -- attributes ------------------------------------------------------------------------------
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name.startswith("_") or name in _OWN or name in ("commit_seconds", "recoveries", "resumed"):
+        if name.startswith("_") or name in _OWN or name in ("commit_seconds", "replicate_seconds", "recoveries",
+                                                            "resumed"):
             if name in ("checkpoint_dir", "checkpoint_every", "failure_domain"):
                 raise AttributeError(f"elastic.TorchState: {name} is fixed at construction")
             object.__setattr__(self, name, value)
@@ -348,6 +353,7 @@ class TorchState:
         c.updates += 1
         if c.updates != 1 or not c.own_live:
             return
+        t0 = time.perf_counter()
         comm, world = opt.comm, int(opt.comm.size)
         works: list[Any] = []
         if world > 1 and comm is c.comm:
@@ -370,7 +376,8 @@ class TorchState:
         for w in works:
             w.wait()
         if works:
-            c.grad_hp = (inbox, hp)
+            c.grad_hp = gradrep.decode(inbox, hp)     # before the update: a mismatch fails the step
+        object.__setattr__(self, "replicate_seconds", self.replicate_seconds + time.perf_counter() - t0)
 
     @torch.no_grad()
     def _commit_zero(self, count: int) -> None:
@@ -425,7 +432,7 @@ class TorchState:
         c.kind = "gradient" if by_grad else "full"
         if by_grad:
             assert prev is not None
-            hp, flags = gradrep.decode(prev.grad_hp[0], prev.grad_hp[1])
+            hp, flags = prev.grad_hp
             masters, states = gradrep.ward_state(prev.ward, prev.keys, prev.other)
             states = replay_update(opt.optimizer, masters, states,
                                    [g if f else None for g, f in zip(prev.grad, flags)], hp)

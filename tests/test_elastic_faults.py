@@ -87,6 +87,8 @@ def test_survivors_end_with_the_reference_weights(tmp_path, n, opt, where, victi
     assert [r["lost"] for r in info["recoveries"]] == [[victim]], (info, log)
     if opt != "ddp":
         assert info["zero_world"] == n - 1, info
+    if where in ("agree", "agreed"):   # the commit the victim died in went through on the survivors
+        assert info["recoveries"][0]["generation"] == step + 2, (info, log)
     kinds = info["commit_kinds"]
     if opt in ("zero1", "zero2"):   # replicated by gradient when one step separates two commits
         assert set(kinds) == {"gradient"} if every == 1 else "full" in kinds, (kinds, log)
