@@ -217,3 +217,15 @@ def test_reduce_into_bf16_block_by_block(impl, aliased):
     got = out.double().numpy()
     assert np.isnan(got[:8]).all() and np.isnan(ref[:8]).all()
     np.testing.assert_allclose(got[8:], ref[8:], rtol=2 ** -7, atol=1e-6)
+
+
+def test_new_wire_zeroes_only_the_send_padding():
+    """A wire's send rows carry zero padding to 4 bytes (peers receive it as is); the rest is
+    written by the kernels and the transfer, so a new wire need not be zero-filled."""
+    from compressed.fsdp.wires import Wire
+    lay = layout(37, 8, [20, 17])  # 37 values: 3 bytes of padding per row
+    wire = Wire(lay, 2, 3)
+    assert wire.send.shape == (2, lay.nbytes) and wire.recv.shape == (3, lay.nbytes)
+    assert lay.nbytes - (4 * lay.nblocks + 37) == 3
+    assert not wire.send[:, 4 * lay.nblocks + 37:].any()
+    assert wire.send_q.shape == (2, 37) and wire.recv_scale.shape == (3, lay.nblocks)
