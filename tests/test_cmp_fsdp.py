@@ -150,12 +150,16 @@ def test_reduce_scatter_matches_simulation(groups, world, backend, dtype, opname
 
 def test_bad_calls_raise_everywhere(groups, world):
     size = world.size
-    comm = QuantizedReduceScatter(block=BLOCK)
     inp, out = torch.zeros(size * 4), torch.zeros(4)
 
     def bad_op():
-        with pytest.raises(ValueError, match="expected reduce op SUM or AVG.*got MAX"):
-            comm(out, inp, groups["mpicomm"], dist.ReduceOp.MAX)
+        for bits in (8, 1):
+            comm = QuantizedReduceScatter(bits=bits, block=BLOCK)
+            for op in (dist.ReduceOp.MAX, dist.ReduceOp.MIN, dist.ReduceOp.PRODUCT):
+                with pytest.raises(ValueError, match=f"expected reduce op SUM or AVG.*got "
+                                                     f"{op.name}"):
+                    comm(out, inp, groups["mpicomm"], op)
+            assert bits == 8 or comm.state_dict()["worker_error"] is None  # nothing started
     check_all(bad_op)
 
     def bad_bits():

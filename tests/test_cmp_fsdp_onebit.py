@@ -231,6 +231,46 @@ def test_error_state_through_ckpt(groups, world, comm, shared_tmp_path):
                          what=f"module {k} error at 1 rank")
 
 
+@pytest.mark.mpi(min_size=4)
+def test_error_state_resharded_to_half_the_ranks(groups, world, comm, shared_tmp_path):
+    """N -> N/2 through ckpt: each half of the ranks loads the checkpoint all N saved, on a mesh
+    of its own; every new rank's error, put back on the parameters' positions, is the mean of
+    the saved ranks' (laid out for N/2 rows)."""
+    import ckpt
+    from compressed.fsdp import GradientErrors
+    from compressed.fsdp.error_state import unpack
+    from torch.distributed.device_mesh import DeviceMesh
+    rank, size = world.rank, world.size
+    if size % 2:
+        pytest.skip("loads on two halves of the ranks")
+    half = size // 2
+    model = _fsdp_model(init_device_mesh("cpu", (size,)))
+    _backward(model, rank, 2)
+    state = GradientErrors(model)
+    ckpt.save(shared_tmp_path / "e", model=model, comm=comm, state={"grad_errors": state})
+    mine = state.per_rank_state_dict()["modules"]
+    saved = world.allgather({k: (v["shapes"], v["worker_error"].numpy()) for k, v in mine.items()})
+    halves = [dist.new_group(list(range(c * half, (c + 1) * half))) for c in (0, 1)]
+    sub = world.Split(rank // half, rank)
+    try:
+        fresh = _fsdp_model(DeviceMesh.from_group(halves[rank // half], "cpu"), seed=4)
+        ckpt.load(shared_tmp_path / "e", model=fresh, comm=sub,
+                  state={"grad_errors": GradientErrors(fresh)})
+        got = GradientErrors(fresh).per_rank_state_dict()["modules"]
+    finally:
+        sub.Free()
+    assert_all(sorted(got) == sorted(mine), f"modules {sorted(got)}")
+    for k in mine:
+        shapes = saved[0][k][0]
+        owed = [sum(parts) / size for parts in zip(*[
+            unpack(torch.from_numpy(s[k][1]), shapes, size) for s in saved])]
+        assert_all(got[k]["world_size"] == half, f"module {k}: world {got[k]['world_size']}")
+        have = unpack(got[k]["worker_error"], shapes, half)
+        assert_close_all(torch.cat([h.reshape(-1) for h in have]).numpy(),
+                         torch.cat([o.reshape(-1) for o in owed]).numpy(), rtol=1e-6, atol=1e-7,
+                         what=f"module {k} error at {half} ranks")
+
+
 def test_error_layout_pack_unpack(world):
     """``pack`` / ``unpack`` (pure): FSDP2's dim-0 chunks with padding at 1-4 ranks, and the
     N -> M rule keeps the mean owed per parameter position (2 saved ranks -> 3)."""
