@@ -48,6 +48,9 @@ TRAIN_FIELDS = {
     "samples_per_s": _NUM, "loss": _NUM, "backward_ms": _NUM, "comm_ms": _NUM,
     "backward_comm_ms": _NUM, "overlap_ms": _NUM, "wrong": int,
 }
+# ... with --parts, the FSDP2 step split (bench.train_parts), checked when present ...
+TRAIN_PARTS_FIELDS = {"compute_ms": _NUM, "coll_ms": _NUM, "pack_ms": _NUM, "wire_ms": _NUM,
+                      "unpack_ms": _NUM}
 # ... and one per optimizer of --curve (op "curve").
 CURVE_FIELDS = {
     "bench": str, "op": str, "peer": str, "ranks": int, "hosts": int, "model": str,
@@ -193,6 +196,7 @@ def validate_record(rec: dict) -> list[str]:
                 problems.append(f"field 'losses': expected steps = {rec.get('steps')!r} values, "
                                 f"got {len(losses)}")
         else:
+            _check_fields(rec, TRAIN_PARTS_FIELDS, False, problems)
             _ordered(rec, "step_ms_min", "step_ms", "step_ms_max", problems)
             _check_rounds(rec, "step_ms_rounds", "rounds", "step_ms_min", "step_ms_max", problems)
         return problems

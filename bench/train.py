@@ -46,6 +46,7 @@ from mpi4py import MPI
 
 from . import common, models
 from .train_curve import CURVE_COLUMNS, curve_main
+from .train_parts import parts_text
 from .train_peers import (FSDP_PEERS, PEERS, build_model, check_peers, describe, grad_dtype_of,
                           make_peer, reference_of, run_round, tolerance, warm_up)
 
@@ -107,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fsdp-prefetch", action="store_true",
                    help="FSDP2 peers: explicit prefetching with async unshards (the next "
                         "layer's all-gather issued during this layer's forward / backward)")
+    p.add_argument("--parts", action="store_true",
+                   help="FSDP2 peers: split the step into compute and the collectives' pack, "
+                        "wire and unpack time (bench.train_parts)")
     p.add_argument("--onebit-warmup", type=_count(0), default=None,
                    help="steps the 1-bit hook averages exactly (default: --warmup - 1, so the "
                         "last warm-up step and every timed step are compressed)")
@@ -202,6 +206,10 @@ def _steps_main(args, mpi_comm, mcomm, teacher, params, rep) -> int:
               and reference_of(r["peer"]) != r["peer"]]
     if ratios:
         rep.note("step time / gloo's (medians): " + ", ".join(ratios))
+    parts = [parts_text(r) for r in records if "coll_ms" in r]
+    if parts:
+        rep.note("step parts per step (median round, mean over ranks; wire = collectives - "
+                 "pack - unpack): " + "; ".join(parts))
     wire = [_wire_text(r, by_name) for r in records if r["wire_bytes_per_step"] is not None]
     if wire:
         rep.note("bytes on the links per rank and step (median round): " + ", ".join(wire))
@@ -247,6 +255,7 @@ def _step_record(rep, args, mpi_comm, params: int, name: str, peer, rounds: list
     loss = mpi_comm.allreduce(peer.loss, op=MPI.SUM) / mpi_comm.Get_size()
     fsdp = name in FSDP_PEERS
     grad_dtype = grad_dtype_of(name, args.dtype)
+    parts = {f"{k}_ms": v * 1e3 for k, v in mid["parts"].items()} if mid.get("parts") else {}
     return dict(rep.base("step"), peer=name, model=describe(args), params=params,
                 grad_bytes=int(params * {"float32": 4, "int8": 1, "1bit": 1 / 8}.get(grad_dtype, 2)),
                 dtype="bfloat16" if fsdp else args.dtype, grad_dtype=grad_dtype,
@@ -257,7 +266,8 @@ def _step_record(rep, args, mpi_comm, params: int, name: str, peer, rounds: list
                 backward_ms=mid["backward"] * 1e3, comm_ms=mid["comm"] * 1e3,
                 backward_comm_ms=mid["backward_comm"] * 1e3,
                 overlap_ms=(mid["backward"] + mid["comm"] - mid["backward_comm"]) * 1e3,
-                wrong=wrong, trained_steps=peer.step, wire_bytes_per_step=mid["wire_bytes"])
+                wrong=wrong, trained_steps=peer.step, wire_bytes_per_step=mid["wire_bytes"],
+                **parts)
 
 
 def _close() -> None:

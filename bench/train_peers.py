@@ -9,6 +9,7 @@ import time
 from mpi4py import MPI
 
 from . import models
+from .train_parts import StepParts
 
 DDP_PEERS = ("mpicomm", "gloo", "mpicomm-hook", "onebit-hook")
 FSDP_PEERS = ("fsdp2-mpicomm-r32", "fsdp2-gloo-r32", "fsdp2-mpicomm-r16", "fsdp2-gloo-r16",
@@ -247,14 +248,17 @@ def _mean(mpi_comm, values: list[float]) -> float:
 
 def run_round(peer: Peer, args, mpi_comm, teacher) -> dict:
     """Collective: one round of ``peer``: steps, backward alone, communication alone (seconds),
-    and under netsim the bytes one rank put on the links per step (else None)."""
+    under netsim the bytes one rank put on the links per step (else None), and with ``--parts``
+    the steps' parts (``bench.train_parts``; else None)."""
     from .netsim import LinkMeter
 
     rank = mpi_comm.Get_rank()
     meter = LinkMeter(mpi_comm)  # bytes on the simulated links (under netsim only)
+    parts = StepParts() if getattr(args, "parts", False) else None
     mpi_comm.Barrier()
     meter.start()
-    steps = [_train_step(peer, args, rank, teacher) for _ in range(args.steps)]
+    with parts.active() if parts is not None else contextlib.nullcontext():
+        steps = [_train_step(peer, args, rank, teacher) for _ in range(args.steps)]
     wire = meter.stop(args.steps)
     mpi_comm.Barrier()
     alone = [_backward_alone(peer, args, rank, teacher) for _ in range(args.steps)]
@@ -264,10 +268,14 @@ def run_round(peer: Peer, args, mpi_comm, teacher) -> dict:
         t = time.perf_counter()
         peer.comm_alone()
         comm.append(time.perf_counter() - t)
+    per_step = None if parts is None else parts.per_step(sum(s[0] for s in steps) / len(steps),
+                                                         args.steps)
     return {"step": _mean(mpi_comm, [s[0] for s in steps]),
             "backward_comm": _mean(mpi_comm, [s[1] for s in steps]),
             "backward": _mean(mpi_comm, alone), "comm": _mean(mpi_comm, comm),
-            "wire_bytes": wire}
+            "wire_bytes": wire,
+            "parts": None if per_step is None else {k: _mean(mpi_comm, [v])
+                                                    for k, v in sorted(per_step.items())}}
 
 
 # ---------------------------------------------------------------------------------------------

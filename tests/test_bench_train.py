@@ -65,6 +65,24 @@ def test_bfloat16_ddp_and_fsdp2_rows(tmp_path):
     assert "fsdp2-mpicomm-r16 " in stdout and "(fsdp2-gloo-r16's)" in stdout
 
 
+def test_parts_split_the_fsdp2_step(tmp_path):
+    """--parts: every FSDP2 step splits into compute and collective time (they add up to the
+    step); FSDP2's own collectives run no int8 kernel, the quantized ones do."""
+    stdout, doc = _run(2, tmp_path, *SMALL, "--parts", "--peers",
+                       "fsdp2-mpicomm-r16,fsdp2-mpicomm-q8")
+    recs = {r["peer"]: r for r in doc["records"]}
+    for rec in recs.values():
+        assert common.validate_record(rec) == [], rec
+        assert rec["compute_ms"] + rec["coll_ms"] == pytest.approx(rec["step_ms"], rel=1e-6)
+        assert rec["pack_ms"] + rec["wire_ms"] + rec["unpack_ms"] == pytest.approx(rec["coll_ms"])
+        assert 0 < rec["coll_ms"] < rec["step_ms"] and rec["wire_ms"] > 0
+    assert recs["fsdp2-mpicomm-r16"]["pack_ms"] == recs["fsdp2-mpicomm-r16"]["unpack_ms"] == 0
+    assert recs["fsdp2-mpicomm-q8"]["pack_ms"] > 0 and recs["fsdp2-mpicomm-q8"]["unpack_ms"] > 0
+    assert "step parts per step" in stdout and "fsdp2-mpicomm-q8: compute " in stdout
+    bad = dict(recs["fsdp2-mpicomm-q8"], pack_ms=-1.0)
+    assert any("pack_ms" in p for p in common.validate_record(bad))
+
+
 @pytest.mark.parametrize("n", [1, 2])
 def test_curve(n, tmp_path):
     png = tmp_path / "curve.png"

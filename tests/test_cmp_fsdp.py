@@ -13,7 +13,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-import ckpt
 import mpicomm  # noqa: F401 - registers the backend
 from compressed.fsdp import QuantizedAllGather, QuantizedReduceScatter, quantize_comms
 from mpitest import assert_all, assert_close_all, check_all
@@ -151,12 +150,16 @@ def test_reduce_scatter_matches_simulation(groups, world, backend, dtype, opname
 
 def test_bad_calls_raise_everywhere(groups, world):
     size = world.size
-    comm = QuantizedReduceScatter(block=BLOCK)
     inp, out = torch.zeros(size * 4), torch.zeros(4)
 
     def bad_op():
-        with pytest.raises(ValueError, match="expected reduce op SUM or AVG.*got MAX"):
-            comm(out, inp, groups["mpicomm"], dist.ReduceOp.MAX)
+        for bits in (8, 1):
+            comm = QuantizedReduceScatter(bits=bits, block=BLOCK)
+            for op in (dist.ReduceOp.MAX, dist.ReduceOp.MIN, dist.ReduceOp.PRODUCT):
+                with pytest.raises(ValueError, match=f"expected reduce op SUM or AVG.*got "
+                                                     f"{op.name}"):
+                    comm(out, inp, groups["mpicomm"], op)
+            assert bits == 8 or comm.state_dict()["worker_error"] is None  # nothing started
     check_all(bad_op)
 
     def bad_bits():
@@ -224,14 +227,19 @@ def _unrow(row: np.ndarray, full: list[torch.Tensor], w: int, r: int) -> list[np
 @pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
 def test_fsdp_gathered_weights_match_simulation(groups, world, param_dtype):
     """The working copy FSDP2 gathers: own slice exact, peers' dequantized; masters untouched."""
-    rank, size = world.rank, world.size
-    mesh = init_device_mesh("cpu", (size,))
+    check_gathered(world, init_device_mesh("cpu", (world.size,)), param_dtype)
+
+
+def check_gathered(world, mesh, param_dtype, device=torch.device("cpu")) -> None:
+    """FSDP2's gathered weights with ``quantize_comms(weight_bits=8)`` on ``mesh`` (a 1-D mesh
+    of ``device``) against the simulation; the masters untouched, every tensor on ``device``."""
+    rank, size = mesh.get_local_rank(), mesh.size()
     model = _shard_all(_model(), mesh, MixedPrecisionPolicy(param_dtype=param_dtype))
     names = quantize_comms(model, weight_bits=8, grad_bits=None, block=BLOCK)
     assert_all(names == ["0", "2"], str(names))
-    model(torch.randn(3, 12))  # lazy init; every module resharded after forward
+    model(torch.randn(3, 12).to(device))  # lazy init; every module resharded after forward
     for i, layer in ((0, model[0]), (2, model[2])):
-        masters = [p.full_tensor().detach().clone() for p in layer.parameters()]
+        masters = [p.full_tensor().detach().cpu().clone() for p in layer.parameters()]
         full = [m.to(param_dtype) for m in masters]
         rows, segments = _rows(full, size)
         expected = [np.concatenate(parts) for parts in zip(*[
@@ -240,30 +248,37 @@ def test_fsdp_gathered_weights_match_simulation(groups, world, param_dtype):
         handle = layer.unshard(async_op=i == 2)
         if handle is not None:
             handle.wait()
-        got = [layer.weight.detach().double().numpy(), layer.bias.detach().double().numpy()]
+        assert_all(all(p.device == device for p in (layer.weight, layer.bias)),
+                   f"layer {i}: gathered weights on {layer.weight.device}, expected {device}")
+        got = [layer.weight.detach().double().cpu().numpy(),
+               layer.bias.detach().double().cpu().numpy()]
         layer.reshard()
         for g, e, name in zip(got, expected, ("weight", "bias")):
             assert_close_all(g, e, what=f"layer {i} {name} ({param_dtype})")
-        after = [p.full_tensor().detach() for p in layer.parameters()]
+        after = [p.full_tensor().detach().cpu() for p in layer.parameters()]
         assert_all(all(torch.equal(a, b) for a, b in zip(after, masters)), "masters changed")
 
 
 def _local_grads(x: torch.Tensor) -> list[list[torch.Tensor]]:
-    """This rank's gradients of each Linear of the plain model on input ``x``."""
-    plain = _model()
-    torch.nn.functional.mse_loss(plain(x), torch.zeros(x.shape[0], 5)).backward()
-    return [[p.grad.detach().clone() for p in plain[i].parameters()] for i in (0, 2)]
+    """This rank's gradients (on the host) of each Linear of the plain model on input ``x``,
+    computed on ``x``'s device."""
+    plain = _model().to(x.device)
+    torch.nn.functional.mse_loss(plain(x), torch.zeros(x.shape[0], 5, device=x.device)).backward()
+    return [[p.grad.detach().cpu().clone() for p in plain[i].parameters()] for i in (0, 2)]
 
 
-def _check_grads(world, mesh, replicate: int, reshard_first: bool):
+def check_grads(world, mesh, replicate: int, reshard_first: bool,
+                device=torch.device("cpu")):
+    """FSDP2's sharded gradients with ``quantize_comms(grad_bits=8)`` on ``mesh`` (of
+    ``device``; ``(replicate, shard)`` for HSDP) against the simulation, on ``device``."""
     rank, size = world.rank, world.size
     shard = size // replicate
     model = _shard_all(_model(), mesh, reshard_first=reshard_first)
     quantize_comms(model, weight_bits=None, grad_bits=8, block=BLOCK)
-    x = torch.randn(4, 12, generator=torch.Generator().manual_seed(7 + rank))
+    x = torch.randn(4, 12, generator=torch.Generator().manual_seed(7 + rank)).to(device)
     for _ in range(2 if not reshard_first else 1):  # a second forward on the kept-unsharded module
         model.zero_grad()
-        torch.nn.functional.mse_loss(model(x), torch.zeros(4, 5)).backward()
+        torch.nn.functional.mse_loss(model(x), torch.zeros(4, 5, device=device)).backward()
     everyone = world.allgather([[g.numpy() for g in layer] for layer in _local_grads(x)])
     i_rep, j = divmod(rank, shard)  # mesh (replicate, shard): the shard group is one row
     for li, idx in enumerate((0, 2)):
@@ -280,16 +295,19 @@ def _check_grads(world, mesh, replicate: int, reshard_first: bool):
             total = acc if total is None else total + acc
         total /= replicate
         expected = _unrow(total, full, shard, j)
-        got = [p.grad._local_tensor.detach().double().numpy() for p in model[idx].parameters()]
+        grads = [p.grad._local_tensor for p in model[idx].parameters()]
+        assert_all(all(g.device == device for g in grads), f"gradients on {grads[0].device}")
+        got = [g.detach().double().cpu().numpy() for g in grads]
         for g, e in zip(got, expected):
             assert_close_all(g, e, atol=1e-6 * max(1.0, float(np.abs(e).max(initial=0))),
                              what=f"layer {idx} gradient")
+    return model
 
 
 @pytest.mark.parametrize("reshard_first", [True, False])
 def test_fsdp_gradients_match_simulation(groups, world, reshard_first):
     mesh = init_device_mesh("cpu", (world.size,))
-    _check_grads(world, mesh, 1, reshard_first)
+    check_grads(world, mesh, 1, reshard_first)
 
 
 @pytest.mark.mpi(min_size=4)
@@ -297,7 +315,7 @@ def test_hsdp_gradients_match_simulation(groups, world):
     if world.size % 2:
         pytest.skip("HSDP test uses a (2, size/2) mesh")
     mesh = init_device_mesh("cpu", (2, world.size // 2), mesh_dim_names=("replicate", "shard"))
-    _check_grads(world, mesh, 2, True)
+    check_grads(world, mesh, 2, True)
 
 
 def test_two_parameter_groups_refused_by_name(groups, world):
@@ -318,6 +336,7 @@ def test_two_parameter_groups_refused_by_name(groups, world):
 
 def test_training_then_checkpoint_holds_masters(groups, world, comm, shared_tmp_path):
     """ckpt.save of the quantized FSDP2 model writes the exact masters (no quantized copy)."""
+    import ckpt
     mesh = init_device_mesh("cpu", (world.size,))
     model = _shard_all(_model(), mesh, MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     quantize_comms(model)

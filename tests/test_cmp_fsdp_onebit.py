@@ -91,20 +91,21 @@ def _backward(model, rank: int, steps: int) -> None:
         torch.nn.functional.mse_loss(model(x).float(), torch.zeros(4, 5)).backward()
 
 
-def _check_grads(world, mesh, replicate: int, steps: int = 3) -> None:
+def check_grads(world, mesh, replicate: int, steps: int = 3, device=torch.device("cpu")):
     """FSDP2's sharded gradients after each of ``steps`` backward passes (same weights, same
     local gradients: the error feedback alone changes the result) against the simulation; a
-    ``(replicate, shard)`` mesh averages the shard groups' results exactly (FSDP2's all-reduce)."""
+    ``(replicate, shard)`` mesh averages the shard groups' results exactly (FSDP2's all-reduce).
+    ``mesh`` of ``device``: gradients and error states must stay there."""
     rank, size = world.rank, world.size
     shard = size // replicate
     i_rep, j = divmod(rank, shard)  # mesh (replicate, shard): the shard group is one row
     model = _fsdp_model(mesh, weight_bits=None)  # exact weights: the plain model's gradients
-    x = torch.randn(4, 12, generator=torch.Generator().manual_seed(7 + rank))
+    x = torch.randn(4, 12, generator=torch.Generator().manual_seed(7 + rank)).to(device)
     everyone = world.allgather([[g.numpy() for g in layer] for layer in _local_grads(x)])
     errors = {}
     for step in range(steps):
         model.zero_grad()
-        torch.nn.functional.mse_loss(model(x), torch.zeros(4, 5)).backward()
+        torch.nn.functional.mse_loss(model(x), torch.zeros(4, 5, device=device)).backward()
         for li, idx in enumerate((0, 2)):
             full = [torch.from_numpy(t) for t in everyone[0][li]]
             total = 0.0
@@ -119,15 +120,17 @@ def _check_grads(world, mesh, replicate: int, steps: int = 3) -> None:
                                                  for _ in range(shard)])
                 total = total + simulate_step(rows, e)[j]
             expected = _unrow(total / replicate, full, shard, j)
-            got = [p.grad._local_tensor.detach().double().numpy()
-                   for p in model[idx].parameters()]
+            grads = [p.grad._local_tensor for p in model[idx].parameters()]
+            assert_all(all(g.device == device for g in grads), f"gradients on {grads[0].device}")
+            got = [g.detach().double().cpu().numpy() for g in grads]
             for g, want in zip(got, expected):
                 assert_close_all(g, want, rtol=1e-5, atol=1e-6 * max(1.0, float(np.abs(want).max(
                     initial=0))), what=f"step {step} layer {idx} gradient")
+    return model
 
 
 def test_fsdp_gradients_match_simulation(groups, world):
-    _check_grads(world, init_device_mesh("cpu", (world.size,)), 1)
+    check_grads(world, init_device_mesh("cpu", (world.size,)), 1)
 
 
 @pytest.mark.mpi(min_size=4)
@@ -137,7 +140,7 @@ def test_hsdp_gradients_match_simulation(groups, world):
     if world.size % 2:
         pytest.skip("HSDP test uses a (2, size/2) mesh")
     mesh = init_device_mesh("cpu", (2, world.size // 2), mesh_dim_names=("replicate", "shard"))
-    _check_grads(world, mesh, 2, steps=2)
+    check_grads(world, mesh, 2, steps=2)
 
 
 @pytest.mark.parametrize("backend", ["mpicomm", "gloo"])
@@ -226,6 +229,46 @@ def test_error_state_through_ckpt(groups, world, comm, shared_tmp_path):
         assert_close_all(torch.cat([h.reshape(-1) for h in have]).numpy(),
                          torch.cat([o.reshape(-1) for o in owed]).numpy(), rtol=1e-6, atol=1e-7,
                          what=f"module {k} error at 1 rank")
+
+
+@pytest.mark.mpi(min_size=4)
+def test_error_state_resharded_to_half_the_ranks(groups, world, comm, shared_tmp_path):
+    """N -> N/2 through ckpt: each half of the ranks loads the checkpoint all N saved, on a mesh
+    of its own; every new rank's error, put back on the parameters' positions, is the mean of
+    the saved ranks' (laid out for N/2 rows)."""
+    import ckpt
+    from compressed.fsdp import GradientErrors
+    from compressed.fsdp.error_state import unpack
+    from torch.distributed.device_mesh import DeviceMesh
+    rank, size = world.rank, world.size
+    if size % 2:
+        pytest.skip("loads on two halves of the ranks")
+    half = size // 2
+    model = _fsdp_model(init_device_mesh("cpu", (size,)))
+    _backward(model, rank, 2)
+    state = GradientErrors(model)
+    ckpt.save(shared_tmp_path / "e", model=model, comm=comm, state={"grad_errors": state})
+    mine = state.per_rank_state_dict()["modules"]
+    saved = world.allgather({k: (v["shapes"], v["worker_error"].numpy()) for k, v in mine.items()})
+    halves = [dist.new_group(list(range(c * half, (c + 1) * half))) for c in (0, 1)]
+    sub = world.Split(rank // half, rank)
+    try:
+        fresh = _fsdp_model(DeviceMesh.from_group(halves[rank // half], "cpu"), seed=4)
+        ckpt.load(shared_tmp_path / "e", model=fresh, comm=sub,
+                  state={"grad_errors": GradientErrors(fresh)})
+        got = GradientErrors(fresh).per_rank_state_dict()["modules"]
+    finally:
+        sub.Free()
+    assert_all(sorted(got) == sorted(mine), f"modules {sorted(got)}")
+    for k in mine:
+        shapes = saved[0][k][0]
+        owed = [sum(parts) / size for parts in zip(*[
+            unpack(torch.from_numpy(s[k][1]), shapes, size) for s in saved])]
+        assert_all(got[k]["world_size"] == half, f"module {k}: world {got[k]['world_size']}")
+        have = unpack(got[k]["worker_error"], shapes, half)
+        assert_close_all(torch.cat([h.reshape(-1) for h in have]).numpy(),
+                         torch.cat([o.reshape(-1) for o in owed]).numpy(), rtol=1e-6, atol=1e-7,
+                         what=f"module {k} error at {half} ranks")
 
 
 def test_error_layout_pack_unpack(world):

@@ -189,3 +189,43 @@ def test_bench_q8_check_counts_only_errors_past_the_bound(op):
     bad = got.copy()
     bad[5] += np.abs(parts[peer][:Q8_BLOCK]).max() / 254 * 3
     assert q8_wrong(bad, op, rank, n, per, "float32") == 1
+
+
+@pytest.mark.parametrize("aliased", [False, True])
+def test_reduce_into_bf16_block_by_block(impl, aliased):
+    """The numba reduce kernel on bf16 bits (FSDP2's bf16 reduce-scatter): rows summed in order
+    with the own row exact, the factor applied, rounded to bf16, a NaN block kept NaN; ``out``
+    may be the own row itself (it is read block by block before being written)."""
+    if impl != "numba":
+        pytest.skip("the numba kernel only")
+    from compressed.fsdp import _numba_int8 as kernels
+    lay = layout(37, 8, [20, 17])
+    x = torch.randn(3, 37, generator=torch.Generator().manual_seed(4)) \
+        * torch.tensor([1.0, 100.0, 0.01]).unsqueeze(1)
+    x[0, 3] = float("nan")  # row 0's first block arrives as NaN
+    packed = quantize_rows(x, lay)
+    scale = packed[:, :4 * lay.nblocks].view(torch.float32).numpy()
+    q = packed[:, 4 * lay.nblocks:4 * lay.nblocks + 37].view(torch.int8).numpy()
+    own = (torch.randn(37, generator=torch.Generator().manual_seed(5)) * 50).to(torch.bfloat16)
+    sim = simulate(x.double().numpy(), 8, [20, 17])
+    sim[1] = own.double().numpy()
+    ref = torch.from_numpy(sim.sum(axis=0) * 0.5).to(torch.bfloat16).double().numpy()
+    out = own if aliased else torch.empty(37, dtype=torch.bfloat16)
+    bits = own.view(torch.uint16).numpy()
+    kernels.reduce_into(scale, q, lay.edges, bits, True, 1, 0.5, out.view(torch.uint16).numpy(),
+                        True)
+    got = out.double().numpy()
+    assert np.isnan(got[:8]).all() and np.isnan(ref[:8]).all()
+    np.testing.assert_allclose(got[8:], ref[8:], rtol=2 ** -7, atol=1e-6)
+
+
+def test_new_wire_zeroes_only_the_send_padding():
+    """A wire's send rows carry zero padding to 4 bytes (peers receive it as is); the rest is
+    written by the kernels and the transfer, so a new wire need not be zero-filled."""
+    from compressed.fsdp.wires import Wire
+    lay = layout(37, 8, [20, 17])  # 37 values: 3 bytes of padding per row
+    wire = Wire(lay, 2, 3)
+    assert wire.send.shape == (2, lay.nbytes) and wire.recv.shape == (3, lay.nbytes)
+    assert lay.nbytes - (4 * lay.nblocks + 37) == 3
+    assert not wire.send[:, 4 * lay.nblocks + 37:].any()
+    assert wire.send_q.shape == (2, 37) and wire.recv_scale.shape == (3, lay.nblocks)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from torch._C import _distributed_c10d as c10d
 
 import mpicomm  # noqa: F401 - registers the backend
 import mpicomm.distributed as md
@@ -87,6 +88,34 @@ def test_collectives_match_numpy(plain, world):
     dist.scatter(s, [torch.tensor([float(7 * j)]) for j in range(n)] if r == n - 1 else None,
                  src=n - 1)
     assert_close_all(s, np.array([7.0 * r]))
+
+
+def test_entry_points_of_older_torch(plain, world):
+    """torch before 2.13 reaches the group by the former names (``dist.all_gather_into_tensor``
+    calls ``_allgather_base``, ``reduce_scatter_tensor`` ``_reduce_scatter_base``, ...): the
+    same results under every name."""
+    r, n = world.rank, world.size
+    calls = {
+        "_allgather_base": lambda out: plain._allgather_base(out[0], torch.full((2,), float(r)),
+                                                             c10d.AllgatherOptions()),
+        "allgather_into_tensor_coalesced": lambda out: plain.allgather_into_tensor_coalesced(
+            out, [torch.full((2,), float(r))], c10d.AllgatherOptions()),
+    }
+    for name, call in calls.items():
+        out = [torch.empty(2 * n)]
+        call(out).wait()
+        assert_close_all(out[0], np.repeat(np.arange(n, dtype=float), 2), what=name)
+    opts = c10d.ReduceScatterOptions()
+    opts.reduceOp = dist.ReduceOp.SUM
+    for name in ("_reduce_scatter_base", "reduce_scatter_tensor_coalesced"):
+        rs = torch.empty(2)
+        x = torch.arange(2.0 * n) + r
+        getattr(plain, name)(*((rs, x) if name.startswith("_") else ([rs], [x])), opts).wait()
+        assert_close_all(rs, (np.arange(2.0 * n) * n + n * (n - 1) / 2)[2 * r:2 * r + 2], what=name)
+    out = torch.empty(n)
+    plain.alltoall_base(out, torch.arange(n, dtype=torch.float32) + 10 * r, [], [],
+                        c10d.AllToAllOptions()).wait()
+    assert_close_all(out, np.arange(n) * 10.0 + r)
 
 
 def dist_comm_self():

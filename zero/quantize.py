@@ -46,7 +46,7 @@ def quantize_into(x: torch.Tensor, row: torch.Tensor) -> None:
     blocks = (torch.nn.functional.pad(x, (0, pad)) if pad else x).view(nb, BLOCK)
     amax = blocks.abs().amax(dim=1)
     amax = torch.where(torch.isnan(blocks).any(dim=1), torch.full_like(amax, float("nan")), amax)
-    scale = amax / 127.0
+    scale = amax / torch.full_like(amax, 127.0)     # a division on CUDA too (see compressed.fsdp.quantize)
     row[:4 * nb].view(torch.float32).copy_(scale)
     safe = torch.where(scale == 0, torch.ones_like(scale), scale)
     q = torch.round(blocks / safe.unsqueeze(1)).clamp_(-127, 127).nan_to_num_(0.0)

@@ -155,47 +155,56 @@ def dequantize_bf16(scale, q, edges, out, skip):
 
 
 @_jit
-def _accumulate_block(q, lo, hi, s, total):
-    for i in range(lo, hi):
-        total[i] += np.float32(q[i]) * s
-
-
-@_jit
 def reduce_into(scale, q, edges, own, own_bits, rank, factor, out, out_bits):
     """``out`` (n) = factor * the fp32 sum over rows in order, row ``rank`` replaced by ``own``
     (exact). ``own`` / ``out``: fp32, or bf16 as uint16 bits when ``own_bits`` / ``out_bits``
-    (widened exactly; rounded to nearest even, NaN kept NaN). ``out`` may alias ``own``."""
+    (widened exactly; rounded to nearest even, NaN kept NaN). ``out`` may alias ``own``.
+
+    One block at a time through a block-sized fp32 sum (every element's adds in row order), so
+    each row and ``own`` are read once and ``out`` written once, with no row-sized temporaries."""
     nb = edges.shape[0] - 1
-    n = out.shape[0]
-    total = np.zeros(n, np.float32)
+    width = 1
+    for b in range(nb):
+        width = max(width, np.int64(edges[b + 1] - edges[b]))
+    total = np.empty(width, np.float32)
     wide = total.view(np.uint32)
-    for r in range(q.shape[0]):
-        if r != rank:
-            qr, sr = q[r], scale[r]
-            for b in range(nb):
-                _accumulate_block(qr, edges[b], edges[b + 1], sr[b], total)
-        elif own_bits:
-            tmp = np.empty(n, np.uint32)
-            ftmp = tmp.view(np.float32)
-            for i in range(n):
-                tmp[i] = np.uint32(own[i]) << np.uint32(16)
-            for i in range(n):
-                total[i] += ftmp[i]
-        else:
-            for i in range(n):
-                total[i] += own[i]
-    if factor != 1.0:
-        f = np.float32(factor)
-        for i in range(n):
-            total[i] *= f
-    if out_bits:
-        for i in range(n):
-            u = wide[i]
-            if (u & _ABS) > _INF:
-                out[i] = np.uint16(0x7FC0)
+    ownw = np.empty(width, np.uint32)
+    ownf = ownw.view(np.float32)
+    f = np.float32(factor)
+    scaled = factor != 1.0
+    for b in range(nb):
+        lo = np.int64(edges[b])
+        k = np.int64(edges[b + 1]) - lo
+        for i in range(k):
+            total[i] = 0.0
+        for r in range(q.shape[0]):
+            if r != rank:
+                s = scale[r, b]
+                qb = q[r, lo:lo + k]
+                for i in range(k):
+                    total[i] += np.float32(qb[i]) * s
+            elif own_bits:
+                ob = own[lo:lo + k]
+                for i in range(k):
+                    ownw[i] = np.uint32(ob[i]) << np.uint32(16)
+                for i in range(k):
+                    total[i] += ownf[i]
             else:
-                up = u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))
-                out[i] = np.uint16(up >> np.uint32(16))
-    else:
-        for i in range(n):
-            out[i] = total[i]
+                ob = own[lo:lo + k]
+                for i in range(k):
+                    total[i] += ob[i]
+        if scaled:
+            for i in range(k):
+                total[i] *= f
+        dst = out[lo:lo + k]
+        if out_bits:
+            for i in range(k):
+                u = wide[i]
+                if (u & _ABS) > _INF:
+                    dst[i] = np.uint16(0x7FC0)
+                else:
+                    up = u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))
+                    dst[i] = np.uint16(up >> np.uint32(16))
+        else:
+            for i in range(k):
+                dst[i] = total[i]

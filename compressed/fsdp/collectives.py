@@ -264,6 +264,7 @@ class QuantizedAllGather(_Quantized, AllGather):
 
         def dequantize() -> None:
             dequantize_into(gathered, lay, output_tensor.view(world, n), skip=rank)
+            _used_here(gathered)
         return _finish(start, dequantize, async_op)
 
 
@@ -357,7 +358,16 @@ class QuantizedReduceScatter(_Quantized, ReduceScatter):
         def reduce() -> None:
             total = reduce_rows(recv, lay, own, rank, 1.0 if factor is None else factor)
             output_tensor.view(-1).copy_(total)
+            _used_here(recv)
         return _finish(start, reduce, async_op)
+
+
+def _used_here(t: torch.Tensor) -> None:
+    """Tell the CUDA caching allocator that ``t`` was read on the current stream (an async
+    work's ``wait()`` may run on another stream than the call), so that freeing it does not
+    hand its memory to the call's stream before the reading kernel has run."""
+    if t.is_cuda:
+        t.record_stream(torch.cuda.current_stream(t.device))
 
 
 def _op_factor(op, world: int) -> float | None:
@@ -368,7 +378,12 @@ def _op_factor(op, world: int) -> float | None:
     if kind == _RED.AVG:
         return 1.0 / world
     if kind == _RED.PREMUL_SUM:
-        factor = op.factor
+        factor = getattr(op, "factor", None)
+        if factor is None:  # torch before 2.13 keeps the factor in C++ only
+            raise ValueError("QuantizedReduceScatter: this torch "
+                             f"({torch.__version__}) does not expose PREMUL_SUM's factor "
+                             "(ReduceOp.factor, torch >= 2.13); use SUM or AVG (FSDP2 passes "
+                             "PREMUL_SUM only after set_gradient_divide_factor)")
         return float(factor.item() if isinstance(factor, torch.Tensor) else factor)
     name = getattr(kind, "name", str(kind))
     raise ValueError(f"QuantizedReduceScatter: expected reduce op SUM or AVG (or FSDP2's "

@@ -17,6 +17,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 
 from .collectives import QuantizedReduceScatter
+from .install import param_groups
 from .onebit import padded_row
 
 __all__ = ["GradientErrors", "unpack", "pack"]
@@ -69,7 +70,7 @@ def pack(params: list[torch.Tensor], world: int) -> torch.Tensor:
 
 def _module_info(module: FSDPModule) -> tuple[int, list[list[int]], int]:
     """(shard-group size, parameter shapes in FSDP2's order, shard numel) of a module."""
-    group = module._get_fsdp_state()._fsdp_param_groups[0]
+    group = param_groups(module)[0]
     shapes = []
     for p in group.fsdp_params:
         if p.fsdp_placement.dim != 0:
@@ -89,7 +90,7 @@ class GradientErrors:
         for name, m in model.named_modules():
             if not isinstance(m, FSDPModule):
                 continue
-            groups = m._get_fsdp_state()._fsdp_param_groups
+            groups = param_groups(m)
             comm = getattr(groups[0], "_reduce_scatter_comm", None) if groups else None
             if isinstance(comm, QuantizedReduceScatter) and comm.bits == 1:
                 self.targets[name or "<root>"] = (m, comm)

@@ -6,12 +6,23 @@ from torch.distributed.fsdp import FSDPModule
 
 from .collectives import DEFAULT_BLOCK, QuantizedAllGather, QuantizedReduceScatter, check_bits
 
-__all__ = ["quantize_comms"]
+__all__ = ["quantize_comms", "param_groups"]
+
+
+def param_groups(module: FSDPModule) -> list:
+    """The module's FSDP parameter groups: torch 2.13 keeps a list (``_fsdp_param_groups``, one
+    per mesh); older torch (2.11 checked) at most one (``_fsdp_param_group``)."""
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [group] if group is not None else []
 
 
 def _segments(module: FSDPModule) -> tuple[int, ...]:
     """The per-rank shard sizes of the module's parameters, in FSDP2's all-gather order."""
-    group = module._get_fsdp_state()._fsdp_param_groups[0]
+    group = param_groups(module)[0]
     return tuple(p.padded_sharded_param_size.numel() for p in group.fsdp_params)
 
 
@@ -31,7 +42,7 @@ def quantize_comms(module: torch.nn.Module, weight_bits: int | None = 8,
                          "torch.distributed.fsdp.fully_shard on it (or its submodules) first")
     targets = []
     for name, m in found:
-        groups = m._get_fsdp_state()._fsdp_param_groups
+        groups = param_groups(m)
         if len(groups) > 1:
             raise ValueError(f"quantize_comms: FSDPModule {name!r} ({type(m).__name__}) has "
                              f"{len(groups)} parameter groups (a per-parameter mesh from "

@@ -154,7 +154,9 @@ def quantize_rows(x: torch.Tensor, lay: Layout, out: torch.Tensor | None = None)
     blocks = _blocks(x, lay)
     amax = blocks.abs().amax(dim=2)
     bad = ~torch.isfinite(blocks).all(dim=2)
-    scale = torch.where(bad, torch.full_like(amax, float("nan")), amax / 127.0)
+    # a tensor divisor: torch divides by a Python number on CUDA as a product with its
+    # reciprocal, one ulp off the division the CPU kernels and the simulation make
+    scale = torch.where(bad, torch.full_like(amax, float("nan")), amax / torch.full_like(amax, 127.0))
     out[:, :4 * lay.nblocks].view(torch.float32).copy_(scale)
     safe = torch.where((scale == 0) | bad, torch.ones_like(scale), scale)
     q = torch.round(blocks / safe.unsqueeze(2)).clamp_(-127, 127).nan_to_num_(0.0)

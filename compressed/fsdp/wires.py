@@ -33,8 +33,12 @@ class Wire:
 
     def __init__(self, lay: Layout, send_rows: int, recv_rows: int) -> None:
         self.key = (lay.n, lay.nblocks, send_rows, recv_rows)
-        self.send = torch.zeros(send_rows, lay.nbytes, dtype=torch.uint8)
-        self.recv = torch.zeros(recv_rows, lay.nbytes, dtype=torch.uint8)
+        # not zero-filled (a large call makes a new wire each time): the kernels write every
+        # scale and value they send and the transfer every received byte; only the send rows'
+        # padding to 4 bytes is zeroed here, once
+        self.send = torch.empty(send_rows, lay.nbytes, dtype=torch.uint8)
+        self.send[:, 4 * lay.nblocks + lay.n:].zero_()
+        self.recv = torch.empty(recv_rows, lay.nbytes, dtype=torch.uint8)
         self.send_scale, self.send_q = _views(self.send.numpy(), lay)
         self.recv_scale, self.recv_q = _views(self.recv.numpy(), lay)
 

@@ -35,5 +35,13 @@ def to_mpicomm(red_op, call: str) -> tuple[ReduceOp, "float | torch.Tensor | Non
         supported = [f"ReduceOp.{k.name}" for k, m in _NAMES.items() if hasattr(ReduceOp, m)]
         raise ValueError(f"mpicomm process group: {call} does not support {op_name(red_op)} "
                          f"(supported: {', '.join(supported)})")
-    factor = red_op.factor if value == _PREMUL_VALUE else None
+    factor = None
+    if value == _PREMUL_VALUE:
+        factor = getattr(red_op, "factor", None)
+        if factor is None:      # torch before 2.13 keeps PREMUL_SUM's factor in C++ only
+            import torch
+
+            raise ValueError(f"mpicomm process group: {call} with {op_name(red_op)} needs torch >= 2.13 "
+                             f"(ReduceOp.factor); this is torch {torch.__version__}: scale the "
+                             "tensor and use ReduceOp.SUM")
     return ours, factor

@@ -245,6 +245,9 @@ class MpicommProcessGroup(dist.ProcessGroup):
             self.comm.all_gather_into_tensor(o, i, async_op=True)
             for o, i in zip(outputs, inputs)], outputs, inputs)
 
+    # torch before 2.13 calls these under their former names (dist.all_gather_into_tensor
+    # -> _allgather_base; 2.13's trampoline still falls back to the coalesced one)
+    _allgather_base = all_gather_single
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     def allgather(self, output_lists, inputs, opts=None):
@@ -312,6 +315,7 @@ class MpicommProcessGroup(dist.ProcessGroup):
             self.comm.reduce_scatter_tensor(o, i, op=op, async_op=True, factor=factor)
             for o, i in zip(outputs, inputs)], outputs, inputs)
 
+    _reduce_scatter_base = reduce_scatter_single                  # torch before 2.13
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
