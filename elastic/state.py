@@ -10,7 +10,9 @@ import torch
 
 from . import fsdp, gradrep, repartition, replicas, reshard, values
 
-_OWN = frozenset({"model", "optimizer", "checkpoint_dir", "checkpoint_every", "failure_domain"})
+_OWN = frozenset({"model", "optimizer", "checkpoint_dir", "checkpoint_every", "failure_domain", "replicate"})
+#: How a ZeroOptimizer's shards reach the buddy: the state each commit, or the gradient each step.
+REPLICATE = ("state", "gradient")
 _TAG = 29029
 
 
@@ -46,6 +48,16 @@ class Commit:
                 + values.nbytes(self.grad) + values.nbytes(self.fsdp))
 
 
+def _plain_zero(opt: Any) -> bool:
+    """A ZeroOptimizer of a plain torch optimizer (1-bit Adam's compressed steps are collective:
+    no buddy can replay them)."""
+    if not _is_zero(opt):
+        return False
+    from zero.inner import is_onebit
+
+    return not is_onebit(opt.optimizer_class)
+
+
 def _is_zero(opt: Any) -> bool:
     try:
         from zero import ZeroOptimizer
@@ -64,9 +76,12 @@ class TorchState:
     a host lost whole loses no shard; ``failure_domain`` names this rank's, default the host's
     name). The last two commits
     are held, so every survivor can roll back to the newest one that all of them completed.
-    A ZeroOptimizer of a plain torch optimizer is replicated by gradient instead (its buddy
-    replays the rank's update; ``elastic.gradrep``) and one commit is held, agreed over its
-    communicator under ULFM so that it happened on every survivor or on none.
+    ``replicate="gradient"`` (a ZeroOptimizer of a plain torch optimizer): each step sends the
+    averaged gradient shard to the buddy instead, which replays the rank's update at the commit
+    (``elastic.gradrep``); one commit is held (own copy, ward's replica and gradient: 2.33
+    shards with Adam instead of four), agreed over the optimizer's communicator under ULFM so
+    that it happened on every survivor or on none. It holds less memory; whether it costs less
+    time depends on the machine (docs/elastic.md).
     An FSDP2 model (``fully_shard`` on a 1-D mesh) has its local DTensor shards (parameters and
     optimizer state) replicated the same way; register ``elastic.RebuildFSDP(state, build)`` to
     build it anew on the survivors' mesh after a recovery (see ``elastic.fsdp``).
@@ -80,7 +95,8 @@ class TorchState:
 
     def __init__(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
                  checkpoint_dir: str | None = None, checkpoint_every: int | None = None,
-                 comm: Any = None, failure_domain: str | None = None, **attrs: Any) -> None:
+                 comm: Any = None, failure_domain: str | None = None, replicate: str = "state",
+                 **attrs: Any) -> None:
         import mpicomm
 
         if failure_domain is not None and not (isinstance(failure_domain, str) and failure_domain):
@@ -95,6 +111,12 @@ class TorchState:
             raise ValueError(f"elastic.TorchState: expected checkpoint_every an int >= 1, got {checkpoint_every!r}")
         if checkpoint_dir is not None and model is None:
             raise ValueError("elastic.TorchState: checkpoint_dir needs a model (ckpt saves a model)")
+        if replicate not in REPLICATE:
+            raise ValueError(f"elastic.TorchState: expected replicate one of {REPLICATE}, got {replicate!r}")
+        if replicate == "gradient" and not _plain_zero(optimizer):
+            raise ValueError("elastic.TorchState: replicate='gradient' needs a zero.ZeroOptimizer of a plain "
+                             f"torch optimizer (its buddy replays the update); got {type(optimizer).__name__}"
+                             + (f" of {optimizer.optimizer_class.__name__}" if _is_zero(optimizer) else ""))
         object.__setattr__(self, "_fsdp", fsdp.uses_dtensors(model))    # FSDP2: see elastic.fsdp
         object.__setattr__(self, "_fsdp_pending", None)
         object.__setattr__(self, "_names", [])
@@ -104,6 +126,7 @@ class TorchState:
                            else os.path.abspath(os.fspath(checkpoint_dir)))
         object.__setattr__(self, "checkpoint_every", checkpoint_every)
         object.__setattr__(self, "failure_domain", failure_domain)
+        object.__setattr__(self, "replicate", replicate)
         object.__setattr__(self, "_strides", (None, 1))     # (communicator, its replica stride)
         object.__setattr__(self, "_count", 0)           # user commits so far (restored by a resume)
         object.__setattr__(self, "_saving", None)       # the ckpt.SaveHandle in flight
@@ -127,7 +150,7 @@ class TorchState:
     def __setattr__(self, name: str, value: Any) -> None:
         if name.startswith("_") or name in _OWN or name in ("commit_seconds", "replicate_seconds", "recoveries",
                                                             "resumed"):
-            if name in ("checkpoint_dir", "checkpoint_every", "failure_domain"):
+            if name in ("checkpoint_dir", "checkpoint_every", "failure_domain", "replicate"):
                 raise AttributeError(f"elastic.TorchState: {name} is fixed at construction")
             object.__setattr__(self, name, value)
             return
@@ -206,13 +229,8 @@ class TorchState:
 
     @property
     def _by_gradient(self) -> bool:
-        """Whether the shards are replicated by gradient (a ZeroOptimizer of a plain torch
-        optimizer; 1-bit Adam's compressed steps are collective and keep full-state commits)."""
-        if not self.sharded:
-            return False
-        from zero.inner import is_onebit
-
-        return not is_onebit(self.optimizer.optimizer_class)
+        """Whether the ZeroOptimizer's shards are replicated by gradient (``replicate="gradient"``)."""
+        return self.replicate == "gradient"
 
     def _open_epoch(self) -> None:
         """Under ULFM, the next commit agrees (``Communicator.agree``) over the ZeroOptimizer's

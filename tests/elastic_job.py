@@ -2,7 +2,7 @@
 
     mpirun --with-ft ulfm -n N python tests/elastic_job.py OPT WHERE RANK STEP STEPS OUT [EVERY]
 
-OPT: ddp | zero1 | zero2 (ZeroOptimizer stage) | onebit (ZeroOptimizer stage 2 of 1-bit Adam, in its
+OPT: ddp | zero1 | zero2 (ZeroOptimizer stage) | zero1g | zero2g (the same, replicate="gradient") | onebit (ZeroOptimizer stage 2 of 1-bit Adam, in its
 warm-up: Adam exactly); WHERE: none | between (after the commit of step
 STEP) | backward (inside a DDP bucket allreduce / ZeroOptimizer gradient reduction) | zstep
 (inside ZeroOptimizer.step, in the wrapped optimizer's update: after a ZeroOptimizer of a plain
@@ -56,9 +56,10 @@ def main() -> None:
         state = elastic.TorchState(model=model, optimizer=opt, comm=world, step=0)
     else:
         inner = compressed.OnebitAdam if opt_kind == "onebit" else torch.optim.Adam
-        opt = ZeroOptimizer(inner, model.parameters(), stage=2 if opt_kind == "onebit" else int(opt_kind[-1]),
+        opt = ZeroOptimizer(inner, model.parameters(), stage=2 if opt_kind == "onebit" else int(opt_kind[4]),
                             comm=world.dup(), lr=LR, bucket_bytes=64)
-        state = elastic.TorchState(model=model, optimizer=opt, step=0)
+        state = elastic.TorchState(model=model, optimizer=opt, step=0,
+                                   replicate="gradient" if opt_kind.endswith("g") else "state")
         if where == "zstep":
             inner_step = opt.optimizer.step
 

@@ -132,3 +132,28 @@ def test_replay_leaves_the_optimizer_alone():
     assert none == {} and torch.equal(y, torch.ones(3))     # no gradient: left alone, as step() does
     with pytest.raises(ValueError, match="one master, state, gradient and hyperparameter dict per group"):
         replay_update(opt, [x], [], [None], [{}])
+
+
+def test_replicate_option_is_checked():
+    """``replicate`` takes "state" (the default) or "gradient", and "gradient" only with a
+    ZeroOptimizer of a plain torch optimizer (a buddy cannot replay 1-bit Adam's collective step
+    or a plain optimizer it does not hold); the error names what was given."""
+    import compressed
+    import elastic
+
+    comm = mpicomm.Communicator(MPI.COMM_SELF)
+    model = make_model()
+    assert elastic.TorchState(model=model, optimizer=torch.optim.Adam(model.parameters())).replicate == "state"
+    with pytest.raises(ValueError, match=r"expected replicate one of \('state', 'gradient'\), got 'grad'"):
+        elastic.TorchState(model=model, replicate="grad")
+    with pytest.raises(ValueError, match="needs a zero.ZeroOptimizer of a plain torch optimizer.*got Adam"):
+        elastic.TorchState(model=model, optimizer=torch.optim.Adam(model.parameters()), replicate="gradient")
+    onebit = ZeroOptimizer(compressed.OnebitAdam, model.parameters(), stage=2, comm=comm, lr=LR)
+    with pytest.raises(ValueError, match="got ZeroOptimizer of OnebitAdam"):
+        elastic.TorchState(model=model, optimizer=onebit, replicate="gradient")
+    onebit.close()
+    state = elastic.TorchState(model=model, optimizer=ZeroOptimizer(torch.optim.Adam, model.parameters(),
+                                                                    stage=1, comm=comm, lr=LR),
+                               replicate="gradient")
+    with pytest.raises(AttributeError, match="replicate is fixed at construction"):
+        state.replicate = "state"

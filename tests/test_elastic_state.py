@@ -276,13 +276,14 @@ def _drop(world: mpicomm.Communicator, dropped: list[int]):
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("opt_kind", ["zero1", "zero2", "adam", "onebit"])
+@pytest.mark.parametrize("opt_kind,every", [("zero1", 1), ("zero2", 1), ("adam", 1), ("onebit", 1),
+                                            ("zero1-gradient", 1), ("zero2-gradient", 1), ("zero2-gradient", 3)])
 @pytest.mark.parametrize("drop", ["first", "last", "two"])
-@pytest.mark.parametrize("every", [1, 3])
 def test_rollback_over_fewer_ranks_matches_the_reference(opt_kind, drop, every):
     """``onebit``: 1-bit Adam in its warm-up, which is Adam (without weight decay) exactly.
-    ``every``: commit after every step (a ZeroOptimizer of Adam: replicated by gradient from the
-    second commit on) or after step 3 only (a full commit); step 4 is done, not committed."""
+    ``-gradient``: ``replicate="gradient"``. ``every``: commit after every step (replicated by
+    gradient from the second commit on) or after step 3 only (a full commit); step 4 is done,
+    not committed."""
     world = mpicomm.Communicator(WORLD)
     n = world.size
     dropped = {"first": [0], "last": [n - 1], "two": [0, 2] if n >= 4 else [0]}[drop]
@@ -295,14 +296,15 @@ def test_rollback_over_fewer_ranks_matches_the_reference(opt_kind, drop, every):
         opt = ZeroOptimizer(compressed.OnebitAdam, model.parameters(), stage=2, comm=comm, lr=LR)
     else:
         comm = world.dup()
-        opt = ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=int(opt_kind[-1]), comm=comm, lr=LR)
+        opt = ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=int(opt_kind[4]), comm=comm, lr=LR)
 
     def allreduce_grads(c):
         if opt_kind == "adam":
             for p in model.parameters():
                 c.all_reduce(p.grad, op=mpicomm.ReduceOp.AVG)
 
-    state = elastic.TorchState(model=model, optimizer=opt, comm=comm, step=0)
+    replicate = "gradient" if opt_kind.endswith("-gradient") else "state"
+    state = elastic.TorchState(model=model, optimizer=opt, comm=comm, step=0, replicate=replicate)
     kinds = []
     while state.step < 4:
         opt.zero_grad()
@@ -313,7 +315,7 @@ def test_rollback_over_fewer_ranks_matches_the_reference(opt_kind, drop, every):
         if state.step < 4 and state.step % every == 0:
             state.commit()            # step 4 is done but not committed: the rollback undoes it
             kinds.append(state.commit_kind)
-    want = {1: ["full", "gradient", "gradient"], 3: ["full"]}[every] if opt_kind.startswith("zero") \
+    want = {1: ["full", "gradient", "gradient"], 3: ["full"]}[every] if replicate == "gradient" \
         else ["state"] * (3 // every)
     assert kinds == want
     new, survivors = _drop(world, dropped)
@@ -454,7 +456,7 @@ def test_commits_by_gradient_keep_every_replica_exact(stage):
     opt = ZeroOptimizer(torch.optim.AdamW, model.parameters(), stage=stage, comm=world.dup(), lr=LR,
                         weight_decay=0.1, skip_nonfinite=True)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
-    state = elastic.TorchState(model=model, optimizer=opt, step=0, sched=sched)
+    state = elastic.TorchState(model=model, optimizer=opt, step=0, sched=sched, replicate="gradient")
     kinds, exact = [], []
 
     def step(bad: bool = False) -> None:
