@@ -3,15 +3,16 @@ training that lost nothing.
 
     mpirun --with-ft ulfm -n 4 python -m bench elastic --params 20M --kill-rank 1 --kill-step 3
 
-Part 1, at the full world, no failure: per mode (DDP + Adam, ZeroOptimizer stage 2 + Adam),
+Part 1, at the full world, no failure: per mode (DDP + Adam; ZeroOptimizer stage 2 + Adam with
+``replicate="state"``, "zero", and with ``replicate="gradient"``, "zero-grad"),
 rounds of four steps: two not committed, then two each followed by ``state.commit()``. The
 second step of each pair is timed: a step two updates after a commit (no commit work at all), and
-a step one update after a commit with its commit (a ZeroOptimizer: its step copies the shard and
-sends the gradient to the buddy, its commit replays the ward's update: elastic.gradrep); the cost
+a step one update after a commit with its commit (zero-grad: its step copies the shard and sends
+the gradient to the buddy, its commit replays the ward's update: elastic.gradrep); the cost
 of committing every step against the step not committed; the time of the first commit of a pair
 (three updates after the previous commit: the full shards are sent); and the memory the commits
 a rank holds take (copies, the ward's replica and gradient) beside one optimizer shard. Part 2: the
-same ZeroOptimizer training again, committing every step, and rank ``--kill-rank``
+ZeroOptimizer training of ``--failure-mode`` again, committing every step, and rank ``--kill-rank``
 ``os._exit(9)``s at step ``--kill-step``: detection (its death to the survivors' error, wall
 clocks of one host), recovery (its death to the survivors' first committed step), of which the
 time in ``elastic.recover`` and the step done again with its commit, and the run's time beside
@@ -56,9 +57,10 @@ def _setup(args, comm, mode: str):
     if mode == "ddp":
         opt: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
         state = elastic.TorchState(model=model, optimizer=opt, comm=comm, step=0)
-    else:
+    else:       # "zero" keeps two generations of the state, "zero-grad" the update's inputs
         opt = ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=2, comm=comm.dup(), lr=1e-4)
-        state = elastic.TorchState(model=model, optimizer=opt, step=0)
+        state = elastic.TorchState(model=model, optimizer=opt, step=0,
+                                   replicate="gradient" if mode == "zero-grad" else "state")
     return model, opt, state
 
 
@@ -123,7 +125,7 @@ def part_commit(args, comm, mode: str) -> dict:
 
 def part_failure(args, comm, stamp: str) -> dict:
     """The ZeroOptimizer training, committing every step; one rank dies at --kill-step."""
-    model, opt, state = _setup(args, comm, "zero")
+    model, opt, state = _setup(args, comm, args.failure_mode)
     me = comm.rank
     marks: dict[str, float] = {}
 
@@ -134,7 +136,7 @@ def part_failure(args, comm, stamp: str) -> dict:
                 with open(stamp, "w") as f:
                     f.write(repr(time.time()))
                 os._exit(9)
-            _step(args, model, opt, state, "zero")
+            _step(args, model, opt, state, args.failure_mode)
             state.step += 1
             state.commit()
             if state.recoveries and "first_commit" not in marks:
@@ -166,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="timed rounds of part 1 (4 steps each); steps of part 2")
     p.add_argument("--kill-rank", type=int, default=1, help="rank that dies in part 2")
     p.add_argument("--kill-step", type=int, default=3, help="step at which it dies")
+    p.add_argument("--failure-mode", choices=("zero", "zero-grad"), default="zero",
+                   help="part 2's replication: of the state (two generations) or of the gradient")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -178,16 +182,17 @@ def main(argv: list[str] | None = None) -> int:
               "- step) / step; repl ms: of step+, replicating (own copy, gradient exchange); cpu cost: the same "
               "ratio in the ranks' thread CPU time; full ms: a commit three updates after the previous one; "
               "kind: of the timed commits")
-        print(f"{'mode':<8}{'ranks':>6}{'step ms':>10}{'step+ ms':>10}{'repl ms':>9}{'commit ms':>11}"
+        print(f"{'mode':<10}{'ranks':>6}{'step ms':>10}{'step+ ms':>10}{'repl ms':>9}{'commit ms':>11}"
               f"{'cost/step':>11}{'cpu cost':>10}{'full ms':>9}{'kind':>10}{'commits MiB':>13}{'shard MiB':>11}")
-    for mode in ("ddp", "zero"):
+    for mode in ("ddp", "zero", "zero-grad"):
         row = part_commit(args, comm, mode)
         if comm.rank == 0:
-            print(f"{mode:<8}{row['ranks']:>6}{row['bare_s'] * 1e3:>10.1f}{row['step_s'] * 1e3:>10.1f}"
+            print(f"{mode:<10}{row['ranks']:>6}{row['bare_s'] * 1e3:>10.1f}{row['step_s'] * 1e3:>10.1f}"
                   f"{row['repl_s'] * 1e3:>9.1f}{row['commit_s'] * 1e3:>11.1f}{row['cost_s'] / row['bare_s']:>10.1%} "
                   f"{row['cpu_cost']:>9.1%} {row['full_s'] * 1e3:>8.1f} {'/'.join(row['kinds']):>9} "
                   f"{_mb(row['held_bytes']):>12}{_mb(row['shard_bytes']):>11}")
-        base = row
+        if mode == args.failure_mode:
+            base = row
     if not getattr(comm, "fault_tolerant", False):
         if comm.rank == 0:
             print("# part 2 (a rank killed) left out: needs an MPI with ULFM, "
@@ -202,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     state = res.pop("state")
     if state.rank == 0:
         shutil.rmtree(where, ignore_errors=True)
-        print(f"\n# zero, rank {args.kill_rank} killed at step {args.kill_step} of {args.steps}")
+        print(f"\n# {args.failure_mode}, rank {args.kill_rank} killed at step {args.kill_step} of {args.steps}")
         print(f"{'ranks':<8}{'detect s':>10}{'recover s':>11}{'in recovery s':>15}{'step again s':>14}"
               f"{'run s':>8}{'lost nothing s':>16}")
         print(f"{res['ranks']:<8}{res['detect_s']:>10.3f}{res['recover_s']:>11.3f}{res['in_recovery_s']:>15.3f}"
