@@ -3,11 +3,16 @@ training that lost nothing.
 
     mpirun --with-ft ulfm -n 4 python -m bench elastic --params 20M --kill-rank 1 --kill-step 3
 
-Part 1, at the full world, no failure: per mode (DDP + Adam, ZeroOptimizer stage 2 + Adam) the
-step time of steps not committed and of steps followed by ``state.commit()`` (alternating), the
-time in ``commit``, the cost of committing against the step that is not committed, and the memory the two commits a rank holds take (its copies
-and its ward's replicas) beside one optimizer shard. Part 2: the
-same ZeroOptimizer training again, committing every step, and rank ``--kill-rank``
+Part 1, at the full world, no failure: per mode (DDP + Adam; ZeroOptimizer stage 2 + Adam with
+``replicate="state"``, "zero", and with ``replicate="gradient"``, "zero-grad"),
+rounds of four steps: two not committed, then two each followed by ``state.commit()``. The
+second step of each pair is timed: a step two updates after a commit (no commit work at all), and
+a step one update after a commit with its commit (zero-grad: its step copies the shard and sends
+the gradient to the buddy, its commit replays the ward's update: elastic.gradrep); the cost
+of committing every step against the step not committed; the time of the first commit of a pair
+(three updates after the previous commit: the full shards are sent); and the memory the commits
+a rank holds take (copies, the ward's replica and gradient) beside one optimizer shard. Part 2: the
+ZeroOptimizer training of ``--failure-mode`` again, committing every step, and rank ``--kill-rank``
 ``os._exit(9)``s at step ``--kill-step``: detection (its death to the survivors' error, wall
 clocks of one host), recovery (its death to the survivors' first committed step), of which the
 time in ``elastic.recover`` and the step done again with its commit, and the run's time beside
@@ -52,9 +57,10 @@ def _setup(args, comm, mode: str):
     if mode == "ddp":
         opt: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
         state = elastic.TorchState(model=model, optimizer=opt, comm=comm, step=0)
-    else:
+    else:       # "zero" keeps two generations of the state, "zero-grad" the update's inputs
         opt = ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=2, comm=comm.dup(), lr=1e-4)
-        state = elastic.TorchState(model=model, optimizer=opt, step=0)
+        state = elastic.TorchState(model=model, optimizer=opt, step=0,
+                                   replicate="gradient" if mode == "zero-grad" else "state")
     return model, opt, state
 
 
@@ -81,23 +87,36 @@ def part_commit(args, comm, mode: str) -> dict:
     model, opt, state = _setup(args, comm, mode)
     _step(args, model, opt, state, mode)        # warm-up (optimizer state exists from here)
     state.commit()
-    bare, steps, commits = [], [], []
-    for i in range(2 * args.steps):     # steps without and with a commit after them, alternating
+    bare, steps, commits, fulls, repl, kinds = [], [], [], [], [], set()
+    cpu_bare, cpu_cost = [], []         # this thread's CPU seconds (user + system)
+    for i in range(4 * args.steps):     # rounds: two steps not committed, two committed
         comm.barrier()
-        t0 = time.perf_counter()
+        r0 = getattr(state, "replicate_seconds", 0.0)
+        c0, t0 = time.thread_time(), time.perf_counter()
         _step(args, model, opt, state, mode)
         t1 = time.perf_counter()
         state.step += 1
-        if i % 2:
-            state.commit()
-            steps.append(t1 - t0)
-            commits.append(time.perf_counter() - t1)
-        else:
+        if i % 4 == 1:
             bare.append(t1 - t0)
+            cpu_bare.append(time.thread_time() - c0)
+        elif i % 4 >= 2:
+            state.commit()
+            t2 = time.perf_counter()
+            if i % 4 == 3:
+                steps.append(t1 - t0)
+                commits.append(t2 - t1)
+                repl.append(getattr(state, "replicate_seconds", 0.0) - r0)
+                cpu_cost.append(time.thread_time() - c0)
+                kinds.add(getattr(state, "commit_kind", "state"))
+            else:
+                fulls.append(t2 - t1)
     held = state.replica_bytes()
-    bare_s, step_s, commit_s = (statistics.median(x) for x in (bare, steps, commits))
+    bare_s, step_s, commit_s, full_s, repl_s = (statistics.median(x) for x in (bare, steps, commits, fulls, repl))
+    cpu = torch.tensor([statistics.median(cpu_bare), statistics.median(cpu_cost)], dtype=torch.float64)
+    comm.all_reduce(cpu)                # the ranks' medians, summed
     row = {"mode": mode, "ranks": comm.size, "bare_s": bare_s, "step_s": step_s, "commit_s": commit_s,
-           "cost_s": step_s + commit_s - bare_s, "held_bytes": held,
+           "cost_s": step_s + commit_s - bare_s, "full_s": full_s, "repl_s": repl_s, "kinds": sorted(kinds),
+           "cpu_cost": float(cpu[1] / cpu[0] - 1), "held_bytes": held,
            "shard_bytes": _shard_bytes(opt), "total_s": sum(steps) + sum(commits)}
     if isinstance(opt, ZeroOptimizer):
         opt.close()
@@ -106,7 +125,7 @@ def part_commit(args, comm, mode: str) -> dict:
 
 def part_failure(args, comm, stamp: str) -> dict:
     """The ZeroOptimizer training, committing every step; one rank dies at --kill-step."""
-    model, opt, state = _setup(args, comm, "zero")
+    model, opt, state = _setup(args, comm, args.failure_mode)
     me = comm.rank
     marks: dict[str, float] = {}
 
@@ -117,7 +136,7 @@ def part_failure(args, comm, stamp: str) -> dict:
                 with open(stamp, "w") as f:
                     f.write(repr(time.time()))
                 os._exit(9)
-            _step(args, model, opt, state, "zero")
+            _step(args, model, opt, state, args.failure_mode)
             state.step += 1
             state.commit()
             if state.recoveries and "first_commit" not in marks:
@@ -145,9 +164,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--params", type=_count, default=_count("20M"), help="model parameters (e.g. 100M)")
     p.add_argument("--width", type=int, default=1024, help="width of the MLP's Linear layers")
     p.add_argument("--batch", type=int, default=16, help="samples per rank per step")
-    p.add_argument("--steps", type=int, default=6, help="timed steps")
+    p.add_argument("--steps", type=int, default=6,
+                   help="timed rounds of part 1 (4 steps each); steps of part 2")
     p.add_argument("--kill-rank", type=int, default=1, help="rank that dies in part 2")
     p.add_argument("--kill-step", type=int, default=3, help="step at which it dies")
+    p.add_argument("--failure-mode", choices=("zero", "zero-grad"), default="zero",
+                   help="part 2's replication: of the state (two generations) or of the gradient")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -155,17 +177,22 @@ def main(argv: list[str] | None = None) -> int:
     if comm.rank == 0:
         n = sum(q.numel() for q in make_model(args.params, args.width).parameters())
         print(f"# bench elastic: {comm.size} ranks, {n / 1e6:.1f}M parameters, Adam, commit every step")
-        print("# steps alternate: step ms: one not committed; step+ ms: one committed; "
-              "commit ms: its state.commit(); cost/step: (step+ + commit - step) / step (medians)")
-        print(f"{'mode':<8}{'ranks':>6}{'step ms':>10}{'step+ ms':>10}{'commit ms':>11}{'cost/step':>11}"
-              f"{'commits MiB':>13}{'shard MiB':>11}")
-    for mode in ("ddp", "zero"):
+        print("# rounds of 4 steps (medians): step ms: two updates after a commit, not committed; step+ ms: "
+              "one update after a commit, committed; commit ms: its state.commit(); cost/step: (step+ + commit "
+              "- step) / step; repl ms: of step+, replicating (own copy, gradient exchange); cpu cost: the same "
+              "ratio in the ranks' thread CPU time; full ms: a commit three updates after the previous one; "
+              "kind: of the timed commits")
+        print(f"{'mode':<10}{'ranks':>6}{'step ms':>10}{'step+ ms':>10}{'repl ms':>9}{'commit ms':>11}"
+              f"{'cost/step':>11}{'cpu cost':>10}{'full ms':>9}{'kind':>10}{'commits MiB':>13}{'shard MiB':>11}")
+    for mode in ("ddp", "zero", "zero-grad"):
         row = part_commit(args, comm, mode)
         if comm.rank == 0:
-            print(f"{mode:<8}{row['ranks']:>6}{row['bare_s'] * 1e3:>10.1f}{row['step_s'] * 1e3:>10.1f}"
-                  f"{row['commit_s'] * 1e3:>11.1f}{row['cost_s'] / row['bare_s']:>10.1%} "
+            print(f"{mode:<10}{row['ranks']:>6}{row['bare_s'] * 1e3:>10.1f}{row['step_s'] * 1e3:>10.1f}"
+                  f"{row['repl_s'] * 1e3:>9.1f}{row['commit_s'] * 1e3:>11.1f}{row['cost_s'] / row['bare_s']:>10.1%} "
+                  f"{row['cpu_cost']:>9.1%} {row['full_s'] * 1e3:>8.1f} {'/'.join(row['kinds']):>9} "
                   f"{_mb(row['held_bytes']):>12}{_mb(row['shard_bytes']):>11}")
-        base = row
+        if mode == args.failure_mode:
+            base = row
     if not getattr(comm, "fault_tolerant", False):
         if comm.rank == 0:
             print("# part 2 (a rank killed) left out: needs an MPI with ULFM, "
@@ -180,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     state = res.pop("state")
     if state.rank == 0:
         shutil.rmtree(where, ignore_errors=True)
-        print(f"\n# zero, rank {args.kill_rank} killed at step {args.kill_step} of {args.steps}")
+        print(f"\n# {args.failure_mode}, rank {args.kill_rank} killed at step {args.kill_step} of {args.steps}")
         print(f"{'ranks':<8}{'detect s':>10}{'recover s':>11}{'in recovery s':>15}{'step again s':>14}"
               f"{'run s':>8}{'lost nothing s':>16}")
         print(f"{res['ranks']:<8}{res['detect_s']:>10.3f}{res['recover_s']:>11.3f}{res['in_recovery_s']:>15.3f}"

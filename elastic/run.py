@@ -98,6 +98,8 @@ def recover(state: TorchState, err: BaseException, min_world_size: int = 1) -> d
     while True:
         attempts += 1
         _revoke(_comms_of(state, comm))
+        if attempts == 1:
+            state._close_epoch()            # survivors inside a commit's agreement are let out of it
         saving, state._saving = state._saving, None
         settled = disk.settle(saving)       # revoked with the rest: it ends (or had committed)
         outcome = settled if outcome == "none" else outcome
@@ -112,6 +114,7 @@ def recover(state: TorchState, err: BaseException, min_world_size: int = 1) -> d
             break
         comm, (new, err) = new, again       # a rank failed during the recovery: again, over fewer
     survivors, gen, resumed = done
+    state._open_epoch()                     # the next commit agrees over the survivors
     lost = sorted(set(range(old_world)) - set(survivors))
     info = {"lost": lost, "survivors": survivors, "old_world": old_world,
             "generation": gen if resumed is None else None,

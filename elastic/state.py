@@ -8,9 +8,11 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from . import fsdp, repartition, replicas, reshard, values
+from . import fsdp, gradrep, repartition, replicas, reshard, values
 
-_OWN = frozenset({"model", "optimizer", "checkpoint_dir", "checkpoint_every", "failure_domain"})
+_OWN = frozenset({"model", "optimizer", "checkpoint_dir", "checkpoint_every", "failure_domain", "replicate"})
+#: How a ZeroOptimizer's shards reach the buddy: the state each commit, or the gradient each step.
+REPLICATE = ("state", "gradient")
 _TAG = 29029
 
 
@@ -26,14 +28,34 @@ class Commit:
     attrs: dict[str, Any] = field(default_factory=dict)
     own: list[torch.Tensor] = field(default_factory=list)      # ZeroOptimizer: this rank's shard pieces
     ward: list[torch.Tensor] = field(default_factory=list)     # ZeroOptimizer: the previous rank's pieces
+    # ZeroOptimizer of a plain torch optimizer (replicated by gradient, elastic.gradrep):
+    own_live: bool = False                # ``own`` is the live shard itself (no update since this commit)
+    own_copy: list[torch.Tensor] = field(default_factory=list)  # what ``own`` is copied into before an update
+    grad: list[torch.Tensor] = field(default_factory=list)      # the ward's gradient of the first update since
+    grad_hp: Any = None                   # (the ward's hyperparameters, which groups had a gradient) of that update
+    updates: int = 0                      # shard updates since this commit
+    comm: Any = None                      # the ZeroOptimizer's communicator it was made over
+    kind: str = "state"                   # "state", or a ZeroOptimizer's "gradient" / "full" (elastic.gradrep)
     other: list[dict[str, Any]] = field(default_factory=list)  # ZeroOptimizer: per group, its non-elementwise state
     keys: list[list[str]] = field(default_factory=list)        # ZeroOptimizer: per group, its elementwise state names
     fsdp: Any = None                      # FSDP2 model: elastic.fsdp.commit's packed shards and the rest
 
     def nbytes(self) -> int:
         """Bytes of tensors this commit holds."""
+        own = [] if self.own_live or self.own is self.own_copy else self.own    # the live shard is not a copy
         return (values.nbytes(self.model) + values.nbytes(self.optimizer) + values.nbytes(self.attrs)
-                + values.nbytes(self.own) + values.nbytes(self.ward) + values.nbytes(self.fsdp))
+                + values.nbytes(own) + values.nbytes(self.own_copy) + values.nbytes(self.ward)
+                + values.nbytes(self.grad) + values.nbytes(self.fsdp))
+
+
+def _plain_zero(opt: Any) -> bool:
+    """A ZeroOptimizer of a plain torch optimizer (1-bit Adam's compressed steps are collective:
+    no buddy can replay them)."""
+    if not _is_zero(opt):
+        return False
+    from zero.inner import is_onebit
+
+    return not is_onebit(opt.optimizer_class)
 
 
 def _is_zero(opt: Any) -> bool:
@@ -54,6 +76,12 @@ class TorchState:
     a host lost whole loses no shard; ``failure_domain`` names this rank's, default the host's
     name). The last two commits
     are held, so every survivor can roll back to the newest one that all of them completed.
+    ``replicate="gradient"`` (a ZeroOptimizer of a plain torch optimizer): each step sends the
+    averaged gradient shard to the buddy instead, which replays the rank's update at the commit
+    (``elastic.gradrep``); one commit is held (own copy, ward's replica and gradient: 2.33
+    shards with Adam instead of four), agreed over the optimizer's communicator under ULFM so
+    that it happened on every survivor or on none. It holds less memory; whether it costs less
+    time depends on the machine (docs/elastic.md).
     An FSDP2 model (``fully_shard`` on a 1-D mesh) has its local DTensor shards (parameters and
     optimizer state) replicated the same way; register ``elastic.RebuildFSDP(state, build)`` to
     build it anew on the survivors' mesh after a recovery (see ``elastic.fsdp``).
@@ -67,7 +95,8 @@ class TorchState:
 
     def __init__(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
                  checkpoint_dir: str | None = None, checkpoint_every: int | None = None,
-                 comm: Any = None, failure_domain: str | None = None, **attrs: Any) -> None:
+                 comm: Any = None, failure_domain: str | None = None, replicate: str = "state",
+                 **attrs: Any) -> None:
         import mpicomm
 
         if failure_domain is not None and not (isinstance(failure_domain, str) and failure_domain):
@@ -82,6 +111,12 @@ class TorchState:
             raise ValueError(f"elastic.TorchState: expected checkpoint_every an int >= 1, got {checkpoint_every!r}")
         if checkpoint_dir is not None and model is None:
             raise ValueError("elastic.TorchState: checkpoint_dir needs a model (ckpt saves a model)")
+        if replicate not in REPLICATE:
+            raise ValueError(f"elastic.TorchState: expected replicate one of {REPLICATE}, got {replicate!r}")
+        if replicate == "gradient" and not _plain_zero(optimizer):
+            raise ValueError("elastic.TorchState: replicate='gradient' needs a zero.ZeroOptimizer of a plain "
+                             f"torch optimizer (its buddy replays the update); got {type(optimizer).__name__}"
+                             + (f" of {optimizer.optimizer_class.__name__}" if _is_zero(optimizer) else ""))
         object.__setattr__(self, "_fsdp", fsdp.uses_dtensors(model))    # FSDP2: see elastic.fsdp
         object.__setattr__(self, "_fsdp_pending", None)
         object.__setattr__(self, "_names", [])
@@ -91,6 +126,7 @@ class TorchState:
                            else os.path.abspath(os.fspath(checkpoint_dir)))
         object.__setattr__(self, "checkpoint_every", checkpoint_every)
         object.__setattr__(self, "failure_domain", failure_domain)
+        object.__setattr__(self, "replicate", replicate)
         object.__setattr__(self, "_strides", (None, 1))     # (communicator, its replica stride)
         object.__setattr__(self, "_count", 0)           # user commits so far (restored by a resume)
         object.__setattr__(self, "_saving", None)       # the ckpt.SaveHandle in flight
@@ -99,17 +135,22 @@ class TorchState:
             comm = optimizer.comm
         object.__setattr__(self, "_comm", mpicomm.as_communicator(comm))
         object.__setattr__(self, "_callbacks", [])
-        object.__setattr__(self, "_commits", [])   # oldest first, at most two
+        object.__setattr__(self, "_commits", [])   # oldest first, at most two (one replicated by gradient)
+        object.__setattr__(self, "_hooked", None)  # the ZeroOptimizer whose updates _before_update sees
+        object.__setattr__(self, "_epoch", None)   # the communicator the next commit agrees over (ULFM)
         object.__setattr__(self, "commit_seconds", 0.0)
+        object.__setattr__(self, "replicate_seconds", 0.0)   # in steps: own copies, gradient exchanges
         object.__setattr__(self, "recoveries", [])  # one dict per recovery: lost ranks, timings
         for k, v in attrs.items():
             setattr(self, k, v)
+        self._open_epoch()
 
     # -- attributes ------------------------------------------------------------------------------
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name.startswith("_") or name in _OWN or name in ("commit_seconds", "recoveries", "resumed"):
-            if name in ("checkpoint_dir", "checkpoint_every", "failure_domain"):
+        if name.startswith("_") or name in _OWN or name in ("commit_seconds", "replicate_seconds", "recoveries",
+                                                            "resumed"):
+            if name in ("checkpoint_dir", "checkpoint_every", "failure_domain", "replicate"):
                 raise AttributeError(f"elastic.TorchState: {name} is fixed at construction")
             object.__setattr__(self, name, value)
             return
@@ -151,6 +192,14 @@ class TorchState:
         return self._commits[-1].gen if self._commits else 0
 
     @property
+    def commit_kind(self) -> str | None:
+        """How the newest commit kept the ZeroOptimizer shards: ``"gradient"`` (the buddy replayed
+        the update whose gradient it received), ``"full"`` (the shards were sent; elastic.gradrep
+        says when), ``"state"`` (1-bit Adam, FSDP2 or no sharded state: copies and full
+        replicas); None before the first commit."""
+        return self._commits[-1].kind if self._commits else None
+
+    @property
     def replica_stride(self) -> int:
         """How many ranks on (cyclically) the newest commit's shard replicas went: 1, or the
         shift that puts every rank's buddy in another failure domain."""
@@ -174,8 +223,29 @@ class TorchState:
         return value
 
     def replica_bytes(self) -> int:
-        """Bytes this rank holds in commits (both generations)."""
+        """Bytes this rank holds in commits (both generations; with a ZeroOptimizer of a plain
+        torch optimizer one: its own copy, its ward's replica and gradient)."""
         return sum(c.nbytes() for c in self._commits)
+
+    @property
+    def _by_gradient(self) -> bool:
+        """Whether the ZeroOptimizer's shards are replicated by gradient (``replicate="gradient"``)."""
+        return self.replicate == "gradient"
+
+    def _open_epoch(self) -> None:
+        """Under ULFM, the next commit agrees (``Communicator.agree``) over the ZeroOptimizer's
+        communicator so that it happens on every survivor or on none; a recovery that starts
+        before it joins that agreement with False (``_close_epoch``)."""
+        comm = self.optimizer.comm if self._by_gradient else None
+        object.__setattr__(self, "_epoch", comm if getattr(comm, "fault_tolerant", False) else None)
+
+    def _close_epoch(self) -> None:
+        """At the start of a recovery: join the agreement the next commit would have made, as
+        False (survivors inside that commit's agreement are waiting for it; collective)."""
+        comm = self._epoch
+        object.__setattr__(self, "_epoch", None)
+        if comm is not None:
+            comm.agree(False)
 
     # -- commit ----------------------------------------------------------------------------------
 
@@ -227,6 +297,9 @@ class TorchState:
 
     @torch.no_grad()
     def _commit(self, count: int) -> None:
+        if self._by_gradient:
+            self._commit_zero(count)
+            return
         t0 = time.perf_counter()
         # the oldest commit is dropped now and its memory reused (no fresh pages to fault in)
         old = self._commits.pop(0) if len(self._commits) == 2 else Commit(0)
@@ -257,6 +330,141 @@ class TorchState:
             return sd
         held = {id(p) for g in self.optimizer.groups for p in g.params}
         return {k: v for k, v in sd.items() if id(v) not in held}
+
+    def _live_pieces(self) -> tuple[list[torch.Tensor], list[list[str]], list[dict[str, Any]]]:
+        """This rank's live shard as a flat list (per group: the master, then the elementwise
+        optimizer state by name), the names, and a copy of each group's other state (``step``)."""
+        opt = self.optimizer
+        pieces, keys, other = [], [], []
+        for gi, g in enumerate(opt.groups):
+            elementwise, rest = reshard.split_state(opt.shard_state(gi), g.master)
+            names = sorted(elementwise)
+            keys.append(names)
+            other.append(values.save(rest)[1])
+            pieces.append(g.master)
+            pieces.extend(elementwise[k] for k in names)
+        return [t.detach() for t in pieces], keys, other
+
+    def _ensure_hook(self) -> None:
+        opt = self.optimizer
+        if self._hooked is opt:
+            return
+        import weakref
+
+        me = weakref.ref(self)
+
+        def before_update(o: Any) -> None:
+            state = me()
+            if state is not None:
+                state._before_update(o)
+        opt.register_update_pre_hook(before_update)
+        object.__setattr__(self, "_hooked", opt)
+
+    @torch.no_grad()
+    def _before_update(self, opt: Any) -> None:
+        """Before the first shard update after a commit: copy the shard (what a rollback to the
+        commit needs once it changes) and exchange the averaged gradient shards and the update's
+        hyperparameters with the buddies (the transfers travel while the copy runs)."""
+        if opt is not self.optimizer or not self._commits or self._commits[-1].comm is None:
+            return
+        c = self._commits[-1]
+        c.updates += 1
+        if c.updates != 1 or not c.own_live:
+            return
+        t0 = time.perf_counter()
+        comm, world = opt.comm, int(opt.comm.size)
+        works: list[Any] = []
+        if world > 1 and comm is c.comm:
+            hp = opt.update_hyperparams()
+            grads = [g.master.grad for g in opt.groups]
+            vec = gradrep.encode(hp, [g is not None for g in grads])
+            inbox = torch.empty_like(vec)
+            c.grad = _buffers_like([g.master for g in opt.groups], c.grad)
+            me = int(comm.rank)
+            buddy, ward = replicas.buddy(me, world, c.stride), replicas.ward(me, world, c.stride)
+            works.append(comm.irecv(inbox, ward, tag=gradrep.TAG))
+            works.append(comm.isend(vec, buddy, tag=gradrep.TAG))
+            for i, (theirs, mine, g) in enumerate(zip(c.grad, grads, opt.groups)):
+                works.append(comm.irecv(theirs, ward, tag=gradrep.TAG + 1 + i))
+                mine = torch.zeros_like(g.master) if mine is None else mine.detach()
+                works.append(comm.isend(mine, buddy, tag=gradrep.TAG + 1 + i))
+        c.own_copy = _buffers_like(c.own, c.own_copy)
+        _copy_polling(c.own_copy, c.own, works)
+        c.own, c.own_live = c.own_copy, False
+        for w in works:
+            w.wait()
+        if works:
+            c.grad_hp = gradrep.decode(inbox, hp)     # before the update: a mismatch fails the step
+        object.__setattr__(self, "replicate_seconds", self.replicate_seconds + time.perf_counter() - t0)
+
+    @torch.no_grad()
+    def _commit_zero(self, count: int) -> None:
+        """Commit with a ZeroOptimizer replicated by gradient: the buddy replays the ward's one
+        update since the previous commit on its replica, or (elastic.gradrep's rule) the full
+        shards are sent. One commit is held; under ULFM the commit is agreed over the
+        optimizer's communicator first, so it happens on every survivor or on none."""
+        from zero.inner import replay_update
+
+        t0 = time.perf_counter()
+        self._ensure_hook()
+        opt = self.optimizer
+        comm, world = opt.comm, int(opt.comm.size)
+        prev = self._commits[-1] if self._commits else None
+        c = Commit(self.generation + 1, count, comm=comm)
+        c.stride = self._stride(comm)
+        live, c.keys, c.other = self._live_pieces()
+        by_grad = prev is not None and gradrep.gradient_commit(
+            prev.comm is not None, prev.comm is comm and prev.stride == c.stride, prev.updates,
+            prev.grad_hp is not None)
+        works, staging = [], []
+        if not by_grad and world > 1:
+            # fresh buffers: the previous commit's replica stays whole until this one is agreed
+            staging = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in live]
+            me = int(comm.rank)
+            for i, (mine, theirs) in enumerate(zip(live, staging)):
+                works.append(comm.irecv(theirs, replicas.ward(me, world, c.stride), tag=_TAG + i))
+                works.append(comm.isend(mine, replicas.buddy(me, world, c.stride), tag=_TAG + i))
+        for name in self._names:
+            c.attrs[name] = values.save(getattr(self, name))
+        if self.model is not None:
+            c.model = values.tree_copy(self._model_entries())
+        error: BaseException | None = None
+        try:
+            for w in works:
+                w.wait()
+        except Exception as e:  # noqa: BLE001 - a failure: settled by the agreement below
+            if not getattr(comm, "fault_tolerant", False):
+                raise
+            error = e
+            comm.revoke()           # no rank stays inside a transfer of this commit
+        done = error is None
+        atomic = self._epoch is comm
+        if atomic:
+            object.__setattr__(self, "_epoch", None)
+            done = comm.agree(done)
+        if not done:
+            if error is not None:
+                raise error
+            raise RuntimeError(f"elastic: commit {c.gen} did not complete on every rank (a rank failed); "
+                               f"rolling back to commit {self.generation}")
+        c.kind = "gradient" if by_grad else "full"
+        if by_grad:
+            assert prev is not None
+            hp, flags = prev.grad_hp
+            masters, states = gradrep.ward_state(prev.ward, prev.keys, prev.other)
+            states = replay_update(opt.optimizer, masters, states,
+                                   [g if f else None for g, f in zip(prev.grad, flags)], hp)
+            c.ward = gradrep.join(masters, states, c.keys)
+        else:
+            c.ward = staging
+        c.own, c.own_live = live, True
+        if prev is not None and prev.comm is comm:
+            c.own_copy, c.grad = prev.own_copy, prev.grad      # reused: no fresh pages to fault in
+        self._commits[:] = [c]
+        if atomic:
+            object.__setattr__(self, "_epoch", comm)
+        object.__setattr__(self, "_count", count)
+        object.__setattr__(self, "commit_seconds", self.commit_seconds + time.perf_counter() - t0)
 
     def _send_shards(self, c: Commit, old: Commit) -> list[Any]:
         """Start exchanging this rank's shard pieces with the buddies (sent from the live

@@ -1,14 +1,18 @@
 """Fault-injection job for tests/test_elastic_faults.py: train under elastic.run, one rank dies.
 
-    mpirun --with-ft ulfm -n N python tests/elastic_job.py OPT WHERE RANK STEP STEPS OUT
+    mpirun --with-ft ulfm -n N python tests/elastic_job.py OPT WHERE RANK STEP STEPS OUT [EVERY]
 
-OPT: ddp | zero1 | zero2 (ZeroOptimizer stage) | onebit (ZeroOptimizer stage 2 of 1-bit Adam, in its
+OPT: ddp | zero1 | zero2 (ZeroOptimizer stage) | zero1g | zero2g (the same, replicate="gradient") | onebit (ZeroOptimizer stage 2 of 1-bit Adam, in its
 warm-up: Adam exactly); WHERE: none | between (after the commit of step
 STEP) | backward (inside a DDP bucket allreduce / ZeroOptimizer gradient reduction) | zstep
-(inside ZeroOptimizer.step, between the gradient reduction and the weight gather) | commit
-(inside commit(), between sending two shard pieces to the buddy); RANK: the world rank that
-os._exit(9)s at step STEP. The new rank 0 writes the final weights (OUT.npz) and what happened
-(OUT.json) for the test to compare with the single-process reference.
+(inside ZeroOptimizer.step, in the wrapped optimizer's update: after a ZeroOptimizer of a plain
+optimizer sent its gradient to the buddy, before the update) | commit (inside commit(), between
+sending two shard pieces to the buddy: a full-state commit) | exchange (between the sends of the
+gradient exchange at the first update after a commit) | agree / agreed (inside commit(), just
+before / after the commit's agreement); RANK: the world rank that os._exit(9)s at step STEP.
+EVERY: commit every EVERY steps (default 1; a commit after more than one update sends the full
+state). The new rank 0 writes the final weights (OUT.npz) and what happened (OUT.json: with the
+kind of each commit) for the test to compare with the single-process reference.
 """
 from __future__ import annotations
 
@@ -34,6 +38,9 @@ from zero import ZeroOptimizer  # noqa: E402
 def main() -> None:
     opt_kind, where, victim, kill_step, steps, out = sys.argv[1:7]
     victim, kill_step, steps = int(victim), int(kill_step), int(steps)
+    every = int(sys.argv[7]) if len(sys.argv) > 7 else 1
+    inside = [False]                     # inside state.commit()
+    kinds: list[str] = []
     torch.set_num_threads(1)
     world = mpicomm.init()
     me = world.rank                      # the original rank: the victim is named by it
@@ -49,9 +56,10 @@ def main() -> None:
         state = elastic.TorchState(model=model, optimizer=opt, comm=world, step=0)
     else:
         inner = compressed.OnebitAdam if opt_kind == "onebit" else torch.optim.Adam
-        opt = ZeroOptimizer(inner, model.parameters(), stage=2 if opt_kind == "onebit" else int(opt_kind[-1]),
+        opt = ZeroOptimizer(inner, model.parameters(), stage=2 if opt_kind == "onebit" else int(opt_kind[4]),
                             comm=world.dup(), lr=LR, bucket_bytes=64)
-        state = elastic.TorchState(model=model, optimizer=opt, step=0)
+        state = elastic.TorchState(model=model, optimizer=opt, step=0,
+                                   replicate="gradient" if opt_kind.endswith("g") else "state")
         if where == "zstep":
             inner_step = opt.optimizer.step
 
@@ -59,15 +67,25 @@ def main() -> None:
                 die("zstep" if state.step == kill_step else "")
                 return inner_step(*a, **k)
             opt.optimizer.step = step_then_die
-        if where == "commit":
+        if where in ("commit", "exchange"):
             sends = [0]
 
             def isend_then_die(*a, **k):
-                if state.step == kill_step + 1:
+                if state.step == kill_step + 1 and inside[0] == (where == "commit"):
                     sends[0] += 1
-                    die("commit" if sends[0] == 2 else "")
+                    die(where if sends[0] == 2 else "")
                 return type(opt.comm).isend(opt.comm, *a, **k)
             opt.comm.isend = isend_then_die
+        if where in ("agree", "agreed"):
+            comm = opt.comm
+
+            def agree_then_die(flag):
+                now = inside[0] and state.step == kill_step + 1
+                die("agree" if now else "")
+                out = type(comm).agree(comm, flag)
+                die("agreed" if now else "")
+                return out
+            comm.agree = agree_then_die
     if where == "backward":
         # the first weight's gradient comes last in backward: the other buckets are in flight
         list(model.parameters())[0].register_post_accumulate_grad_hook(
@@ -83,7 +101,11 @@ def main() -> None:
             local_loss(net, state.step, state.rank, state.world_size).backward()
             opt.step()
             state.step += 1
-            state.commit()
+            if state.step % every == 0 or state.step == steps:
+                inside[0] = True
+                state.commit()
+                inside[0] = False
+                kinds.append(state.commit_kind)
             die("between" if state.step == kill_step + 1 else "")
 
     train(state)
@@ -92,7 +114,7 @@ def main() -> None:
         np.savez(out + ".npz", **weights)
         with open(out + ".json", "w") as f:
             json.dump({"world_size": state.world_size, "dist_world_size": dist.get_world_size(),
-                       "recoveries": state.recoveries,
+                       "recoveries": state.recoveries, "commit_kinds": kinds,
                        "zero_world": getattr(opt, "world_size", None)}, f)
     dist.destroy_process_group()
     state.comm.barrier()

@@ -52,25 +52,35 @@ def _launch(n: int, args: list[str], timeout: float = 240) -> subprocess.Complet
                              f"{out[-2000:]}\n{err[-4000:]}") from None
 
 
-# (ranks, optimizer, where, victim, step): rank 0 (the store's host) and non-zero ranks, between
-# steps, inside backward (DDP bucket all-reduce, ZeroOptimizer gradient reduction), inside a
-# ZeroOptimizer step, inside commit(); 3 and 4 ranks; 1-bit Adam in a ZeroOptimizer. Each job takes 15-40 s here.
+# (ranks, optimizer, where, victim, step, commit every): rank 0 (the store's host) and non-zero
+# ranks, between steps, inside backward (DDP bucket all-reduce, ZeroOptimizer gradient
+# reduction), inside a ZeroOptimizer step, inside commit(); 3 and 4 ranks; 1-bit Adam in a
+# ZeroOptimizer. zero1g / zero2g replicate by gradient: inside the step after the gradient went
+# to the buddy (before the update), inside the gradient exchange, just before and just after a
+# commit's agreement, inside a full commit (committing every 2 steps). Each job takes 15-40 s here.
 CASES = [
-    (3, "ddp", "between", 0, 2),
-    (4, "ddp", "backward", 2, 1),
-    (3, "zero1", "zstep", 1, 2),
-    (4, "zero2", "backward", 0, 3),
-    (3, "zero2", "commit", 2, 1),
-    (3, "onebit", "zstep", 2, 2),      # 1-bit Adam's warm-up is Adam: the same reference
+    (3, "ddp", "between", 0, 2, 1),
+    (4, "ddp", "backward", 2, 1, 1),
+    (3, "zero1", "zstep", 1, 2, 1),
+    (4, "zero2", "backward", 0, 3, 1),
+    (3, "zero2", "commit", 2, 1, 1),
+    (3, "zero1g", "zstep", 1, 2, 1),
+    (4, "zero1g", "exchange", 1, 2, 1),
+    (3, "zero2g", "agree", 0, 2, 1),
+    (4, "zero2g", "agreed", 3, 1, 1),
+    (3, "zero2g", "commit", 2, 1, 2),
+    (3, "onebit", "zstep", 2, 2, 1),      # 1-bit Adam's warm-up is Adam: the same reference
 ]
 
 
-@pytest.mark.parametrize("n,opt,where,victim,step", CASES,
-                         ids=[f"{n}ranks-{o}-{w}-rank{v}" for n, o, w, v, _ in CASES])
-def test_survivors_end_with_the_reference_weights(tmp_path, n, opt, where, victim, step):
+@pytest.mark.parametrize("n,opt,where,victim,step,every", CASES,
+                         ids=[f"{n}ranks-{o}-{w}-rank{v}" + (f"-every{e}" if e > 1 else "")
+                              for n, o, w, v, _, e in CASES])
+def test_survivors_end_with_the_reference_weights(tmp_path, n, opt, where, victim, step, every):
     _ulfm()
     out = str(tmp_path / "run")
-    proc = _launch(n, [os.path.join(HERE, "elastic_job.py"), opt, where, str(victim), str(step), str(STEPS), out])
+    proc = _launch(n, [os.path.join(HERE, "elastic_job.py"), opt, where, str(victim), str(step), str(STEPS), out,
+                       str(every)])
     log = f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     assert os.path.exists(out + ".json"), log
     with open(out + ".json") as f:
@@ -79,6 +89,13 @@ def test_survivors_end_with_the_reference_weights(tmp_path, n, opt, where, victi
     assert [r["lost"] for r in info["recoveries"]] == [[victim]], (info, log)
     if opt != "ddp":
         assert info["zero_world"] == n - 1, info
+    if where in ("agree", "agreed"):   # the commit the victim died in went through on the survivors
+        assert info["recoveries"][0]["generation"] == step + 2, (info, log)
+    kinds = info["commit_kinds"]
+    if opt.endswith("g"):   # replicated by gradient when one step separates two commits
+        assert set(kinds) == {"gradient"} if every == 1 else "full" in kinds, (kinds, log)
+    else:
+        assert set(kinds) == {"state"}, kinds
     got = np.load(out + ".npz")
     for i, ref in enumerate(reference(STEPS)):
         np.testing.assert_allclose(got[f"p{i}"], ref.numpy(), rtol=1e-5, atol=1e-6, err_msg=f"param {i}\n{log}")

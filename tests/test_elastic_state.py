@@ -276,10 +276,14 @@ def _drop(world: mpicomm.Communicator, dropped: list[int]):
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("opt_kind", ["zero1", "zero2", "adam", "onebit"])
+@pytest.mark.parametrize("opt_kind,every", [("zero1", 1), ("zero2", 1), ("adam", 1), ("onebit", 1),
+                                            ("zero1-gradient", 1), ("zero2-gradient", 1), ("zero2-gradient", 3)])
 @pytest.mark.parametrize("drop", ["first", "last", "two"])
-def test_rollback_over_fewer_ranks_matches_the_reference(opt_kind, drop):
-    """``onebit``: 1-bit Adam in its warm-up, which is Adam (without weight decay) exactly."""
+def test_rollback_over_fewer_ranks_matches_the_reference(opt_kind, drop, every):
+    """``onebit``: 1-bit Adam in its warm-up, which is Adam (without weight decay) exactly.
+    ``-gradient``: ``replicate="gradient"``. ``every``: commit after every step (replicated by
+    gradient from the second commit on) or after step 3 only (a full commit); step 4 is done,
+    not committed."""
     world = mpicomm.Communicator(WORLD)
     n = world.size
     dropped = {"first": [0], "last": [n - 1], "two": [0, 2] if n >= 4 else [0]}[drop]
@@ -292,26 +296,32 @@ def test_rollback_over_fewer_ranks_matches_the_reference(opt_kind, drop):
         opt = ZeroOptimizer(compressed.OnebitAdam, model.parameters(), stage=2, comm=comm, lr=LR)
     else:
         comm = world.dup()
-        opt = ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=int(opt_kind[-1]), comm=comm, lr=LR)
+        opt = ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=int(opt_kind[4]), comm=comm, lr=LR)
 
     def allreduce_grads(c):
         if opt_kind == "adam":
             for p in model.parameters():
                 c.all_reduce(p.grad, op=mpicomm.ReduceOp.AVG)
 
-    state = elastic.TorchState(model=model, optimizer=opt, comm=comm, step=0)
+    replicate = "gradient" if opt_kind.endswith("-gradient") else "state"
+    state = elastic.TorchState(model=model, optimizer=opt, comm=comm, step=0, replicate=replicate)
+    kinds = []
     while state.step < 4:
         opt.zero_grad()
         local_loss(model, state.step, state.rank, state.world_size).backward()
         allreduce_grads(comm)
         opt.step()
         state.step += 1
-        if state.step < 4:
+        if state.step < 4 and state.step % every == 0:
             state.commit()            # step 4 is done but not committed: the rollback undoes it
+            kinds.append(state.commit_kind)
+    want = {1: ["full", "gradient", "gradient"], 3: ["full"]}[every] if replicate == "gradient" \
+        else ["state"] * (3 // every)
+    assert kinds == want
     new, survivors = _drop(world, dropped)
     if new is not None:
         def check():
-            state._rollback(3, new, survivors, n)     # the third commit reused the first's memory
+            state._rollback(state.generation, new, survivors, n)
             assert state.step == 3 and state.world_size == n - len(dropped)
             if opt_kind != "adam":
                 assert opt.comm is new and opt.world_size == new.size and opt.rank == new.rank
@@ -417,3 +427,65 @@ def test_onebit_after_freeze_restarts_from_the_exact_mean_momentum(drop):
                 assert loc["err"].abs().sum() > 0
         check_all(check, new.mpi_comm)
     WORLD.Barrier()
+
+
+def _replicas_exact(state: elastic.TorchState, opt: ZeroOptimizer) -> bool:
+    """Whether this rank's newest commit holds its ward's shard exactly as the ward has it live
+    (sent here point to point with mpi4py, not by elastic), and its own as it is live."""
+    comm = opt.comm.mpi_comm
+    n, r, s = comm.Get_size(), comm.Get_rank(), state.replica_stride
+    c = state._commits[-1]
+    live = [t for gi, g in enumerate(opt.groups)
+            for t in [g.master] + [v for k, v in sorted(opt.shard_state(gi).items()) if k != "step"]]
+    ok = len(c.ward) == len(live) == len(c.own)
+    for mine, held, own in zip(live, c.ward, c.own):
+        got = np.empty(mine.numel(), dtype=np.float32)
+        comm.Sendrecv(np.ascontiguousarray(mine.numpy()), dest=(r + s) % n, recvbuf=got, source=(r - s) % n)
+        ok = ok and np.array_equal(got, held.numpy()) and torch.equal(own, mine)
+    return ok
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("stage", [1, 2])
+def test_commits_by_gradient_keep_every_replica_exact(stage):
+    """AdamW with a scheduler changing the learning rate every step, clipping and a skipped
+    step: after every commit the ward's replica equals the ward's live shard bit for bit, and the
+    commit is by gradient exactly when one update separates it from the previous one."""
+    world = mpicomm.Communicator(WORLD)
+    model = make_model()
+    opt = ZeroOptimizer(torch.optim.AdamW, model.parameters(), stage=stage, comm=world.dup(), lr=LR,
+                        weight_decay=0.1, skip_nonfinite=True)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+    state = elastic.TorchState(model=model, optimizer=opt, step=0, sched=sched, replicate="gradient")
+    kinds, exact = [], []
+
+    def step(bad: bool = False) -> None:
+        opt.zero_grad()
+        loss = local_loss(model, state.step, state.rank, state.world_size)
+        if bad and state.rank == 0:
+            loss = loss * float("inf")
+        loss.backward()
+        opt.clip_grad_norm_(0.05)
+        opt.step()
+        sched.step()
+        state.step += 1
+
+    def commit() -> None:
+        state.commit()
+        kinds.append(state.commit_kind)
+        exact.append(_replicas_exact(state, opt))
+
+    commit()                        # the first: full
+    step(), commit()                # one update: by gradient
+    step(), commit()
+    commit()                        # no update since: full
+    step(), step(), commit()        # two updates: full
+    step(bad=True), commit()        # the step was skipped on every rank: full
+    assert opt.skipped_steps == 1
+    step(), commit()                # by gradient again
+    assert kinds == ["full", "gradient", "gradient", "full", "full", "full", "gradient"], kinds
+    assert_all(all(exact), f"replicas not exact after commits {exact}")
+    # held: the own copy and the ward's replica (master, exp_avg, exp_avg_sq) and the ward's
+    # gradient, 4 bytes each per shard element; the model's weights are gathered from the masters
+    numel = sum(g.master.numel() for g in opt.groups)
+    assert state.replica_bytes() == (3 + 3 + 1) * 4 * numel, (state.replica_bytes(), numel)

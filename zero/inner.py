@@ -85,3 +85,32 @@ def check_inner(cls: type) -> None:
                       "is exact only if its update of each element reads that element's gradient and "
                       "state alone (no per-tensor norms or shapes); declare it with the class "
                       "attribute elementwise = True", UserWarning, stacklevel=3)
+
+
+def replay_update(inner: torch.optim.Optimizer, masters: list[torch.Tensor], states: list[dict],
+                  grads: list[torch.Tensor | None], hyperparams: list[dict]) -> list[dict]:
+    """Run ``inner``'s update (its class's ``step``, the same arithmetic) on other flat shards:
+    group ``gi`` is ``masters[gi]`` (updated in place) with state ``states[gi]``, gradient
+    ``grads[gi]`` (None: the group is left alone, as ``step`` does) and ``hyperparams[gi]``.
+    ``inner`` itself is not touched (no hooks or instance attributes of it run). Returns the
+    groups' states after the update (the optimizer may create state on its first update)."""
+    import copy
+    from collections import defaultdict
+
+    if not (len(masters) == len(states) == len(grads) == len(hyperparams)):
+        raise ValueError(f"replay_update: expected one master, state, gradient and hyperparameter dict per group, "
+                         f"got {len(masters)}, {len(states)}, {len(grads)}, {len(hyperparams)}")
+    rep = copy.copy(inner)          # Optimizer.__getstate__: defaults, state, param_groups only
+    rep.param_groups = [{**hp, "params": [m]} for m, hp in zip(masters, hyperparams)]
+    rep.state = defaultdict(dict)
+    for m, st in zip(masters, states):
+        if st:
+            rep.state[m] = dict(st)
+    for m, g in zip(masters, grads):
+        m.grad = g
+    try:
+        type(inner).step(rep)
+    finally:
+        for m in masters:
+            m.grad = None
+    return [dict(rep.state.get(m, {})) for m in masters]

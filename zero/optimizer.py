@@ -5,6 +5,7 @@ import contextlib
 import logging
 import math
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
@@ -160,6 +161,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._synced: tuple[float, float] | None = None                     # (norm_type, norm) once reduced
         self._finite: bool | None = None                                    # all averaged gradients finite
         self._hooks = []
+        self._update_pre_hooks: OrderedDict[int, Callable[["ZeroOptimizer"], None]] = OrderedDict()
         me = weakref.ref(self)
         for gi, g in enumerate(self._groups):
             for pi, p in enumerate(g.params):
@@ -346,6 +348,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if isinstance(self.optimizer, ShardedOnebitAdam) and self.optimizer.frozen:
             self.optimizer.frozen_step(self._groups, self._grad_comm)
         else:
+            for hook in list(self._update_pre_hooks.values()):
+                hook(self)
             self.optimizer.step()
         self.gather_params()
         return loss
@@ -378,6 +382,22 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                                        else shard.to(g.dtype))
             for r, pi, st, col, k in b.pieces:
                 g.params[pi].view(-1)[st:st + k].copy_(buf[r, col:col + k])
+
+    def register_update_pre_hook(self, hook: Callable[["ZeroOptimizer"], None]) -> Any:
+        """Call ``hook(self)`` in ``step()`` right before the wrapped optimizer updates the shards
+        (not before 1-bit Adam's compressed steps, nor when a step is skipped): each group's
+        ``groups[gi].master.grad`` then holds this rank's averaged (and clipped) gradient shard
+        and ``update_hyperparams()`` what the update uses. Returns a handle with ``remove()``."""
+        from torch.utils.hooks import RemovableHandle
+
+        handle = RemovableHandle(self._update_pre_hooks)
+        self._update_pre_hooks[handle.id] = hook
+        return handle
+
+    def update_hyperparams(self) -> list[dict[str, Any]]:
+        """Per group, the wrapped optimizer's hyperparameters (``lr``, ``betas``, ...; not
+        ``params``) as its next update uses them (set from ``param_groups`` by ``step()``)."""
+        return [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
 
     def _sync_hyperparams(self) -> None:
         for outer, inner in zip(self.param_groups, self.optimizer.param_groups):
