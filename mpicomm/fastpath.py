@@ -40,7 +40,7 @@ import torch
 from mpi4py import MPI
 
 from . import dtypes, large, observe
-from .observe import _DEBUG, _debug_cache, _profiler
+from .observe import _DEBUG, _debug_cached, _profiler
 from .ops import BITWISE, MPI_OPS, ReduceOp
 from .work import Work
 
@@ -141,7 +141,7 @@ def broadcast(method: Callable) -> Callable:
     def broadcast(self, tensor, src=0, async_op=False):
         try:
             if (not self.check and ENABLED and not _profiler._is_profiler_enabled
-                    and (_debug_cache.get(_DEBUG) is False or not observe.log.isEnabledFor(_DEBUG))):
+                    and (_debug_cached(_DEBUG) is False or not observe.log.isEnabledFor(_DEBUG))):
                 t0, address, nbytes, dtype, spec, src0 = self._last_bcast
                 # the same tensor and root as the last fast call (see all_reduce)
                 if not (tensor is t0 and src is src0 and tensor.data_ptr() == address
@@ -176,7 +176,7 @@ def all_gather_into_tensor(method: Callable) -> Callable:
     def all_gather_into_tensor(self, output_tensor, input_tensor, async_op=False):
         try:
             if (not self.check and ENABLED and not _profiler._is_profiler_enabled
-                    and (_debug_cache.get(_DEBUG) is False or not observe.log.isEnabledFor(_DEBUG))):
+                    and (_debug_cached(_DEBUG) is False or not observe.log.isEnabledFor(_DEBUG))):
                 i0, o0, address_i, address_o, nbytes_i, nbytes_o, dtype, send, recv = \
                     self._last_gather
                 # the same two tensors as the last fast call (see all_reduce): each checked again
@@ -213,7 +213,7 @@ def reduce_scatter_tensor(method: Callable) -> Callable:
         try:
             if (factor is None and not self.check and ENABLED
                     and not _profiler._is_profiler_enabled
-                    and (_debug_cache.get(_DEBUG) is False or not observe.log.isEnabledFor(_DEBUG))):
+                    and (_debug_cached(_DEBUG) is False or not observe.log.isEnabledFor(_DEBUG))):
                 (o0, i0, address_o, address_i, nbytes_o, nbytes_i, dtype, recv, send, op0,
                  mpi_op) = self._last_scatter
                 if not (output is o0 and input is i0 and op is op0
@@ -250,7 +250,7 @@ def all_to_all_single(method: Callable) -> Callable:
         try:
             if (output_split_sizes is None and input_split_sizes is None
                     and not self.check and ENABLED and not _profiler._is_profiler_enabled
-                    and (_debug_cache.get(_DEBUG) is False or not observe.log.isEnabledFor(_DEBUG))):
+                    and (_debug_cached(_DEBUG) is False or not observe.log.isEnabledFor(_DEBUG))):
                 pair = _pair(output, input, 1, self.size)
                 if pair is not None and pair[1][3] % self.size == 0:
                     if async_op:
@@ -272,7 +272,7 @@ def all_reduce(method: Callable) -> Callable:
         try:
             if (factor is None and not self.check and ENABLED
                     and not _profiler._is_profiler_enabled
-                    and (_debug_cache.get(_DEBUG) is False or not observe.log.isEnabledFor(_DEBUG))):
+                    and (_debug_cached(_DEBUG) is False or not observe.log.isEnabledFor(_DEBUG))):
                 t0, op0, address, nbytes, dtype, spec, mpi_op = self._last_fast
                 # The small tensor and op of the last fast call again (a flag, a metric, a bucket
                 # reduced step after step): its MPI buffer is reused while the tensor keeps the
