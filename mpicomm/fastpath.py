@@ -39,7 +39,7 @@ from typing import Callable
 import torch
 from mpi4py import MPI
 
-from . import dtypes, large, observe
+from . import dtypes, large, native, observe
 from .observe import _DEBUG, _debug_cached, _profiler
 from .ops import BITWISE, MPI_OPS, ReduceOp
 from .work import Work
@@ -73,6 +73,11 @@ NOT_YET_FAST, NOT_YET_BCAST = (_NOTHING,) * 7, (_NOTHING,) * 6
 NOT_YET_GATHER, NOT_YET_SCATTER = (_NOTHING,) * 9, (_NOTHING,) * 11
 # dtype -> MPI datatype that moves it unchanged.
 _MOVE = {dtype: dtypes.move_type(dtype) for dtype in dtypes.SUPPORTED}
+_native = native.load()
+#: The remembered-call check in C when :mod:`mpicomm.native` is built (``same(t, address,
+#: nbytes, dtype)``, ``same2`` for two tensors: the same six facts per tensor); None: in Python.
+_same = None if _native is None else _native.same
+_same2 = None if _native is None else _native.same2
 
 
 _PLAIN: dict[tuple, tuple] = {}
@@ -144,9 +149,11 @@ def broadcast(method: Callable) -> Callable:
                     and (_debug_cached(_DEBUG) is False or not observe.log.isEnabledFor(_DEBUG))):
                 t0, address, nbytes, dtype, spec, src0 = self._last_bcast
                 # the same tensor and root as the last fast call (see all_reduce)
-                if not (tensor is t0 and src is src0 and tensor.data_ptr() == address
-                        and tensor.nbytes == nbytes and tensor.dtype is dtype
-                        and tensor.is_contiguous() and tensor.is_cpu and not tensor.is_neg()):
+                if not (tensor is t0 and src is src0 and (
+                        _same(tensor, address, nbytes, dtype) if _same is not None else
+                        tensor.data_ptr() == address and tensor.nbytes == nbytes
+                        and tensor.dtype is dtype and tensor.is_contiguous() and tensor.is_cpu
+                        and not tensor.is_neg())):
                     t = None if type(src) is not int or not 0 <= src < self.size else _plain(tensor)
                     if t is None or t[3] > large.MAX_COUNT:
                         return method(self, tensor, src, async_op)
@@ -180,14 +187,16 @@ def all_gather_into_tensor(method: Callable) -> Callable:
                 i0, o0, address_i, address_o, nbytes_i, nbytes_o, dtype, send, recv = \
                     self._last_gather
                 # the same two tensors as the last fast call (see all_reduce): each checked again
-                if not (input_tensor is i0 and output_tensor is o0
-                        and input_tensor.data_ptr() == address_i
+                if not (input_tensor is i0 and output_tensor is o0 and (
+                        _same2(input_tensor, output_tensor, address_i, address_o, nbytes_i,
+                               nbytes_o, dtype) if _same2 is not None else
+                        input_tensor.data_ptr() == address_i
                         and output_tensor.data_ptr() == address_o
                         and input_tensor.nbytes == nbytes_i and output_tensor.nbytes == nbytes_o
                         and input_tensor.dtype is dtype and output_tensor.dtype is dtype
                         and input_tensor.is_contiguous() and output_tensor.is_contiguous()
                         and input_tensor.is_cpu and output_tensor.is_cpu
-                        and not (input_tensor.is_neg() or output_tensor.is_neg())):
+                        and not (input_tensor.is_neg() or output_tensor.is_neg()))):
                     pair = _pair(input_tensor, output_tensor, self.size, 1)
                     if pair is None:
                         return method(self, output_tensor, input_tensor, async_op)
@@ -216,13 +225,15 @@ def reduce_scatter_tensor(method: Callable) -> Callable:
                     and (_debug_cached(_DEBUG) is False or not observe.log.isEnabledFor(_DEBUG))):
                 (o0, i0, address_o, address_i, nbytes_o, nbytes_i, dtype, recv, send, op0,
                  mpi_op) = self._last_scatter
-                if not (output is o0 and input is i0 and op is op0
-                        and output.data_ptr() == address_o and input.data_ptr() == address_i
+                if not (output is o0 and input is i0 and op is op0 and (
+                        _same2(output, input, address_o, address_i, nbytes_o, nbytes_i, dtype)
+                        if _same2 is not None else
+                        output.data_ptr() == address_o and input.data_ptr() == address_i
                         and output.nbytes == nbytes_o and input.nbytes == nbytes_i
                         and output.dtype is dtype and input.dtype is dtype
                         and output.is_contiguous() and input.is_contiguous()
                         and output.is_cpu and input.is_cpu
-                        and not (output.is_neg() or input.is_neg())):
+                        and not (output.is_neg() or input.is_neg()))):
                     pair = _pair(output, input, self.size, 1)
                     mpi_op = None if pair is None else _reduce_op(pair[0][4], op)
                     if mpi_op is None:
@@ -277,9 +288,11 @@ def all_reduce(method: Callable) -> Callable:
                 # The small tensor and op of the last fast call again (a flag, a metric, a bucket
                 # reduced step after step): its MPI buffer is reused while the tensor keeps the
                 # same memory, size, dtype and layout, which is checked on every call.
-                if not (tensor is t0 and op is op0 and tensor.data_ptr() == address
-                        and tensor.nbytes == nbytes and tensor.dtype is dtype
-                        and tensor.is_contiguous() and tensor.is_cpu and not tensor.is_neg()):
+                if not (tensor is t0 and op is op0 and (
+                        _same(tensor, address, nbytes, dtype) if _same is not None else
+                        tensor.data_ptr() == address and tensor.nbytes == nbytes
+                        and tensor.dtype is dtype and tensor.is_contiguous() and tensor.is_cpu
+                        and not tensor.is_neg())):
                     t = _plain(tensor)
                     mpi_op = None if t is None or t[3] > large.MAX_COUNT else _reduce_op(t[4], op)
                     if mpi_op is None:
