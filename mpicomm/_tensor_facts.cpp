@@ -1,4 +1,4 @@
-// The fast path's remembered-call check in one C call (mpicomm/native.py builds this file).
+// The fast path's remembered-call check in one C call (python -m mpicomm.build_native builds it).
 //
 // same(t, address, nbytes, dtype) is True when t's memory starts at address and holds nbytes,
 // its dtype is dtype, and it is contiguous, on the CPU and without torch's negative bit; False
@@ -68,8 +68,8 @@ PyObject* same2(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     PyErr_Format(PyExc_TypeError, "same2: expected 7 arguments, got %zd", nargs);
     return nullptr;
   }
-  if (!unpack(args[0], args[2], args[4], &a0, &n0) || !unpack(args[1], args[3], args[5], &a1, &n1) ||
-      !dtype_of(args[6], &d))
+  if (!unpack(args[0], args[2], args[4], &a0, &n0) ||
+      !unpack(args[1], args[3], args[5], &a1, &n1) || !dtype_of(args[6], &d))
     return nullptr;
   return PyBool_FromLong(same_one(args[0], a0, n0, d) && same_one(args[1], a1, n1, d));
 }

@@ -1,12 +1,12 @@
 """The optional compiled check of remembered fast calls: build it, find it, load it.
 
-``python -m mpicomm.native`` compiles ``_tensor_facts.cpp`` against the installed torch (a C++
-compiler and torch's headers; about 20 s) into a cache directory (``MPICOMM_NATIVE_CACHE``, else
-``$XDG_CACHE_HOME/mpicomm/native`` or ``~/.cache/mpicomm/native``), under a key of the source,
-the torch build and install path and the Python ABI. ``mpicomm.fastpath`` then loads it at
-import: its remembered-call check reads a tensor's six facts in one C call (about 30 ns) instead
-of six Python reads (about 360 ns). Without it (never built, another torch, ``MPICOMM_NATIVE=0``)
-the same check runs in Python: same answers, slower.
+``python -m mpicomm.build_native`` compiles ``_tensor_facts.cpp`` against the installed torch
+(a C++ compiler and torch's headers; about 20 s) into a cache directory
+(``MPICOMM_NATIVE_CACHE``, else ``$XDG_CACHE_HOME/mpicomm/native`` or ``~/.cache/mpicomm/native``),
+under a key of the source, the torch build and install path and the Python ABI.
+``mpicomm.fastpath`` then loads it at import: its remembered-call check reads a tensor's six
+facts in one C call (about 30 ns) instead of six Python reads (about 360 ns). Without it (never
+built, another torch, ``MPICOMM_NATIVE=0``) the same check runs in Python: same answers, slower.
 """
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-import time
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -27,7 +26,7 @@ NAME = "_tensor_facts"
 CACHE_VAR = "MPICOMM_NATIVE_CACHE"
 SWITCH_VAR = "MPICOMM_NATIVE"  # "0": never load it
 
-__all__ = ["cache_dir", "library_path", "load", "build", "main"]
+__all__ = ["cache_dir", "library_path", "load", "build"]
 
 
 def cache_dir() -> Path:
@@ -65,11 +64,12 @@ def load(cache: Path | None = None) -> ModuleType | None:
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         if module.torch_version != torch.__version__:
-            raise ImportError(f"built for torch {module.torch_version}, running {torch.__version__}")
+            raise ImportError(f"built for torch {module.torch_version}, "
+                              f"running {torch.__version__}")
         return module
     except Exception as exc:  # noqa: BLE001 - any failure leaves the Python check in charge
         warnings.warn(f"mpicomm.native: not using {NAME} ({exc}); rebuild it with "
-                      "`python -m mpicomm.native`", RuntimeWarning, stacklevel=2)
+                      "`python -m mpicomm.build_native`", RuntimeWarning, stacklevel=2)
         return None
 
 
@@ -114,29 +114,3 @@ def build(cache: Path | None = None, cxx: str | None = None) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return path
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m mpicomm.native``: build (if needed) and load the module, say where it is."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m mpicomm.native", description=__doc__.split(
-        "\n")[0])
-    parser.add_argument("--cache", type=Path, default=None, help=f"default: {cache_dir()}")
-    args = parser.parse_args(argv)
-    started = time.perf_counter()
-    try:
-        path = build(args.cache)
-    except RuntimeError as exc:
-        print(exc, file=sys.stderr)
-        return 1
-    if load(args.cache) is None:
-        print(f"mpicomm.native: built {path} but it does not load", file=sys.stderr)
-        return 1
-    print(f"mpicomm.native: {path} ({time.perf_counter() - started:.1f} s); the fast path's "
-          "remembered-call check now runs in C")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -108,7 +108,7 @@ def test_load_only_what_was_built_for_this_torch(tmp_path, monkeypatch, native_f
     path = native.library_path(tmp_path)
     path.parent.mkdir(parents=True)
     path.write_bytes(b"not a shared library")
-    with pytest.warns(RuntimeWarning, match="python -m mpicomm.native"):
+    with pytest.warns(RuntimeWarning, match="python -m mpicomm.build_native"):
         assert native.load(tmp_path) is None
     monkeypatch.setenv(native.SWITCH_VAR, "0")
     assert native.load(tmp_path) is None
