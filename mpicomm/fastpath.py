@@ -26,16 +26,16 @@ with torch's own C++ accessors. A ``factor`` (PREMUL_SUM) always takes the gener
 all_to_all_single gets the rule the same way and asks :func:`_plain` for the MPI spec of a
 tensor's memory it has seen before.
 
-Where a remembered 8-byte call's time goes, one rank, MPICH 5.0.2, thread CPU time
-(``time.thread_time``, best of 15 x 4000 calls, load 8, the two checks alternating three times):
-torch's Python getters cost data_ptr() 61 ns, nbytes 49, dtype 45, is_contiguous() 67, is_cpu
-44, is_neg() 94 (its argument parser): 360 ns a tensor, 720 for two; the rest of the rule (the
-observing test, the unpacking, the comparisons) about 0.15 us. mpi4py's own call on numpy arrays
-costs 0.12 us more than on the prepared ``[buffer, datatype]`` used here (Allgather 0.63 vs
-0.50 us). Against mpi4py on numpy arrays, the Python check: all_reduce +0.20 us, broadcast
-+0.45, all_gather_into_tensor +0.78, reduce_scatter_tensor +0.77; the C check (28 ns a tensor,
-50 for two): all_reduce -0.15 (in place: mpi4py's peer is out of place), broadcast +0.09,
-all_gather_into_tensor +0.08, reduce_scatter_tensor +0.07.
+Where a remembered 8-byte call's time goes (``python -m bench.fastpath_cost``: one rank, MPICH
+5.0.2, thread CPU time, best of 15 x 4000 calls, cases alternating, load 4): torch's Python
+getters cost data_ptr() 50 ns, nbytes 38, dtype 35, is_contiguous() 52, is_cpu 36, is_neg() 72
+(its argument parser), net of an empty call: about 0.3 us a tensor with the comparisons, 0.6
+for two; the rest of the rule (the observing test, the unpacking) about 0.1 us. mpi4py's own
+call on numpy arrays costs 0.12 us more than on the prepared ``[buffer, datatype]`` used here
+(Allgather 0.58 vs 0.46 us). Over mpi4py on numpy arrays, with the check in Python:
+all_reduce +0.21 us, broadcast +0.43, all_gather_into_tensor +0.78, reduce_scatter_tensor
++0.72; in C (28 ns a tensor, 50 for two): all_reduce -0.14 (in place, mpi4py's peer out of
+place), broadcast +0.08, all_gather_into_tensor +0.06, reduce_scatter_tensor +0.06.
 MPI-4 persistent collectives
 (``Allreduce_init`` + ``Start``/``Wait``) were measured and not adopted: on MPICH 5.0.2 at one
 rank ``Start(); Wait()`` took 0.83 us of CPU time against 0.25 us for ``Allreduce`` on a
