@@ -102,7 +102,7 @@ def native_facts():
     module = None if why else native.load(cache)
     if _WORLD.allreduce(module is not None, op=MPI.LAND):
         return module, None
-    return None, why or "built, but it did not load on every rank"
+    return None, why or "mpicomm.native: built, but it did not load on every rank"
 
 
 @pytest.fixture(params=["python", "native"])
@@ -112,7 +112,7 @@ def facts_reader(request, monkeypatch, native_facts):
 
     module, why = native_facts
     if request.param == "native" and module is None:
-        pytest.skip(f"mpicomm.native not available: {why}")
+        pytest.skip(why)
     monkeypatch.setattr(fastpath, "_same", None if module is None or request.param == "python"
                         else module.same)
     monkeypatch.setattr(fastpath, "_same2", None if module is None or request.param == "python"

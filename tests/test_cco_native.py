@@ -22,7 +22,7 @@ def _python(t, address, nbytes, dtype) -> bool:
 def facts(native_facts):
     module, why = native_facts
     if module is None:
-        pytest.skip(f"mpicomm.native not available: {why}")
+        pytest.skip(why)
     return module
 
 
