@@ -109,6 +109,7 @@ def build(cache: Path | None = None, cxx: str | None = None) -> Path:
             raise RuntimeError(f"mpicomm.native: compiling {SOURCE.name} failed "
                                f"(exit {done.returncode}):\n{' '.join(command)}\n"
                                f"{done.stderr[-4000:]}")
+        os.chmod(tmp, 0o755)  # mkstemp's 0600 would keep a shared cache's other users out
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
