@@ -18,14 +18,24 @@ contiguity, device and negative bit are read again and found unchanged (the tens
 counter would not do: ``.data =``, ``share_memory_``, ``swap_tensors`` and ``_set_neg`` change a
 tensor without counting, and every write counts). Those six reads per tensor are what a
 remembered call costs above MPI's own call; tests/test_cco_fastpath.py changes each of them in
-place while keeping the others (the device aside: no other device there). The check is written out in each function: a helper
-per tensor would add a Python call to every call. A ``factor`` (PREMUL_SUM) always takes the
-general path. all_to_all_single gets the rule the same way and asks :func:`_plain` for the MPI
-spec of a tensor's memory it has seen before. Thread CPU time per remembered 8-byte call at
-one rank on MPICH 5.0.2 (``time.thread_time``, best of 30 x 4000, load 25), against mpi4py's
-plain call on numpy arrays: all_reduce +0.51 us, broadcast +0.86, all_gather_into_tensor +1.40,
-reduce_scatter_tensor +1.34 (two tensors: twelve property reads, 20-160 ns each, is_neg()
-the dearest).
+place while keeping the others (the device aside: no other device there; tests/test_cco_native.py
+swaps in a meta tensor). The check is written out in each function: a helper per tensor would
+add a Python call to every call. When :mod:`mpicomm.native` is built (``python -m
+mpicomm.build_native``), ``_same``/``_same2`` make the same six reads per tensor in one C call
+with torch's own C++ accessors. A ``factor`` (PREMUL_SUM) always takes the general path.
+all_to_all_single gets the rule the same way and asks :func:`_plain` for the MPI spec of a
+tensor's memory it has seen before.
+
+Where a remembered 8-byte call's time goes (``python -m bench.fastpath_cost``: one rank, MPICH
+5.0.2, thread CPU time, best of 15 x 4000 calls, cases alternating, load 4): torch's Python
+getters cost data_ptr() 50 ns, nbytes 38, dtype 35, is_contiguous() 52, is_cpu 36, is_neg() 72
+(its argument parser), net of an empty call: about 0.3 us a tensor with the comparisons, 0.6
+for two; the rest of the rule (the observing test, the unpacking) about 0.1 us. mpi4py's own
+call on numpy arrays costs 0.12 us more than on the prepared ``[buffer, datatype]`` used here
+(Allgather 0.58 vs 0.46 us). Over mpi4py on numpy arrays, with the check in Python:
+all_reduce +0.21 us, broadcast +0.43, all_gather_into_tensor +0.78, reduce_scatter_tensor
++0.72; in C (28 ns a tensor, 50 for two): all_reduce -0.14 (in place, mpi4py's peer out of
+place), broadcast +0.08, all_gather_into_tensor +0.06, reduce_scatter_tensor +0.06.
 MPI-4 persistent collectives
 (``Allreduce_init`` + ``Start``/``Wait``) were measured and not adopted: on MPICH 5.0.2 at one
 rank ``Start(); Wait()`` took 0.83 us of CPU time against 0.25 us for ``Allreduce`` on a
@@ -39,8 +49,8 @@ from typing import Callable
 import torch
 from mpi4py import MPI
 
-from . import dtypes, large, observe
-from .observe import _DEBUG, _debug_cache, _profiler
+from . import dtypes, large, native, observe
+from .observe import _DEBUG, _debug_cached, _profiler
 from .ops import BITWISE, MPI_OPS, ReduceOp
 from .work import Work
 
@@ -73,6 +83,11 @@ NOT_YET_FAST, NOT_YET_BCAST = (_NOTHING,) * 7, (_NOTHING,) * 6
 NOT_YET_GATHER, NOT_YET_SCATTER = (_NOTHING,) * 9, (_NOTHING,) * 11
 # dtype -> MPI datatype that moves it unchanged.
 _MOVE = {dtype: dtypes.move_type(dtype) for dtype in dtypes.SUPPORTED}
+_native = native.load()
+#: The remembered-call check in C when :mod:`mpicomm.native` is built (``same(t, address,
+#: nbytes, dtype)``, ``same2`` for two tensors: the same six facts per tensor); None: in Python.
+_same = None if _native is None else _native.same
+_same2 = None if _native is None else _native.same2
 
 
 _PLAIN: dict[tuple, tuple] = {}
@@ -141,12 +156,14 @@ def broadcast(method: Callable) -> Callable:
     def broadcast(self, tensor, src=0, async_op=False):
         try:
             if (not self.check and ENABLED and not _profiler._is_profiler_enabled
-                    and (_debug_cache.get(_DEBUG) is False or not observe.log.isEnabledFor(_DEBUG))):
+                    and (_debug_cached(_DEBUG) is False or not observe.log.isEnabledFor(_DEBUG))):
                 t0, address, nbytes, dtype, spec, src0 = self._last_bcast
                 # the same tensor and root as the last fast call (see all_reduce)
-                if not (tensor is t0 and src is src0 and tensor.data_ptr() == address
-                        and tensor.nbytes == nbytes and tensor.dtype is dtype
-                        and tensor.is_contiguous() and tensor.is_cpu and not tensor.is_neg()):
+                if not (tensor is t0 and src is src0 and (
+                        _same(tensor, address, nbytes, dtype) if _same is not None else
+                        tensor.data_ptr() == address and tensor.nbytes == nbytes
+                        and tensor.dtype is dtype and tensor.is_contiguous() and tensor.is_cpu
+                        and not tensor.is_neg())):
                     t = None if type(src) is not int or not 0 <= src < self.size else _plain(tensor)
                     if t is None or t[3] > large.MAX_COUNT:
                         return method(self, tensor, src, async_op)
@@ -176,18 +193,20 @@ def all_gather_into_tensor(method: Callable) -> Callable:
     def all_gather_into_tensor(self, output_tensor, input_tensor, async_op=False):
         try:
             if (not self.check and ENABLED and not _profiler._is_profiler_enabled
-                    and (_debug_cache.get(_DEBUG) is False or not observe.log.isEnabledFor(_DEBUG))):
+                    and (_debug_cached(_DEBUG) is False or not observe.log.isEnabledFor(_DEBUG))):
                 i0, o0, address_i, address_o, nbytes_i, nbytes_o, dtype, send, recv = \
                     self._last_gather
                 # the same two tensors as the last fast call (see all_reduce): each checked again
-                if not (input_tensor is i0 and output_tensor is o0
-                        and input_tensor.data_ptr() == address_i
+                if not (input_tensor is i0 and output_tensor is o0 and (
+                        _same2(input_tensor, output_tensor, address_i, address_o, nbytes_i,
+                               nbytes_o, dtype) if _same2 is not None else
+                        input_tensor.data_ptr() == address_i
                         and output_tensor.data_ptr() == address_o
                         and input_tensor.nbytes == nbytes_i and output_tensor.nbytes == nbytes_o
                         and input_tensor.dtype is dtype and output_tensor.dtype is dtype
                         and input_tensor.is_contiguous() and output_tensor.is_contiguous()
                         and input_tensor.is_cpu and output_tensor.is_cpu
-                        and not (input_tensor.is_neg() or output_tensor.is_neg())):
+                        and not (input_tensor.is_neg() or output_tensor.is_neg()))):
                     pair = _pair(input_tensor, output_tensor, self.size, 1)
                     if pair is None:
                         return method(self, output_tensor, input_tensor, async_op)
@@ -213,16 +232,18 @@ def reduce_scatter_tensor(method: Callable) -> Callable:
         try:
             if (factor is None and not self.check and ENABLED
                     and not _profiler._is_profiler_enabled
-                    and (_debug_cache.get(_DEBUG) is False or not observe.log.isEnabledFor(_DEBUG))):
+                    and (_debug_cached(_DEBUG) is False or not observe.log.isEnabledFor(_DEBUG))):
                 (o0, i0, address_o, address_i, nbytes_o, nbytes_i, dtype, recv, send, op0,
                  mpi_op) = self._last_scatter
-                if not (output is o0 and input is i0 and op is op0
-                        and output.data_ptr() == address_o and input.data_ptr() == address_i
+                if not (output is o0 and input is i0 and op is op0 and (
+                        _same2(output, input, address_o, address_i, nbytes_o, nbytes_i, dtype)
+                        if _same2 is not None else
+                        output.data_ptr() == address_o and input.data_ptr() == address_i
                         and output.nbytes == nbytes_o and input.nbytes == nbytes_i
                         and output.dtype is dtype and input.dtype is dtype
                         and output.is_contiguous() and input.is_contiguous()
                         and output.is_cpu and input.is_cpu
-                        and not (output.is_neg() or input.is_neg())):
+                        and not (output.is_neg() or input.is_neg()))):
                     pair = _pair(output, input, self.size, 1)
                     mpi_op = None if pair is None else _reduce_op(pair[0][4], op)
                     if mpi_op is None:
@@ -250,7 +271,7 @@ def all_to_all_single(method: Callable) -> Callable:
         try:
             if (output_split_sizes is None and input_split_sizes is None
                     and not self.check and ENABLED and not _profiler._is_profiler_enabled
-                    and (_debug_cache.get(_DEBUG) is False or not observe.log.isEnabledFor(_DEBUG))):
+                    and (_debug_cached(_DEBUG) is False or not observe.log.isEnabledFor(_DEBUG))):
                 pair = _pair(output, input, 1, self.size)
                 if pair is not None and pair[1][3] % self.size == 0:
                     if async_op:
@@ -272,14 +293,16 @@ def all_reduce(method: Callable) -> Callable:
         try:
             if (factor is None and not self.check and ENABLED
                     and not _profiler._is_profiler_enabled
-                    and (_debug_cache.get(_DEBUG) is False or not observe.log.isEnabledFor(_DEBUG))):
+                    and (_debug_cached(_DEBUG) is False or not observe.log.isEnabledFor(_DEBUG))):
                 t0, op0, address, nbytes, dtype, spec, mpi_op = self._last_fast
                 # The small tensor and op of the last fast call again (a flag, a metric, a bucket
                 # reduced step after step): its MPI buffer is reused while the tensor keeps the
                 # same memory, size, dtype and layout, which is checked on every call.
-                if not (tensor is t0 and op is op0 and tensor.data_ptr() == address
-                        and tensor.nbytes == nbytes and tensor.dtype is dtype
-                        and tensor.is_contiguous() and tensor.is_cpu and not tensor.is_neg()):
+                if not (tensor is t0 and op is op0 and (
+                        _same(tensor, address, nbytes, dtype) if _same is not None else
+                        tensor.data_ptr() == address and tensor.nbytes == nbytes
+                        and tensor.dtype is dtype and tensor.is_contiguous() and tensor.is_cpu
+                        and not tensor.is_neg())):
                     t = _plain(tensor)
                     mpi_op = None if t is None or t[3] > large.MAX_COUNT else _reduce_op(t[4], op)
                     if mpi_op is None:

@@ -81,3 +81,40 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def native_facts():
+    """(module, why): the compiled remembered-call check of ``mpicomm.native``, built once by
+    rank 0 into ``build/native-cache`` (or ``MPICOMM_NATIVE_CACHE``) and loaded on every rank;
+    (None, reason) where any rank has no compiler, headers or module."""
+    from mpicomm import native
+
+    cache = None if os.environ.get(native.CACHE_VAR) else (
+        Path(__file__).resolve().parent.parent / "build" / "native-cache")
+    why = None
+    if _WORLD.Get_rank() == 0:
+        try:
+            native.build(cache)
+        except RuntimeError as exc:
+            why = str(exc).splitlines()[0]
+    why = _WORLD.bcast(why, root=0)
+    module = None if why else native.load(cache)
+    if _WORLD.allreduce(module is not None, op=MPI.LAND):
+        return module, None
+    return None, why or "mpicomm.native: built, but it did not load on every rank"
+
+
+@pytest.fixture(params=["python", "native"])
+def facts_reader(request, monkeypatch, native_facts):
+    """The test once with mpicomm.fastpath's remembered-call check in Python, once in C."""
+    from mpicomm import fastpath
+
+    module, why = native_facts
+    if request.param == "native" and module is None:
+        pytest.skip(why)
+    monkeypatch.setattr(fastpath, "_same", None if module is None or request.param == "python"
+                        else module.same)
+    monkeypatch.setattr(fastpath, "_same2", None if module is None or request.param == "python"
+                        else module.same2)
+    return request.param

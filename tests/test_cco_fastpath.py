@@ -145,7 +145,7 @@ def test_fast_path_declines_what_it_cannot_do(comm, monkeypatch):
 
 
 @pytest.mark.parametrize("async_op", [False, True], ids=["blocking", "async"])
-def test_all_reduce_remembers_a_tensor_only_while_it_is_the_same(comm, monkeypatch, async_op):
+def test_all_reduce_remembers_a_tensor_only_while_it_is_the_same(comm, facts_reader, monkeypatch, async_op):
     """all_reduce reuses the last fast call's MPI buffer for the same tensor; every change of its
     memory, size, dtype, layout or the op is seen (reference: the n ranks' values, chosen so that
     a stale buffer, type or op gives other numbers)."""
@@ -197,7 +197,7 @@ def test_all_reduce_remembers_a_tensor_only_while_it_is_the_same(comm, monkeypat
 
 
 @pytest.mark.parametrize("async_op", [False, True], ids=["blocking", "async"])
-def test_pair_calls_remember_tensors_only_while_they_are_the_same(comm, monkeypatch, async_op):
+def test_pair_calls_remember_tensors_only_while_they_are_the_same(comm, facts_reader, monkeypatch, async_op):
     """broadcast, all_gather_into_tensor and reduce_scatter_tensor reuse their last fast call's
     MPI buffers for the same tensors; a change of either tensor's memory, size, dtype or layout,
     or of the op, is seen (reference: numbers computed here from the ranks' values)."""
@@ -267,7 +267,7 @@ CHANGES = {  # each keeps the tensor object, its address, its bytes and its dtyp
 @pytest.mark.parametrize("change", list(CHANGES))
 @pytest.mark.parametrize("call,which", [("all_reduce", "input"), ("broadcast", "input")]
                          + [(c, w) for c in PAIRED for w in ("input", "output")])
-def test_remembered_tensor_changed_in_place(comm, monkeypatch, call, which, change):
+def test_remembered_tensor_changed_in_place(comm, facts_reader, monkeypatch, call, which, change):
     """A remembered tensor given the negative bit (swap_tensors, _set_neg) or other strides
     (as_strided_) in place, with its address, bytes and dtype kept, is not moved as the
     remembered call's memory: the results equal numpy's on the values torch reads."""
@@ -306,7 +306,7 @@ def test_remembered_tensor_changed_in_place(comm, monkeypatch, call, which, chan
     assert_all(taken == [True, True, False], f"fast path taken {taken}")
 
 
-def test_broadcast_remembers_its_root(comm):
+def test_broadcast_remembers_its_root(comm, facts_reader):
     """The same tensor broadcast from another root is broadcast from that root."""
     n, r = comm.size, comm.rank
     t = torch.zeros(4)

@@ -213,7 +213,7 @@ def test_neg_view_compressed_error_buffer_refused(comm):
 
 @pytest.mark.parametrize("call", ["all_reduce", "broadcast", "all_gather_into_tensor",
                                   "reduce_scatter_tensor"])
-def test_remembered_tensor_turned_neg(comm, call):
+def test_remembered_tensor_turned_neg(comm, facts_reader, call):
     """A tensor a fast call remembers, turned into a neg view of its own memory by ``.data =``
     (same address, size and dtype), is not moved by its raw bits on the next call."""
     n, r, k = comm.size, comm.rank, 2

@@ -80,6 +80,33 @@ def test_debug_logs_each_collective(comm, caplog, monkeypatch):
 
 
 @pytest.mark.mpi(min_size=1)
+def test_debug_switched_on_between_remembered_calls(comm, caplog):
+    """DEBUG turned on after fast calls have cached "not enabled" (the logger's level cache,
+    read through a bound ``get``): the next call of the same tensors is logged."""
+    n = comm.size
+    x, out, big = torch.ones(2), torch.empty(2 * n), torch.ones(2 * n)
+    calls = {"all_reduce": lambda: comm.all_reduce(x),
+             "broadcast": lambda: comm.broadcast(x, src=0),
+             "all_gather_into_tensor": lambda: comm.all_gather_into_tensor(out, x),
+             "reduce_scatter_tensor": lambda: comm.reduce_scatter_tensor(x, big)}
+    logger = logging.getLogger("mpicomm")
+    logger.setLevel(logging.INFO)
+    try:
+        for call in calls.values():
+            call()
+            call()  # remembered
+        assert_all(observe._debug_cached(logging.DEBUG) is False, "the level cache was not filled")
+        with caplog.at_level(logging.DEBUG, logger="mpicomm"):
+            for call in calls.values():
+                call()
+    finally:
+        logger.setLevel(logging.NOTSET)
+    lines = [r.getMessage() for r in caplog.records if r.name == "mpicomm"]
+    missing = [op for op in calls if not any(f"rank {comm.rank}: {op} " in m for m in lines)]
+    assert_all(missing == [], f"not logged after DEBUG was switched on: {missing}")
+
+
+@pytest.mark.mpi(min_size=1)
 def test_nothing_is_traced_without_profiler_or_debug(comm, monkeypatch):
     traced = []
     monkeypatch.setattr(observe, "_traced", lambda *a: traced.append(a[1]))
