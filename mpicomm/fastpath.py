@@ -70,10 +70,14 @@ _FAST_SUM = {dtype: found for (dtype, op), found in REDUCE.items() if op is Redu
 _SUM = ReduceOp.SUM
 _Tensor = torch.Tensor
 _IN_PLACE = MPI.IN_PLACE
-#: all_reduce remembers its last fast call on a tensor of at most this many bytes (holding a
-#: reference to it until the next fast call): measured at 2 ranks, 8 bytes, ~0.5 us per call
-#: less when the same tensor comes again, ~0.15 us more of CPU time when it does not.
-REMEMBER_BYTES = 1 << 16
+#: The fast calls remember their last tensors when the largest is at most this many bytes
+#: (holding a reference to them until the next fast call of that kind on the communicator: at
+#: most one or two tensors per kind). Measured at 2 ranks: 8 bytes, ~0.5 us per call less when
+#: the same tensor comes again, ~0.15 us more of CPU time when it does not; a 1 MiB broadcast
+#: 3-5 us less (55.3-55.6 against 58.1-61.2 us, mpi4py on numpy 55.5-56.5 us), the general
+#: path's ~0.7 us of CPU time costing more at two ranks than at one. Above a few MiB the
+#: transfer hides it, and holding larger tensors would keep memory a caller has let go.
+REMEMBER_BYTES = 1 << 22
 _NOTHING = object()  # no call remembered (never a caller's argument)
 #: What a communicator remembers before its first fast call of each kind, one tuple as long as
 #: what that call remembers: ``_last_fast`` (all_reduce: tensor, op, address, bytes, dtype, MPI

@@ -189,7 +189,7 @@ def test_all_reduce_remembers_a_tensor_only_while_it_is_the_same(comm, facts_rea
     t.fill_(r + 1)
     comm.all_reduce(t)                                   # not contiguous: the general path
     assert_all(t.tolist() == [sums] * 100, f"strided {t}")
-    big = torch.full((20000,), float(r + 1))             # over REMEMBER_BYTES: not remembered
+    big = torch.full((fastpath.REMEMBER_BYTES // 4 + 1,), float(r + 1))  # over it: not remembered
     comm.all_reduce(big)
     comm.all_reduce(big)
     assert_all(big.eq(sums * n).all().item(), f"big {big[:3]}")
