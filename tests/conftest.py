@@ -72,6 +72,17 @@ def shared_tmp_path(tmp_path_factory, request) -> Path:
 
 
 @pytest.fixture(scope="module")
+def device():
+    """This rank's GPU for the GPU tests (ranks share GPUs round-robin when there are fewer GPUs
+    than ranks); made current with ``torch.cuda.set_device``."""
+    import torch
+
+    idx = _WORLD.Get_rank() % torch.cuda.device_count()
+    torch.cuda.set_device(idx)
+    return torch.device("cuda", idx)
+
+
+@pytest.fixture(scope="module")
 def one_thread():
     """One torch thread for a module of tiny models: the thread pool only costs time on a loaded
     machine. Opt in with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""

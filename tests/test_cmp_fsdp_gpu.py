@@ -38,14 +38,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.mpi(min_size=1),
 WORLD = MPI.COMM_WORLD
 
 
-@pytest.fixture(scope="module")
-def device() -> torch.device:
-    """This rank's GPU (ranks share GPUs round-robin when there are fewer GPUs than ranks)."""
-    idx = WORLD.rank % torch.cuda.device_count()
-    torch.cuda.set_device(idx)
-    return torch.device("cuda", idx)
-
-
 def _nccl_skip_reason() -> str | None:
     """Why NCCL cannot run here, the same answer on every rank (None: it can)."""
     if not dist.is_nccl_available():

@@ -22,14 +22,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.mpi(min_size=1),
 
 
 @pytest.fixture(scope="module")
-def device() -> torch.device:
-    """This rank's GPU (ranks share GPUs round-robin when there are fewer GPUs than ranks)."""
-    idx = MPI.COMM_WORLD.rank % torch.cuda.device_count()
-    torch.cuda.set_device(idx)
-    return torch.device("cuda", idx)
-
-
-@pytest.fixture(scope="module")
 def nccl_group(device):
     """An NCCL process group over the MPI world: rank and size from MPI, a TCP store on rank 0.
 

@@ -14,7 +14,6 @@ import datetime
 import pytest
 import torch
 import torch.distributed as dist
-from mpi4py import MPI
 
 import ckpt
 import mpicomm  # noqa: F401 - registers the backend
@@ -24,13 +23,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.mpi(min_size=1),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (no GPU here)")]
 
 STEPS, LR = 3, 1e-2
-
-
-@pytest.fixture(scope="module")
-def device() -> torch.device:
-    idx = MPI.COMM_WORLD.rank % torch.cuda.device_count()
-    torch.cuda.set_device(idx)
-    return torch.device("cuda", idx)
 
 
 @pytest.fixture(scope="module")
