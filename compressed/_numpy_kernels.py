@@ -74,6 +74,21 @@ def encode(g, e, rows):
     return _sumsq(x)
 
 
+def _widen(gb: np.ndarray) -> np.ndarray:
+    """Float32 values of bfloat16 bits (uint16): exact."""
+    return (gb.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def encode_bf16(gb, e, rows):
+    """``encode`` with g given as bfloat16 bits (uint16)."""
+    return encode(_widen(gb), e, rows)
+
+
+def worker_residual_bf16(gb, e, scale):
+    """``worker_residual`` with g given as bfloat16 bits (uint16)."""
+    worker_residual(_widen(gb), e, scale)
+
+
 def encode_into(g, e, pend, xout, rows):
     """x = (g zero-padded) + (e - pend * sign(e)) into ``xout``; pack x's signs into ``rows``;
     return sum x^2."""

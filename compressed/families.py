@@ -42,7 +42,8 @@ class NodeMean:
 
 
 class HostFamily:
-    """numba- or numpy-fused CPU kernels (``compressed.kernels``) on numpy arrays."""
+    """numba- or numpy-fused CPU kernels (``compressed.kernels``) on numpy arrays; ``encode``
+    and ``worker_residual`` also take g as bfloat16 bits (uint16), widened inside the pass."""
 
     device = torch.device("cpu")
 
@@ -62,12 +63,19 @@ class HostFamily:
             if x is None:
                 raise TypeError("HostFamily.encode: a NodeMean input needs x (the deferred form)")
             return float(self.mod.encode_mean_into(g.acc, g.last, g.parts, e, float(pend), x, rows))
+        if g.dtype == np.uint16:    # bfloat16 bits (compressed.fsdp's blocking calls)
+            if x is not None:
+                raise TypeError("HostFamily.encode: bfloat16 input has no deferred form")
+            return float(self.mod.encode_bf16(g, e, rows))
         if x is None:
             return float(self.mod.encode(g, e, rows))
         return float(self.mod.encode_into(g, e, float(pend), x, rows))
 
     def worker_residual(self, g, e, scale: float) -> None:
-        self.mod.worker_residual(g, e, float(scale))
+        if g.dtype == np.uint16:
+            self.mod.worker_residual_bf16(g, e, float(scale))
+        else:
+            self.mod.worker_residual(g, e, float(scale))
 
     def server_accumulate(self, rows, coef: np.ndarray, se, out, pend: float = 0.0) -> float:
         return float(self.mod.server_accumulate(rows, coef, se, out, float(pend)))

@@ -20,6 +20,8 @@ implementation has:
   g = (a + b) / parts, computed in the same pass and rounded as ``add_mean`` rounds it.
 - ``worker_residual(g, e, scale)``: e = x - scale * sign(x), x = (g zero-padded) + e, computed
   exactly as in ``encode``.
+- ``encode_bf16(gb, e, rows)``, ``worker_residual_bf16(gb, e, scale)``: the same with g given
+  as bfloat16 bits (a uint16 array), widened to float32 (exact) inside the pass.
 - ``server_accumulate(rows, coef, se, out, pend)``: se = sum_i coef[i] * sign(rows[i]) +
   (se - pend * sign(se)); pack sign(se) into ``out``; return sum(se^2). ``coef`` is
   contiguous float32; ``pend`` a deferred server error update (0: none).

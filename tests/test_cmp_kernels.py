@@ -174,6 +174,28 @@ def test_falls_back_to_numpy_without_numba():
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
 
 
+@pytest.mark.parametrize("m,p", [(1, 1), (13, 2), (100, 3), (4096, 4), (4096 * 3 + 5, 2)])
+def test_bf16_kernels_widen_as_torch(kern, m, p):
+    """g as bfloat16 bits: the same signs, sum and error as float32 values widened by torch."""
+    rng = np.random.default_rng(m * 11 + p)
+    N = compressed.padded_size(m, p)
+    gb = torch.from_numpy(rng.standard_normal(m).astype(np.float32) * 3).to(torch.bfloat16)
+    gb[:4] = torch.tensor([-0.0, 0.0, 1e-40, -2.5])[:min(m, 4)]
+    g32 = gb.float().numpy()                      # torch's widening: the reference
+    bits = gb.view(torch.int16).numpy().view(np.uint16)
+    e = (rng.standard_normal(N) * 0.3).astype(np.float32)
+    x = e.astype(np.float64)
+    x[:m] += g32
+    want_x = x.astype(np.float32)
+    rows = np.zeros((p, N // (8 * p)), np.uint8)
+    ssq = kern.encode_bf16(bits, e, rows)
+    assert np.array_equal(rows.reshape(-1), ref_bits(want_x.astype(np.float64)))
+    assert ssq == pytest.approx(float(np.dot(want_x.astype(np.float64), want_x)), rel=1e-5)
+    kern.worker_residual_bf16(bits, e, 0.37)
+    sign = ref_sign(want_x).astype(np.float32)
+    np.testing.assert_array_equal(e, (want_x - np.float32(0.37) * sign).astype(np.float32))
+
+
 # ---- deferred error updates (OnebitAllreduce's fused pass) ------------------------------------
 def ref_correct(e: np.ndarray, pending: float) -> np.ndarray:
     """e - pending * sign(e) in float32 (the error update DeepSpeed applies after each call)."""

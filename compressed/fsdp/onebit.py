@@ -107,7 +107,10 @@ class OnebitState:
         world, m = (group.size() if direct is None else int(direct.size)), output.numel()
         e = self.errors(world, m, input.device)
         m8 = padded_row(m)
-        if m8 == m and input.is_contiguous() and (input.dtype == torch.float32 or not input.is_cpu):
+        host_bf16 = (not async_op and input.is_cpu and input.dtype == torch.bfloat16
+                     and not input.is_neg())     # widened in the blocking host kernels
+        if m8 == m and input.is_contiguous() and (input.dtype == torch.float32 or not input.is_cpu
+                                                  or host_bf16):
             flat = input.reshape(-1)
         else:
             if self._rows is None:
@@ -117,12 +120,14 @@ class OnebitState:
         if self._out is None:
             self._out = torch.empty(m8, dtype=torch.float32, device=input.device)
         comp = self._comm(group, direct)
-        if not async_op and flat.is_cpu and flat.dtype == torch.float32 and not flat.is_neg():
+        if not async_op and flat.is_cpu and (flat.dtype == torch.float32 and not flat.is_neg()
+                                             or flat.dtype == torch.bfloat16):   # host_bf16
             host = self._host(comp, flat.numel(), e)
             if host is not None:    # the engine on the kept host views: no per-call checks
                 fam, lay, ws, e_np, out_np = host
-                engine.reduce_scatter_start(comp.comm, fam, lay, flat.detach().numpy(), out_np, e_np, ws,
-                                            False)()
+                g = (flat.detach().numpy() if flat.dtype == torch.float32     # bf16: its bits
+                     else flat.detach().view(torch.int16).numpy().view(np.uint16))
+                engine.reduce_scatter_start(comp.comm, fam, lay, g, out_np, e_np, ws, False)()
                 comp.count_reduce_scatter(lay)
                 if (output.dtype == torch.float32 and output.is_cpu and output.is_contiguous()
                         and not output.is_neg()):
