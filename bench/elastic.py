@@ -4,7 +4,9 @@ training that lost nothing.
     mpirun --with-ft ulfm -n 4 python -m bench elastic --params 20M --kill-rank 1 --kill-step 3
 
 Part 1, at the full world, no failure: per mode (DDP + Adam; ZeroOptimizer stage 2 + Adam with
-``replicate="state"``, "zero", and with ``replicate="gradient"``, "zero-grad"),
+``replicate="state"``, "zero" (on one host the buddy maps the rank's copy in shared memory:
+elastic.shm), the same with every replica sent through MPI as between hosts
+(``MPICOMM_ELASTIC_SHM=0``), "zero-mpi", and with ``replicate="gradient"``, "zero-grad"),
 rounds of four steps: two not committed, then two each followed by ``state.commit()``. The
 second step of each pair is timed: a step two updates after a commit (no commit work at all), and
 a step one update after a commit with its commit (zero-grad: its step copies the shard and sends
@@ -36,6 +38,9 @@ import mpicomm
 from zero import ZeroOptimizer
 
 
+MODES = ("ddp", "zero", "zero-mpi", "zero-grad")
+
+
 def _count(text: str) -> int:
     units = {"K": 10**3, "M": 10**6, "G": 10**9}
     t = text.strip().upper()
@@ -57,7 +62,7 @@ def _setup(args, comm, mode: str):
     if mode == "ddp":
         opt: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
         state = elastic.TorchState(model=model, optimizer=opt, comm=comm, step=0)
-    else:       # "zero" keeps two generations of the state, "zero-grad" the update's inputs
+    else:       # "zero"/"zero-mpi" keep two generations of the state, "zero-grad" the update's inputs
         opt = ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=2, comm=comm.dup(), lr=1e-4)
         state = elastic.TorchState(model=model, optimizer=opt, step=0,
                                    replicate="gradient" if mode == "zero-grad" else "state")
@@ -82,8 +87,32 @@ def _shard_bytes(opt) -> int:
     return sum(p.numel() * 4 * 3 for g in opt.param_groups for p in g["params"])
 
 
+class _Replicas:
+    """``MPICOMM_ELASTIC_SHM=0`` while a "-mpi" mode runs (its replicas go through MPI)."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode, self.was = mode, None
+
+    def __enter__(self) -> None:
+        if self.mode.endswith("-mpi"):
+            self.was = os.environ.get(elastic.shm.ENV)
+            os.environ[elastic.shm.ENV] = "0"
+
+    def __exit__(self, *exc) -> None:
+        if self.mode.endswith("-mpi"):
+            if self.was is None:
+                os.environ.pop(elastic.shm.ENV, None)
+            else:
+                os.environ[elastic.shm.ENV] = self.was
+
+
 def part_commit(args, comm, mode: str) -> dict:
     """Step time and commit time per step, no failure."""
+    with _Replicas(mode):
+        return _part_commit(args, comm, mode)
+
+
+def _part_commit(args, comm, mode: str) -> dict:
     model, opt, state = _setup(args, comm, mode)
     _step(args, model, opt, state, mode)        # warm-up (optimizer state exists from here)
     state.commit()
@@ -125,6 +154,11 @@ def part_commit(args, comm, mode: str) -> dict:
 
 def part_failure(args, comm, stamp: str) -> dict:
     """The ZeroOptimizer training, committing every step; one rank dies at --kill-step."""
+    with _Replicas(args.failure_mode):
+        return _part_failure(args, comm, stamp)
+
+
+def _part_failure(args, comm, stamp: str) -> dict:
     model, opt, state = _setup(args, comm, args.failure_mode)
     me = comm.rank
     marks: dict[str, float] = {}
@@ -168,8 +202,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="timed rounds of part 1 (4 steps each); steps of part 2")
     p.add_argument("--kill-rank", type=int, default=1, help="rank that dies in part 2")
     p.add_argument("--kill-step", type=int, default=3, help="step at which it dies")
-    p.add_argument("--failure-mode", choices=("zero", "zero-grad"), default="zero",
-                   help="part 2's replication: of the state (two generations) or of the gradient")
+    p.add_argument("--failure-mode", choices=MODES[1:], default="zero",
+                   help="part 2's replication: of the state (two generations; -mpi: through MPI on "
+                        "one host too) or of the gradient")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -184,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
               "kind: of the timed commits")
         print(f"{'mode':<10}{'ranks':>6}{'step ms':>10}{'step+ ms':>10}{'repl ms':>9}{'commit ms':>11}"
               f"{'cost/step':>11}{'cpu cost':>10}{'full ms':>9}{'kind':>10}{'commits MiB':>13}{'shard MiB':>11}")
-    for mode in ("ddp", "zero", "zero-grad"):
+    for mode in MODES:
         row = part_commit(args, comm, mode)
         if comm.rank == 0:
             print(f"{mode:<10}{row['ranks']:>6}{row['bare_s'] * 1e3:>10.1f}{row['step_s'] * 1e3:>10.1f}"

@@ -18,6 +18,8 @@ What lives where:
     reshard   a ZeroOptimizer group's shards joined in parameter order (pure)
     fsdp      FSDP2 state: local DTensor shards committed with a buddy replica, re-partitioned over
               the survivors and loaded into the rebuilt model by RebuildFSDP (a reset callback)
+    shm       a ZeroOptimizer shard's committed copies in shared memory, mapped by a buddy on the
+              same host (no transfer; MPICOMM_ELASTIC_SHM=0 sends them through MPI)
     sampler   ElasticSampler: a deterministic global batch re-split over the current ranks (pure)
     values    copies of attribute values per commit
     errors    ElasticError and its kinds

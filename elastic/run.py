@@ -166,7 +166,7 @@ def _attempt(state: TorchState, new: Any, old_rank: int, old_world: int, min_wor
                     f"elastic: the {sharded} shards of old ranks {shards_lost} are lost (each rank and its "
                     f"buddy, {state.replica_stride} on, both failed; survivors: old ranks {survivors}); {why}",
                     shards_lost)
-        gen_t = torch.tensor([state.generation], dtype=torch.int64)
+        gen_t = torch.tensor([state._rollback_generation(old_rank, old_world, survivors)], dtype=torch.int64)
         new.all_reduce(gen_t, op=mpicomm.ReduceOp.MIN)
         gen = int(gen_t)
         if dist.is_available() and dist.is_initialized():

@@ -8,7 +8,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from . import fsdp, gradrep, repartition, replicas, reshard, values
+from . import fsdp, gradrep, repartition, replicas, reshard, shm, values
 
 _OWN = frozenset({"model", "optimizer", "checkpoint_dir", "checkpoint_every", "failure_domain", "replicate"})
 #: How a ZeroOptimizer's shards reach the buddy: the state each commit, or the gradient each step.
@@ -39,13 +39,22 @@ class Commit:
     other: list[dict[str, Any]] = field(default_factory=list)  # ZeroOptimizer: per group, its non-elementwise state
     keys: list[list[str]] = field(default_factory=list)        # ZeroOptimizer: per group, its elementwise state names
     fsdp: Any = None                      # FSDP2 model: elastic.fsdp.commit's packed shards and the rest
+    own_shm: Any = None                   # elastic.shm.Segment ``own`` lies in (mapped by the buddy)
+    ward_shm: Any = None                  # elastic.shm.Segment ``ward`` is mapped from (the ward's own copy)
 
     def nbytes(self) -> int:
-        """Bytes of tensors this commit holds."""
+        """Bytes of tensors this commit holds (a ward's copy mapped from shared memory is the
+        ward's, counted there)."""
         own = [] if self.own_live or self.own is self.own_copy else self.own    # the live shard is not a copy
+        ward = [] if self.ward_shm is not None else self.ward
         return (values.nbytes(self.model) + values.nbytes(self.optimizer) + values.nbytes(self.attrs)
-                + values.nbytes(own) + values.nbytes(self.own_copy) + values.nbytes(self.ward)
+                + values.nbytes(own) + values.nbytes(self.own_copy) + values.nbytes(ward)
                 + values.nbytes(self.grad) + values.nbytes(self.fsdp))
+
+    def ward_whole(self) -> bool:
+        """Whether the ward's copy of this commit is whole (one mapped from shared memory may
+        have been overwritten by a later commit of the ward, or cut short by its death)."""
+        return self.ward_shm is None or self.ward_shm.holds(self.gen)
 
 
 def _plain_zero(opt: Any) -> bool:
@@ -127,7 +136,8 @@ class TorchState:
         object.__setattr__(self, "checkpoint_every", checkpoint_every)
         object.__setattr__(self, "failure_domain", failure_domain)
         object.__setattr__(self, "replicate", replicate)
-        object.__setattr__(self, "_strides", (None, 1))     # (communicator, its replica stride)
+        object.__setattr__(self, "_strides", (None, 1, []))  # (communicator, its replica stride, host ids)
+        object.__setattr__(self, "_shared", (None, None))    # (communicator, elastic.shm.Shared over it)
         object.__setattr__(self, "_count", 0)           # user commits so far (restored by a resume)
         object.__setattr__(self, "_saving", None)       # the ckpt.SaveHandle in flight
         object.__setattr__(self, "resumed", None)       # what the resume from checkpoint_dir loaded
@@ -191,6 +201,15 @@ class TorchState:
         """How many commits this rank completed (0: none yet)."""
         return self._commits[-1].gen if self._commits else 0
 
+    def _rollback_generation(self, old_rank: int, old_world: int, survivors: list[int]) -> int:
+        """The newest commit this rank holds whole for a recovery over ``survivors`` (old
+        ranks): when its ward was lost, the ward's copy must be whole (one mapped from shared
+        memory may have been overwritten or cut short by the ward); 0 if none."""
+        for c in reversed(self._commits):
+            if old_world < 2 or replicas.ward(old_rank, old_world, c.stride) in survivors or c.ward_whole():
+                return c.gen
+        return 0
+
     @property
     def commit_kind(self) -> str | None:
         """How the newest commit kept the ZeroOptimizer shards: ``"gradient"`` (the buddy replayed
@@ -208,19 +227,34 @@ class TorchState:
     def _stride(self, comm: Any) -> int:
         """The replica stride over ``comm`` from every rank's failure domain (collective, once
         per communicator): ``failure_domain``, else the host's name."""
-        known, value = self._strides
+        known, value, _ = self._strides
         if known is not comm:
             import hashlib
 
             from mpi4py import MPI
 
-            name = self.failure_domain or MPI.Get_processor_name()
-            mine = int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little", signed=True)
-            ids = torch.zeros(int(comm.size), dtype=torch.int64)
-            comm.all_gather_into_tensor(ids, torch.tensor([mine], dtype=torch.int64))
-            value = replicas.stride(ids.tolist())
-            object.__setattr__(self, "_strides", (comm, value))
+            def tag(name: str) -> int:
+                return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little", signed=True)
+            host = MPI.Get_processor_name()
+            ids = torch.zeros(2 * int(comm.size), dtype=torch.int64)
+            comm.all_gather_into_tensor(ids, torch.tensor([tag(self.failure_domain or host), tag(host)],
+                                                          dtype=torch.int64))
+            value = replicas.stride(ids[0::2].tolist())
+            object.__setattr__(self, "_strides", (comm, value, ids[1::2].tolist()))
         return value
+
+    def _shared_over(self, comm: Any, stride: int, pieces: list[torch.Tensor]) -> Any:
+        """What goes through shared memory with the buddy and the ward over ``comm``
+        (``elastic.shm``), set up at the first commit over it (point to point with both)."""
+        known, shared = self._shared
+        if known is comm and shared is not None and shared.fits(pieces):
+            return shared
+        hosts = self._strides[2]
+        me, world = int(comm.rank), int(comm.size)
+        buddy, ward = replicas.buddy(me, world, stride), replicas.ward(me, world, stride)
+        shared = shm.setup(comm, buddy, ward, hosts[buddy] == hosts[me], hosts[ward] == hosts[me], pieces)
+        object.__setattr__(self, "_shared", (comm, shared))
+        return shared
 
     def replica_bytes(self) -> int:
         """Bytes this rank holds in commits (both generations; with a ZeroOptimizer of a plain
@@ -480,16 +514,30 @@ class TorchState:
             pieces.append(g.master)
             pieces.extend(elementwise[k] for k in names)
         pieces = [t.detach() for t in pieces]
-        c.own = _buffers_like(pieces, old.own)
         comm, world = opt.comm, int(opt.comm.size)
+        shared = self._shared_over(comm, c.stride, pieces) if world > 1 else None
+        own = shared.own if shared is not None else None
+        if own is not None:         # the buddy maps this rank's copy: nothing to send
+            c.own = own.pieces(c.gen)
+            own.begin(c.gen)
+        else:
+            c.own = _buffers_like(pieces, [] if old.own_shm is not None else old.own)
+        c.own_shm = own
         works = []
         if world > 1:
-            c.ward = _buffers_like(pieces, old.ward)
             me = int(comm.rank)
-            for i, (mine, theirs) in enumerate(zip(pieces, c.ward)):
-                works.append(comm.irecv(theirs, replicas.ward(me, world, c.stride), tag=_TAG + i))
-                works.append(comm.isend(mine, replicas.buddy(me, world, c.stride), tag=_TAG + i))
+            if shared.ward is not None:
+                c.ward, c.ward_shm = shared.ward.pieces(c.gen), shared.ward
+            else:
+                c.ward = _buffers_like(pieces, [] if old.ward_shm is not None else old.ward)
+                for i, theirs in enumerate(c.ward):
+                    works.append(comm.irecv(theirs, replicas.ward(me, world, c.stride), tag=_TAG + i))
+            if own is None:
+                for i, mine in enumerate(pieces):
+                    works.append(comm.isend(mine, replicas.buddy(me, world, c.stride), tag=_TAG + i))
         _copy_polling(c.own, pieces, works)
+        if own is not None:
+            own.finish(c.gen)
         return works
 
     # -- rollback (run by elastic.run on every survivor) ----------------------------------------
@@ -555,6 +603,11 @@ class TorchState:
                 f"{c.stride} on, both failed; survivors: old ranks {survivors}); no checkpoint_dir to fall back to",
                 lost)
         me = survivors[int(new_comm.rank)]
+        wards = [s for s, h in enumerate(held) if h == me and s != me]
+        if wards and not c.ward_whole():
+            raise ShardsLostError(
+                f"elastic: the ZeroOptimizer shard of old rank {wards[0]} is lost: its copy in shared "
+                f"memory no longer holds commit {c.gen} (that rank was writing a later commit)", wards)
         senders = [survivors.index(h) for h in held]        # the new rank that sends old shard s
         opt = self.optimizer
         local, i = [], 0

@@ -7,7 +7,9 @@ warm-up: Adam exactly); WHERE: none | between (after the commit of step
 STEP) | backward (inside a DDP bucket allreduce / ZeroOptimizer gradient reduction) | zstep
 (inside ZeroOptimizer.step, in the wrapped optimizer's update: after a ZeroOptimizer of a plain
 optimizer sent its gradient to the buddy, before the update) | commit (inside commit(), between
-sending two shard pieces to the buddy: a full-state commit) | exchange (between the sends of the
+sending two shard pieces to the buddy: a full-state commit; the replicas go through MPI, as
+between hosts, MPICOMM_ELASTIC_SHM=0) | copy (inside commit(), half way through copying the shard
+into the shared memory its buddy maps: the copy is cut short) | exchange (between the sends of the
 gradient exchange at the first update after a commit) | agree / agreed (inside commit(), just
 before / after the commit's agreement); RANK: the world rank that os._exit(9)s at step STEP.
 EVERY: commit every EVERY steps (default 1; a commit after more than one update sends the full
@@ -48,6 +50,18 @@ def main() -> None:
     def die(at: str) -> None:
         if where == at and me == victim:
             os._exit(9)
+
+    if where == "commit":
+        os.environ[elastic.shm.ENV] = "0"
+    if where == "copy":
+        copy = elastic.state._copy_polling
+
+        def copy_then_die(dst, src, works):
+            if inside[0] and state.step == kill_step + 1 and me == victim:
+                dst[0].view(-1)[: dst[0].numel() // 2].copy_(src[0].reshape(-1)[: dst[0].numel() // 2])
+                die("copy")
+            copy(dst, src, works)
+        elastic.state._copy_polling = copy_then_die
 
     mdist.init_process_group()
     model = make_model()

@@ -54,7 +54,8 @@ def _launch(n: int, args: list[str], timeout: float = 240) -> subprocess.Complet
 
 # (ranks, optimizer, where, victim, step, commit every): rank 0 (the store's host) and non-zero
 # ranks, between steps, inside backward (DDP bucket all-reduce, ZeroOptimizer gradient
-# reduction), inside a ZeroOptimizer step, inside commit(); 3 and 4 ranks; 1-bit Adam in a
+# reduction), inside a ZeroOptimizer step, inside commit() (sending through MPI; copying into
+# the shared memory a buddy on the same host maps); 3 and 4 ranks; 1-bit Adam in a
 # ZeroOptimizer. zero1g / zero2g replicate by gradient: inside the step after the gradient went
 # to the buddy (before the update), inside the gradient exchange, just before and just after a
 # commit's agreement, inside a full commit (committing every 2 steps). Each job takes 15-40 s here.
@@ -64,6 +65,7 @@ CASES = [
     (3, "zero1", "zstep", 1, 2, 1),
     (4, "zero2", "backward", 0, 3, 1),
     (3, "zero2", "commit", 2, 1, 1),
+    (4, "zero1", "copy", 2, 2, 1),        # on one host: cut short writing its shared-memory copy
     (3, "zero1g", "zstep", 1, 2, 1),
     (4, "zero1g", "exchange", 1, 2, 1),
     (3, "zero2g", "agree", 0, 2, 1),

@@ -277,13 +277,18 @@ def _drop(world: mpicomm.Communicator, dropped: list[int]):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("opt_kind,every", [("zero1", 1), ("zero2", 1), ("adam", 1), ("onebit", 1),
-                                            ("zero1-gradient", 1), ("zero2-gradient", 1), ("zero2-gradient", 3)])
+                                            ("zero2-mpi", 1), ("zero1-gradient", 1), ("zero2-gradient", 1),
+                                            ("zero2-gradient", 3)])
 @pytest.mark.parametrize("drop", ["first", "last", "two"])
-def test_rollback_over_fewer_ranks_matches_the_reference(opt_kind, drop, every):
+def test_rollback_over_fewer_ranks_matches_the_reference(opt_kind, drop, every, monkeypatch):
     """``onebit``: 1-bit Adam in its warm-up, which is Adam (without weight decay) exactly.
-    ``-gradient``: ``replicate="gradient"``. ``every``: commit after every step (replicated by
-    gradient from the second commit on) or after step 3 only (a full commit); step 4 is done,
-    not committed."""
+    ``-gradient``: ``replicate="gradient"``. ``-mpi``: replicas sent through MPI, as between
+    hosts (on one host they go through shared memory). ``every``: commit after every step
+    (replicated by gradient from the second commit on) or after step 3 only (a full commit);
+    step 4 is done, not committed."""
+    if opt_kind.endswith("-mpi"):
+        monkeypatch.setenv(elastic.shm.ENV, "0")
+        opt_kind = opt_kind[:-4]
     world = mpicomm.Communicator(WORLD)
     n = world.size
     dropped = {"first": [0], "last": [n - 1], "two": [0, 2] if n >= 4 else [0]}[drop]
@@ -489,3 +494,71 @@ def test_commits_by_gradient_keep_every_replica_exact(stage):
     # gradient, 4 bytes each per shard element; the model's weights are gathered from the masters
     numel = sum(g.master.numel() for g in opt.groups)
     assert state.replica_bytes() == (3 + 3 + 1) * 4 * numel, (state.replica_bytes(), numel)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("shared", [True, False])
+def test_replicas_on_one_host_go_through_shared_memory(shared, monkeypatch):
+    """On one host the buddy maps the rank's own committed copy (no copy of its own, nothing
+    sent); with MPICOMM_ELASTIC_SHM=0 it receives one. Either way the ward's copy held here is
+    the ward's shard at the commit, as the ward sends it now."""
+    if not shared:
+        monkeypatch.setenv(elastic.shm.ENV, "0")
+    world = mpicomm.Communicator(WORLD)
+    comm = world.dup()
+    model = make_model()
+    opt = ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=2, comm=comm, lr=LR)
+    state = elastic.TorchState(model=model, optimizer=opt, comm=comm, step=0)
+    me, n = comm.rank, comm.size
+    for step in range(3):
+        opt.zero_grad()
+        local_loss(model, step, me, n).backward()
+        opt.step()
+        state.step += 1
+        state.commit()
+    c = state._commits[-1]
+    live = [t.detach().clone() for t in state._live_pieces()[0]]
+    buddy, ward = (me + 1) % n, (me - 1) % n
+    theirs = [torch.empty_like(t) for t in live]
+    works = [comm.isend(t, buddy, tag=77 + i) for i, t in enumerate(live)]
+    works += [comm.irecv(t, ward, tag=77 + i) for i, t in enumerate(theirs)]
+    for w in works:
+        w.wait()
+
+    def check():
+        assert (c.ward_shm is not None) == shared and (c.own_shm is not None) == shared
+        for got, want in zip(c.ward, theirs):
+            assert torch.equal(got, want), "the ward's copy differs from its shard at the commit"
+        for got, want in zip(c.own, live):
+            assert torch.equal(got, want)
+        own = sum(t.numel() * t.element_size() for t in live)
+        held = sum(x.nbytes() for x in state._commits) - sum(
+            elastic.values.nbytes(x.model) + elastic.values.nbytes(x.attrs) for x in state._commits)
+        assert held == (2 if shared else 4) * own, (held, own)
+        assert c.ward_whole()
+    check_all(check, WORLD)
+    WORLD.Barrier()
+
+
+def test_shared_segment_slots_say_which_commit_they_hold():
+    """Slots alternate by the commit's parity; a slot being written, or written by a later
+    commit, no longer holds the commit."""
+    pieces = [torch.zeros(5), torch.zeros(3, dtype=torch.bfloat16)]
+    made = elastic.shm._create(elastic.shm._specs(pieces))
+    if made is None:
+        pytest.skip("no room in /dev/shm")
+    os_path = elastic.shm.os.path.join(elastic.shm.DIR, made[0])
+    elastic.shm.os.unlink(os_path)
+    seg = elastic.shm.Segment(made[1], elastic.shm._specs(pieces))
+    assert [t.shape for t in seg.pieces(1)] == [(5,), (3,)] and seg.pieces(1)[1].dtype == torch.bfloat16
+    assert seg.pieces(1)[0].data_ptr() != seg.pieces(2)[0].data_ptr()
+    assert seg.pieces(1)[0].data_ptr() == seg.pieces(3)[0].data_ptr()
+    seg.begin(1)
+    seg.pieces(1)[0].fill_(1.5)
+    assert not seg.holds(1)
+    seg.finish(1)
+    assert seg.holds(1) and not seg.holds(3) and not seg.holds(2)
+    seg.begin(3)                 # the owner overwrites the slot with commit 3
+    assert not seg.holds(1) and not seg.holds(3)
+    seg.finish(3)
+    assert seg.holds(3) and not seg.holds(1)
