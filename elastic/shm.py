@@ -6,8 +6,13 @@ the shard of a rank killed on its host; a host lost whole takes both, as it take
 held in the buddy's own memory. Buddies on other hosts (``TorchState``'s failure domains put
 them there when there are several hosts) are sent the shard through MPI as before.
 
-Each rank's segment holds two slots (the two commits a ``TorchState`` keeps), each a header
-(the generation it holds, -1 while it is written) and the pieces. The file is unlinked as soon
+Each rank's segment holds two areas, each a header (the generation it holds, -1 while it is
+written) and the pieces: when some buddy is sent its shard through MPI, two slots (the two
+commits a ``TorchState`` keeps then: a commit can be cut short on a survivor); when every
+replica goes through shared memory, the rank's live shard (its optimizer state is moved there)
+and one slot: no commit sends anything, so every survivor completes the commit it is in, and a
+rank that dies writing its slot leaves its live shard, still what that commit was copying, to
+its buddy. One extra shard per rank. The file is unlinked as soon
 as the buddy has mapped it: nothing is left in ``/dev/shm`` however the job ends, and the
 memory goes back when the last of the two processes does.
 """
@@ -50,49 +55,67 @@ def _layout(specs: Sequence[tuple[str, int]]) -> tuple[list[int], int]:
 
 
 class Segment:
-    """Two slots of one rank's commit pieces in one shared mapping."""
+    """One rank's two areas of commit pieces in one shared mapping: two slots taken in turn by
+    the commits' parity, or (``live``) the rank's live shard and one slot."""
 
     def __init__(self, mm: mmap.mmap, specs: Sequence[tuple[str, int]]) -> None:
         self._mm = mm                                   # kept: the views below borrow it
         base = torch.frombuffer(mm, dtype=torch.uint8)
         offsets, size = _layout(specs)
         self.specs = [tuple(s) for s in specs]
-        self._headers, self._slots = [], []
-        for slot in range(2):
-            at = slot * size
+        self.live = False
+        self._headers, self._areas = [], []
+        for area in range(2):
+            at = area * size
             self._headers.append(base[at:at + 8].view(torch.int64))
-            self._slots.append([base[at + o:at + o + n * getattr(torch, d).itemsize].view(getattr(torch, d))
+            self._areas.append([base[at + o:at + o + n * getattr(torch, d).itemsize].view(getattr(torch, d))
                                 for o, (d, n) in zip(offsets, specs)])
 
     @staticmethod
     def nbytes(specs: Sequence[tuple[str, int]]) -> int:
         return 2 * _layout(specs)[1]
 
+    def _slot(self, gen: int) -> int:
+        return 1 if self.live else gen % 2
+
     def pieces(self, gen: int) -> list[torch.Tensor]:
-        """The slot of commit ``gen`` (its parity)."""
-        return self._slots[gen % 2]
+        """The slot of commit ``gen``."""
+        return self._areas[self._slot(gen)]
+
+    def live_pieces(self) -> list[torch.Tensor]:
+        """The live shard's area (``live`` only)."""
+        assert self.live
+        return self._areas[0]
 
     def begin(self, gen: int) -> None:
         """Mark commit ``gen``'s slot as being written."""
-        self._headers[gen % 2].fill_(-1)
+        self._headers[self._slot(gen)].fill_(-1)
 
     def finish(self, gen: int) -> None:
         """Mark commit ``gen``'s slot as holding it whole."""
-        self._headers[gen % 2].fill_(gen)
+        self._headers[self._slot(gen)].fill_(gen)
 
     def holds(self, gen: int) -> bool:
         """Whether commit ``gen``'s slot holds it whole (its owner finished writing it and has
         not begun a later commit there)."""
-        return int(self._headers[gen % 2]) == gen
+        return int(self._headers[self._slot(gen)]) == gen
 
 
 class Shared:
-    """What goes through shared memory between this rank and its buddy and ward."""
+    """What goes through shared memory between this rank and its buddy and ward. ``live``: every
+    rank of the communicator has both in shared memory, and each keeps its live shard there too
+    (one slot then: a rank that dies writing its commit leaves its live shard, which that commit
+    was copying, to its buddy)."""
 
-    def __init__(self, own: Segment | None, ward: Segment | None, specs: list[tuple[str, int]]) -> None:
+    def __init__(self, own: Segment | None, ward: Segment | None, specs: list[tuple[str, int]],
+                 live: bool = False) -> None:
         self.own = own      # this rank's slots, mapped by its buddy (None: the shard is sent)
         self.ward = ward    # the ward's slots, mapped here (None: its shard is received)
         self.specs = specs
+        self.live = live
+        for seg in (own, ward):
+            if seg is not None:
+                seg.live = live
 
     def fits(self, pieces: Sequence[torch.Tensor]) -> bool:
         return _specs(pieces) == self.specs
@@ -146,10 +169,12 @@ def _recv_text(comm: Any, src: int, tag: int) -> str:
 
 
 def setup(comm: Any, buddy: int, ward: int, buddy_here: bool, ward_here: bool,
-          pieces: Sequence[torch.Tensor]) -> Shared:
+          pieces: Sequence[torch.Tensor], live: bool = False) -> Shared:
     """Agree with the buddy and the ward (point to point over ``comm``) on what goes through
     shared memory: this rank's slots when ``buddy_here`` (the buddy runs on this host) and the
-    buddy could map them, the ward's likewise. Every rank of ``comm`` calls it at the same
+    buddy could map them, the ward's likewise; ``Shared.live`` when all of it does on every
+    rank and every rank passes ``live`` (its live shard can be kept there: the optimizer
+    updates the tensors ``pieces`` in place). Every rank of ``comm`` calls it at the same
     commit."""
     specs = _specs(pieces)
     made = _create(specs) if buddy_here and enabled() else None
@@ -168,4 +193,12 @@ def setup(comm: Any, buddy: int, ward: int, buddy_here: bool, ward_here: bool,
     if made is not None:
         os.unlink(os.path.join(DIR, made[0]))          # mapped by both, or by none: gone either way
         own = Segment(made[1], specs) if int(ack) else None
-    return Shared(own, Segment(mapped, specs) if mapped is not None else None, specs)
+    everywhere = torch.tensor([int(live and own is not None and mapped is not None)], dtype=torch.int64)
+    comm.all_reduce(everywhere, op=_min())
+    return Shared(own, Segment(mapped, specs) if mapped is not None else None, specs, live=bool(everywhere))
+
+
+def _min() -> Any:
+    import mpicomm
+
+    return mpicomm.ReduceOp.MIN

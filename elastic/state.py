@@ -41,6 +41,7 @@ class Commit:
     fsdp: Any = None                      # FSDP2 model: elastic.fsdp.commit's packed shards and the rest
     own_shm: Any = None                   # elastic.shm.Segment ``own`` lies in (mapped by the buddy)
     ward_shm: Any = None                  # elastic.shm.Segment ``ward`` is mapped from (the ward's own copy)
+    ward_live: list[torch.Tensor] = field(default_factory=list)  # its live shard, when it is kept there
 
     def nbytes(self) -> int:
         """Bytes of tensors this commit holds (a ward's copy mapped from shared memory is the
@@ -55,6 +56,14 @@ class Commit:
         """Whether the ward's copy of this commit is whole (one mapped from shared memory may
         have been overwritten by a later commit of the ward, or cut short by its death)."""
         return self.ward_shm is None or self.ward_shm.holds(self.gen)
+
+    def ward_pieces(self) -> list[torch.Tensor]:
+        """The ward's shard at this commit, when the ward is lost: its copy, or, where its live
+        shard is kept in shared memory and it died before it finished this commit's copy, that
+        live shard (what the copy was of: nothing changes it between a step and its commit)."""
+        if self.ward_whole() or not self.ward_live:
+            return self.ward
+        return self.ward_live
 
 
 def _plain_zero(opt: Any) -> bool:
@@ -138,6 +147,7 @@ class TorchState:
         object.__setattr__(self, "replicate", replicate)
         object.__setattr__(self, "_strides", (None, 1, []))  # (communicator, its replica stride, host ids)
         object.__setattr__(self, "_shared", (None, None))    # (communicator, elastic.shm.Shared over it)
+        object.__setattr__(self, "_live_hooked", None)       # the ZeroOptimizer _keep_live watches
         object.__setattr__(self, "_count", 0)           # user commits so far (restored by a resume)
         object.__setattr__(self, "_saving", None)       # the ckpt.SaveHandle in flight
         object.__setattr__(self, "resumed", None)       # what the resume from checkpoint_dir loaded
@@ -206,7 +216,8 @@ class TorchState:
         ranks): when its ward was lost, the ward's copy must be whole (one mapped from shared
         memory may have been overwritten or cut short by the ward); 0 if none."""
         for c in reversed(self._commits):
-            if old_world < 2 or replicas.ward(old_rank, old_world, c.stride) in survivors or c.ward_whole():
+            if old_world < 2 or replicas.ward(old_rank, old_world, c.stride) in survivors or c.ward_whole() \
+                    or c.ward_live:
                 return c.gen
         return 0
 
@@ -242,19 +253,6 @@ class TorchState:
             value = replicas.stride(ids[0::2].tolist())
             object.__setattr__(self, "_strides", (comm, value, ids[1::2].tolist()))
         return value
-
-    def _shared_over(self, comm: Any, stride: int, pieces: list[torch.Tensor]) -> Any:
-        """What goes through shared memory with the buddy and the ward over ``comm``
-        (``elastic.shm``), set up at the first commit over it (point to point with both)."""
-        known, shared = self._shared
-        if known is comm and shared is not None and shared.fits(pieces):
-            return shared
-        hosts = self._strides[2]
-        me, world = int(comm.rank), int(comm.size)
-        buddy, ward = replicas.buddy(me, world, stride), replicas.ward(me, world, stride)
-        shared = shm.setup(comm, buddy, ward, hosts[buddy] == hosts[me], hosts[ward] == hosts[me], pieces)
-        object.__setattr__(self, "_shared", (comm, shared))
-        return shared
 
     def replica_bytes(self) -> int:
         """Bytes this rank holds in commits (both generations; with a ZeroOptimizer of a plain
@@ -353,6 +351,8 @@ class TorchState:
         for w in works:
             w.wait()
         self._commits.append(c)
+        if c.own_shm is not None and c.own_shm.live:
+            del self._commits[:-1]      # one slot: this commit took the previous one's place
         object.__setattr__(self, "_count", count)
         object.__setattr__(self, "commit_seconds", self.commit_seconds + time.perf_counter() - t0)
 
@@ -377,7 +377,7 @@ class TorchState:
             other.append(values.save(rest)[1])
             pieces.append(g.master)
             pieces.extend(elementwise[k] for k in names)
-        return [t.detach() for t in pieces], keys, other
+        return pieces, keys, other
 
     def _ensure_hook(self) -> None:
         opt = self.optimizer
@@ -447,6 +447,7 @@ class TorchState:
         c = Commit(self.generation + 1, count, comm=comm)
         c.stride = self._stride(comm)
         live, c.keys, c.other = self._live_pieces()
+        live = [t.detach() for t in live]
         by_grad = prev is not None and gradrep.gradient_commit(
             prev.comm is not None, prev.comm is comm and prev.stride == c.stride, prev.updates,
             prev.grad_hp is not None)
@@ -503,19 +504,13 @@ class TorchState:
     def _send_shards(self, c: Commit, old: Commit) -> list[Any]:
         """Start exchanging this rank's shard pieces with the buddies (sent from the live
         tensors, which a commit does not change) and copy them into ``c`` while they travel;
-        return the transfers to wait for. Buffers of ``old`` are reused (no allocation)."""
+        return the transfers to wait for. Buffers of ``old`` are reused (no allocation). Through
+        shared memory (elastic.shm) the copy is the buddy's replica and nothing is sent."""
         opt = self.optimizer
-        pieces = []
-        for gi, g in enumerate(opt.groups):
-            elementwise, other = reshard.split_state(opt.shard_state(gi), g.master)
-            names = sorted(elementwise)
-            c.keys.append(names)
-            c.other.append(values.save(other)[1])
-            pieces.append(g.master)
-            pieces.extend(elementwise[k] for k in names)
-        pieces = [t.detach() for t in pieces]
+        originals, c.keys, c.other = self._live_pieces()
         comm, world = opt.comm, int(opt.comm.size)
-        shared = self._shared_over(comm, c.stride, pieces) if world > 1 else None
+        shared = self._shared_over(comm, c.stride, originals) if world > 1 else None
+        pieces = [t.detach() for t in originals]     # after the move into shared memory, if any
         own = shared.own if shared is not None else None
         if own is not None:         # the buddy maps this rank's copy: nothing to send
             c.own = own.pieces(c.gen)
@@ -528,6 +523,7 @@ class TorchState:
             me = int(comm.rank)
             if shared.ward is not None:
                 c.ward, c.ward_shm = shared.ward.pieces(c.gen), shared.ward
+                c.ward_live = shared.ward.live_pieces() if shared.live else []
             else:
                 c.ward = _buffers_like(pieces, [] if old.ward_shm is not None else old.ward)
                 for i, theirs in enumerate(c.ward):
@@ -539,6 +535,50 @@ class TorchState:
         if own is not None:
             own.finish(c.gen)
         return works
+
+    def _shared_over(self, comm: Any, stride: int, originals: list[torch.Tensor]) -> Any:
+        """What goes through shared memory with the buddy and the ward over ``comm``
+        (``elastic.shm``), set up at the first commit over it or when the shard's tensors change
+        (point to point with both, and one agreement over ``comm``). When all of it does (one
+        host), this rank's live shard is moved into its segment, where the buddy sees it."""
+        known, shared = self._shared
+        if known is comm and shared is not None and shared.fits(originals):
+            return shared
+        hosts = self._strides[2]
+        me, world = int(comm.rank), int(comm.size)
+        buddy, ward = replicas.buddy(me, world, stride), replicas.ward(me, world, stride)
+        shared = shm.setup(comm, buddy, ward, hosts[buddy] == hosts[me], hosts[ward] == hosts[me], originals,
+                           live=_plain_zero(self.optimizer))
+        object.__setattr__(self, "_shared", (comm, shared))
+        if shared.live:
+            self._keep_live(self.optimizer)
+            if self._live_hooked is not self.optimizer:
+                import weakref
+
+                me_ref = weakref.ref(self)
+
+                def after_update(o: Any) -> None:
+                    state = me_ref()
+                    if state is not None:
+                        state._keep_live(o)
+                self.optimizer.register_update_post_hook(after_update)
+                object.__setattr__(self, "_live_hooked", self.optimizer)
+        return shared
+
+    @torch.no_grad()
+    def _keep_live(self, opt: Any) -> None:
+        """Keep the live shard in its shared-memory area: tensors the optimizer made anew since
+        (it updates in place as a rule) are copied there and rebound to it."""
+        known, shared = self._shared
+        if opt is not self.optimizer or shared is None or not shared.live or known is not opt.comm:
+            return
+        originals = self._live_pieces()[0]
+        if not shared.fits(originals):
+            return                  # other tensors: the next commit sets the segments up again
+        for t, area in zip(originals, shared.own.live_pieces()):
+            if t.data_ptr() != area.data_ptr():
+                area.copy_(t.reshape(-1))
+                t.set_(area.view(t.shape))
 
     # -- rollback (run by elastic.run on every survivor) ----------------------------------------
 
@@ -604,16 +644,17 @@ class TorchState:
                 lost)
         me = survivors[int(new_comm.rank)]
         wards = [s for s, h in enumerate(held) if h == me and s != me]
-        if wards and not c.ward_whole():
+        if wards and not c.ward_whole() and not c.ward_live:
             raise ShardsLostError(
                 f"elastic: the ZeroOptimizer shard of old rank {wards[0]} is lost: its copy in shared "
                 f"memory no longer holds commit {c.gen} (that rank was writing a later commit)", wards)
         senders = [survivors.index(h) for h in held]        # the new rank that sends old shard s
+        ward = c.ward_pieces() if wards else c.ward
         opt = self.optimizer
         local, i = [], 0
         for gi, (g, layout) in enumerate(zip(opt.groups, opt.layouts_for(int(new_comm.size)))):
             kinds = 1 + len(c.keys[gi])                     # the master, then the elementwise state
-            rows = {s: (c.own if s == me else c.ward)[i:i + kinds] for s, h in enumerate(held) if h == me}
+            rows = {s: (c.own if s == me else ward)[i:i + kinds] for s, h in enumerate(held) if h == me}
             incoming = reshard.pieces_to(g.layout, layout, int(new_comm.rank))
             outgoing = [p for s in rows for p in reshard.pieces_from(g.layout, layout, s)]
             master, *rest = repartition.exchange(new_comm, incoming, outgoing, rows, senders,

@@ -500,8 +500,9 @@ def test_commits_by_gradient_keep_every_replica_exact(stage):
 @pytest.mark.parametrize("shared", [True, False])
 def test_replicas_on_one_host_go_through_shared_memory(shared, monkeypatch):
     """On one host the buddy maps the rank's own committed copy (no copy of its own, nothing
-    sent); with MPICOMM_ELASTIC_SHM=0 it receives one. Either way the ward's copy held here is
-    the ward's shard at the commit, as the ward sends it now."""
+    sent) and its live shard, which moves into shared memory: one commit, one extra shard; with
+    MPICOMM_ELASTIC_SHM=0 it receives a copy, two commits held. Either way the ward's copy held
+    here is the ward's shard at the commit, as the ward sends it now."""
     if not shared:
         monkeypatch.setenv(elastic.shm.ENV, "0")
     world = mpicomm.Communicator(WORLD)
@@ -534,9 +535,27 @@ def test_replicas_on_one_host_go_through_shared_memory(shared, monkeypatch):
         own = sum(t.numel() * t.element_size() for t in live)
         held = sum(x.nbytes() for x in state._commits) - sum(
             elastic.values.nbytes(x.model) + elastic.values.nbytes(x.attrs) for x in state._commits)
-        assert held == (2 if shared else 4) * own, (held, own)
+        assert held == (1 if shared else 4) * own, (held, own)
         assert c.ward_whole()
+        assert len(state._commits) == (1 if shared else 2)
+        if shared:      # the live shard is in the area the buddy maps, and updates go there
+            area = state._shared[1].own.live_pieces()
+            assert [t.data_ptr() for t in state._live_pieces()[0]] == [a.data_ptr() for a in area]
+            for got, want in zip(c.ward_live, theirs):
+                assert torch.equal(got, want), "the ward's live shard differs from what it sent"
     check_all(check, WORLD)
+    if shared:      # an optimizer that makes a state tensor anew: moved back after the update
+        st = opt.optimizer.state[opt.groups[0].master]
+        st["exp_avg"] = st["exp_avg"].clone()
+        opt.zero_grad()
+        local_loss(model, 3, me, n).backward()
+        opt.step()
+
+        def moved_back():
+            area = state._shared[1].own.live_pieces()
+            assert [t.data_ptr() for t in state._live_pieces()[0]] == [a.data_ptr() for a in area]
+            assert torch.equal(area[1], st["exp_avg"].reshape(-1))
+        check_all(moved_back, WORLD)
     WORLD.Barrier()
 
 

@@ -162,6 +162,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._finite: bool | None = None                                    # all averaged gradients finite
         self._hooks = []
         self._update_pre_hooks: OrderedDict[int, Callable[["ZeroOptimizer"], None]] = OrderedDict()
+        self._update_post_hooks: OrderedDict[int, Callable[["ZeroOptimizer"], None]] = OrderedDict()
         me = weakref.ref(self)
         for gi, g in enumerate(self._groups):
             for pi, p in enumerate(g.params):
@@ -351,6 +352,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for hook in list(self._update_pre_hooks.values()):
                 hook(self)
             self.optimizer.step()
+        for hook in list(self._update_post_hooks.values()):
+            hook(self)
         self.gather_params()
         return loss
 
@@ -392,6 +395,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
         handle = RemovableHandle(self._update_pre_hooks)
         self._update_pre_hooks[handle.id] = hook
+        return handle
+
+    def register_update_post_hook(self, hook: Callable[["ZeroOptimizer"], None]) -> Any:
+        """Call ``hook(self)`` in ``step()`` right after the shards were updated (any update,
+        1-bit Adam's compressed ones included; not when a step is skipped), before the weights
+        are gathered. Returns a handle with ``remove()``."""
+        from torch.utils.hooks import RemovableHandle
+
+        handle = RemovableHandle(self._update_post_hooks)
+        self._update_post_hooks[handle.id] = hook
         return handle
 
     def update_hyperparams(self) -> list[dict[str, Any]]:
