@@ -42,6 +42,7 @@ class Commit:
     own_shm: Any = None                   # elastic.shm.Segment ``own`` lies in (mapped by the buddy)
     ward_shm: Any = None                  # elastic.shm.Segment ``ward`` is mapped from (the ward's own copy)
     ward_live: list[torch.Tensor] = field(default_factory=list)  # its live shard, when it is kept there
+    new_segments: bool = False            # this commit set the shared memory up (a collective: see _commit)
 
     def nbytes(self) -> int:
         """Bytes of tensors this commit holds (a ward's copy mapped from shared memory is the
@@ -351,8 +352,11 @@ class TorchState:
         for w in works:
             w.wait()
         self._commits.append(c)
-        if c.own_shm is not None and c.own_shm.live:
-            del self._commits[:-1]      # one slot: this commit took the previous one's place
+        if c.own_shm is not None and c.own_shm.live and not c.new_segments:
+            # one slot: this commit took the previous one's place. One that set new segments up
+            # ran a collective, which a failure may have cut short on some survivors only: the
+            # previous commit, in the old segments, stays until the next commit.
+            del self._commits[:-1]
         object.__setattr__(self, "_count", count)
         object.__setattr__(self, "commit_seconds", self.commit_seconds + time.perf_counter() - t0)
 
@@ -509,7 +513,9 @@ class TorchState:
         opt = self.optimizer
         originals, c.keys, c.other = self._live_pieces()
         comm, world = opt.comm, int(opt.comm.size)
+        before = self._shared[1]
         shared = self._shared_over(comm, c.stride, originals) if world > 1 else None
+        c.new_segments = shared is not before
         pieces = [t.detach() for t in originals]     # after the move into shared memory, if any
         own = shared.own if shared is not None else None
         if own is not None:         # the buddy maps this rank's copy: nothing to send

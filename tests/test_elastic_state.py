@@ -537,7 +537,7 @@ def test_replicas_on_one_host_go_through_shared_memory(shared, monkeypatch):
             elastic.values.nbytes(x.model) + elastic.values.nbytes(x.attrs) for x in state._commits)
         assert held == (1 if shared else 4) * own, (held, own)
         assert c.ward_whole()
-        assert len(state._commits) == (1 if shared else 2)
+        assert len(state._commits) == (1 if shared else 2)   # after commits on one set of segments
         if shared:      # the live shard is in the area the buddy maps, and updates go there
             area = state._shared[1].own.live_pieces()
             assert [t.data_ptr() for t in state._live_pieces()[0]] == [a.data_ptr() for a in area]
