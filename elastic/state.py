@@ -95,6 +95,8 @@ class TorchState:
     a host lost whole loses no shard; ``failure_domain`` names this rank's, default the host's
     name). The last two commits
     are held, so every survivor can roll back to the newest one that all of them completed.
+    A buddy on the same host maps the rank's copy in shared memory instead (``elastic.shm``);
+    when every buddy does, each rank's live shard moves there too and one commit is held.
     ``replicate="gradient"`` (a ZeroOptimizer of a plain torch optimizer): each step sends the
     averaged gradient shard to the buddy instead, which replays the rank's update at the commit
     (``elastic.gradrep``); one commit is held (own copy, ward's replica and gradient: 2.33
