@@ -277,18 +277,24 @@ def _drop(world: mpicomm.Communicator, dropped: list[int]):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("opt_kind,every", [("zero1", 1), ("zero2", 1), ("adam", 1), ("onebit", 1),
-                                            ("zero2-mpi", 1), ("zero1-gradient", 1), ("zero2-gradient", 1),
+                                            ("zero2-mpi", 1), ("zero2-mixed", 1), ("zero1-gradient", 1),
+                                            ("zero2-gradient", 1),
                                             ("zero2-gradient", 3)])
 @pytest.mark.parametrize("drop", ["first", "last", "two"])
 def test_rollback_over_fewer_ranks_matches_the_reference(opt_kind, drop, every, monkeypatch):
     """``onebit``: 1-bit Adam in its warm-up, which is Adam (without weight decay) exactly.
     ``-gradient``: ``replicate="gradient"``. ``-mpi``: replicas sent through MPI, as between
-    hosts (on one host they go through shared memory). ``every``: commit after every step
+    hosts (on one host they go through shared memory); ``-mixed``: rank 0 seen on a host of its
+    own, so some replicas go through MPI and others through shared memory. ``every``: commit after every step
     (replicated by gradient from the second commit on) or after step 3 only (a full commit);
     step 4 is done, not committed."""
     if opt_kind.endswith("-mpi"):
         monkeypatch.setenv(elastic.shm.ENV, "0")
         opt_kind = opt_kind[:-4]
+    mixed = opt_kind.endswith("-mixed")
+    if mixed:           # rank 0 alone on "hostA": some buddies here, some not
+        monkeypatch.setattr(MPI, "Get_processor_name", lambda: "hostA" if WORLD.rank == 0 else "hostB")
+        opt_kind = opt_kind[:-6]
     world = mpicomm.Communicator(WORLD)
     n = world.size
     dropped = {"first": [0], "last": [n - 1], "two": [0, 2] if n >= 4 else [0]}[drop]
@@ -323,6 +329,9 @@ def test_rollback_over_fewer_ranks_matches_the_reference(opt_kind, drop, every, 
     want = {1: ["full", "gradient", "gradient"], 3: ["full"]}[every] if replicate == "gradient" \
         else ["state"] * (3 // every)
     assert kinds == want
+    if mixed and n >= 3:
+        through = WORLD.allgather(state._commits[-1].own_shm is not None)
+        assert True in through and False in through, through
     new, survivors = _drop(world, dropped)
     if new is not None:
         def check():
