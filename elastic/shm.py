@@ -32,7 +32,7 @@ __all__ = ["ENV", "Segment", "Shared", "enabled", "setup"]
 ENV = "MPICOMM_ELASTIC_SHM"
 DIR = "/dev/shm"
 _ALIGN = 64
-_TAG = 29129
+_TAG = 29329   # apart from the other elastic tags (state 29029+, fsdp 29129+, repartition 29229+)
 
 
 def enabled() -> bool:
