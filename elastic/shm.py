@@ -26,6 +26,8 @@ from typing import Any, Sequence
 
 import torch
 
+import mpicomm
+
 __all__ = ["ENV", "Segment", "Shared", "enabled", "setup"]
 
 #: ``MPICOMM_ELASTIC_SHM=0`` sends every replica through MPI, on one host too.
@@ -178,27 +180,22 @@ def setup(comm: Any, buddy: int, ward: int, buddy_here: bool, ward_here: bool,
     commit."""
     specs = _specs(pieces)
     made = _create(specs) if buddy_here and enabled() else None
-    offer = json.dumps({"name": made[0], "specs": specs} if made else {})
-    works = _send_text(comm, offer, buddy, _TAG)
-    theirs = json.loads(_recv_text(comm, ward, _TAG))
-    mapped = None
-    if ward_here and theirs.get("name") and [tuple(s) for s in theirs["specs"]] == specs:
-        mapped = _open(theirs["name"], specs)
-    works.append(comm.isend(torch.tensor([int(mapped is not None)], dtype=torch.int64), ward, tag=_TAG + 2))
     ack = torch.zeros(1, dtype=torch.int64)
-    comm.irecv(ack, buddy, tag=_TAG + 2).wait()
-    for w in works:
-        w.wait()
-    own = None
-    if made is not None:
-        os.unlink(os.path.join(DIR, made[0]))          # mapped by both, or by none: gone either way
-        own = Segment(made[1], specs) if int(ack) else None
+    try:
+        offer = json.dumps({"name": made[0], "specs": specs} if made else {})
+        works = _send_text(comm, offer, buddy, _TAG)
+        theirs = json.loads(_recv_text(comm, ward, _TAG))
+        mapped = None
+        if ward_here and theirs.get("name") and [tuple(s) for s in theirs["specs"]] == specs:
+            mapped = _open(theirs["name"], specs)
+        works.append(comm.isend(torch.tensor([int(mapped is not None)], dtype=torch.int64), ward, tag=_TAG + 2))
+        comm.irecv(ack, buddy, tag=_TAG + 2).wait()
+        for w in works:
+            w.wait()
+    finally:    # mapped by both, by none, or a failure on the way: the file goes either way
+        if made is not None:
+            os.unlink(os.path.join(DIR, made[0]))
+    own = Segment(made[1], specs) if made is not None and int(ack) else None
     everywhere = torch.tensor([int(live and own is not None and mapped is not None)], dtype=torch.int64)
-    comm.all_reduce(everywhere, op=_min())
+    comm.all_reduce(everywhere, op=mpicomm.ReduceOp.MIN)
     return Shared(own, Segment(mapped, specs) if mapped is not None else None, specs, live=bool(everywhere))
-
-
-def _min() -> Any:
-    import mpicomm
-
-    return mpicomm.ReduceOp.MIN
