@@ -2,6 +2,7 @@
 training that lost nothing.
 
     mpirun --with-ft ulfm -n 4 python -m bench elastic --params 20M --kill-rank 1 --kill-step 3
+    python -m bench elastic --chaos 20      # one process: 20 ULFM jobs, ranks killed at random (elastic_chaos)
 
 Part 1, at the full world, no failure: per mode (DDP + Adam; ZeroOptimizer stage 2 + Adam with
 ``replicate="state"``, "zero" (on one host the buddy maps the rank's copy in shared memory:
@@ -206,7 +207,22 @@ def main(argv: list[str] | None = None) -> int:
                    help="part 2's replication: of the state (two generations; -mpi: through MPI on "
                         "one host too) or of the gradient")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    c = p.add_argument_group("chaos (run as one process; each trial is its own `mpirun --with-ft ulfm -n 4` job: "
+                             "bench/elastic_chaos.py)")
+    c.add_argument("--chaos", type=int, metavar="N", help="N trials of ranks killed at random moments")
+    c.add_argument("--chaos-seed", type=int, metavar="S", help="run the trial of seed S alone")
+    c.add_argument("--chaos-modes", metavar="M,M", help="modes to draw from (default: all of "
+                   "ddp,zero1,zero2,zero1-mpi,zero2-mpi,fsdp2)")
+    c.add_argument("--chaos-steps", type=int, default=8, help="training steps per trial")
+    c.add_argument("--seed", type=int, help="base seed of --chaos (trial i: seed*1000+i); default from the clock")
+    c.add_argument("--trial-timeout", type=float, default=150.0, help="seconds before a trial counts as a hang")
+    c.add_argument("--findings", metavar="FILE", help="append each failed trial (outcome, rerun command, "
+                   "what every rank printed) to FILE")
+    c.add_argument("--keep", metavar="DIR", help="keep every trial's files under DIR (default: failed ones only)")
     args = p.parse_args(argv)
+    if args.chaos is not None or args.chaos_seed is not None:
+        from . import elastic_chaos
+        return elastic_chaos.main(args)
     torch.set_num_threads(args.threads)
     comm = mpicomm.init()
     if comm.rank == 0:

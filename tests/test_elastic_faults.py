@@ -3,7 +3,8 @@
 single-process plain torch run on the same global batches (tests/elastic_job_lib.py).
 
 Each case is one job (tests/elastic_job.py) launched from a one-process test with a timeout;
-skipped where the MPI beside this Python has no ULFM (the MPICH wheel).
+skipped where the MPI beside this Python has no ULFM (the MPICH wheel), failed instead
+under MPICOMM_MPI=openmpi (tests/ulfm_guard.py).
 """
 from __future__ import annotations
 
@@ -15,11 +16,11 @@ import sys
 
 import numpy as np
 import pytest
-from mpi4py import MPI
 
 from elastic_job_lib import reference
 from mpicomm import clean_env
-from mpitest import mpiexec_cmd, mpiexec_path
+from mpitest import mpiexec_cmd
+from ulfm_guard import require_ulfm
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STEPS = 5
@@ -28,14 +29,7 @@ EXAMPLES = os.path.join(ROOT, "examples")
 
 
 def _ulfm() -> None:
-    if MPI.COMM_WORLD.Get_size() > 1:
-        pytest.skip("launches its own mpirun job")
-    if not MPI.Get_library_version().startswith("Open MPI"):
-        pytest.skip("needs Open MPI with ULFM (mpirun --with-ft ulfm); this MPI has none")
-    info = os.path.join(os.path.dirname(mpiexec_path()), "ompi_info")
-    out = subprocess.run([info], capture_output=True, text=True, timeout=60).stdout if os.path.exists(info) else ""
-    if "FT MPI support: yes" not in out:
-        pytest.skip("this Open MPI was built without ULFM (ompi_info: FT MPI support)")
+    require_ulfm()      # a skip where there is no ULFM; under MPICOMM_MPI=openmpi a failure
 
 
 def _launch(n: int, args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
