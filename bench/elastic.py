@@ -3,6 +3,7 @@ training that lost nothing.
 
     mpirun --with-ft ulfm -n 4 python -m bench elastic --params 20M --kill-rank 1 --kill-step 3
     python -m bench elastic --chaos 20      # one process: 20 ULFM jobs, ranks killed at random (elastic_chaos)
+    python -m bench elastic --soak 120 --kill-every 30      # one process: with and without kills (elastic_soak)
 
 Part 1, at the full world, no failure: per mode (DDP + Adam; ZeroOptimizer stage 2 + Adam with
 ``replicate="state"``, "zero" (on one host the buddy maps the rank's copy in shared memory:
@@ -219,7 +220,18 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--findings", metavar="FILE", help="append each failed trial (outcome, rerun command, "
                    "what every rank printed) to FILE")
     c.add_argument("--keep", metavar="DIR", help="keep every trial's files under DIR (default: failed ones only)")
+    k = p.add_argument_group("soak (run as one process: two `mpirun --with-ft ulfm -n 4` jobs, bench/elastic_soak.py)")
+    k.add_argument("--soak", type=float, metavar="SECONDS", help="train this long with a rank killed every "
+                   "--kill-every seconds, beside the same training without failures")
+    k.add_argument("--kill-every", type=float, default=30.0, metavar="S", help="seconds between kills")
+    k.add_argument("--soak-mode", choices=("ddp", "zero2", "zero2-mpi"), default="zero2")
+    k.add_argument("--soak-width", type=int, default=256, help="width of the soak MLP")
+    k.add_argument("--soak-layers", type=int, default=4, help="Linear layers of the soak MLP")
+    k.add_argument("--soak-batch", type=int, default=64, help="global batch of the soak")
     args = p.parse_args(argv)
+    if args.soak is not None:
+        from . import elastic_soak
+        return elastic_soak.main(args)
     if args.chaos is not None or args.chaos_seed is not None:
         from . import elastic_chaos
         return elastic_chaos.main(args)

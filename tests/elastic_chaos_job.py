@@ -8,7 +8,7 @@ zero1-mpi | zero2-mpi: ZeroOptimizer stage 1/2, the -mpi ones with MPICOMM_ELAST
 fsdp2: fully_shard + elastic.RebuildFSDP), ``steps``, ``sched`` (a StepLR kept as a committed
 attribute), ``ckpt`` (checkpoint_dir with checkpoint_every=2), ``victim`` (world rank) that
 ``os._exit(9)``s from a timer thread ``frac`` of its previous step's duration after the start
-of step ``step`` (step -1: ``frac`` x 0.3 s after ``train`` is first called, inside the first
+of step ``step`` (step -1: ``frac`` x 0.05 s after ``train`` is first called, inside the first
 commit or step), and ``second`` (None, or ``{"rank", "where", "delay"}``: that rank is
 SIGKILLed inside the recovery: ``timer`` (``delay`` s after ``elastic.run``'s recovery starts
 there), ``shrink`` (right after its shrink), ``rollback`` (entering the rollback, after the
@@ -181,7 +181,7 @@ def main() -> None:
     try:
         if me == plan["victim"] and plan["step"] < 0:
             armed["first"] = True
-            killer.after(plan["frac"] * 0.3, "first:start")
+            killer.after(plan["frac"] * 0.05, "first:start")
         train(state)
     except Exception as e:  # noqa: BLE001 - written down for the driver, which classifies it
         killer.end()

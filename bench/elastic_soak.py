@@ -1,0 +1,92 @@
+"""Soak: training at 4 ranks for a while with a rank killed every few seconds, beside the same
+training losing nothing, in one run.
+
+    python -m bench elastic --soak 120 --kill-every 30
+
+Run as one process: two ``mpirun --with-ft ulfm -n 4`` jobs of bench/elastic_soak_job.py, the one
+without failures first. Prints, per run: the ranks at the start and the end, the steps done in the
+training time, steps per second and their ratio to the run without failures, the recoveries and
+their mean time in ``elastic.recover``, and the largest difference of every survivor's final
+weights from one plain torch process on the same global batches (the run without failures
+shows the rounding this length of training gives). Without growth (``elastic.run`` taking no
+``max_world_size``) the job only shrinks: nobody is killed below 2 ranks.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+from typing import Any
+
+import numpy as np
+
+from . import elastic_chaos
+from .elastic_soak_job import growth, reference
+
+JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "elastic_soak_job.py")
+
+
+def soak_run(cfg: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """One job of ``cfg``: its survivors' results (rank -> json, weights) and exit status."""
+    out = tempfile.mkdtemp(prefix="soak-")
+    try:
+        rc, output, wall = elastic_chaos.launch([JOB, json.dumps(cfg), out], 4, timeout, tag=out)
+        ranks = {}
+        for r in range(4):
+            path = os.path.join(out, f"rank{r}.json")
+            if os.path.exists(path):
+                with open(path) as f:
+                    ranks[r] = json.load(f)
+                ranks[r]["weights"] = dict(np.load(os.path.join(out, f"rank{r}.npz")))
+        return {"rc": rc, "ranks": ranks, "wall_s": wall, "output": output}
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def _row(name: str, cfg: dict[str, Any], res: dict[str, Any], base_rate: float | None) -> tuple[str, float | None]:
+    if not res["ranks"]:
+        tail = res["output"][-1500:]
+        return f"{name:<12} no survivor finished (exit status {res['rc']}; None: timed out)\n{tail}", None
+    first = next(iter(res["ranks"].values()))
+    steps, secs = first["steps"], first["seconds"]
+    rate = steps / secs
+    want = reference(cfg, steps)
+    diff = max(float(np.abs(r["weights"][f"p{i}"] - w).max()) for r in res["ranks"].values() for i, w in enumerate(want))
+    same = all(r["steps"] == steps for r in res["ranks"].values())
+    recs = first["recoveries"]
+    rec_s = sum(r["recover_s"] for r in recs) / len(recs) if recs else 0.0
+    ratio = "" if base_rate is None else f"{rate / base_rate:.1%}"
+    line = (f"{name:<12}{'4->' + str(first['world_size']):>8}{steps:>8}{secs:>9.1f}{rate:>10.2f}{ratio:>8}"
+            f"{len(recs):>6}{rec_s:>10.3f}{diff:>12.2e}{'' if same else '  (survivors differ in steps!)':>4}")
+    return line, rate
+
+
+def main(args: Any) -> int:
+    """``bench elastic --soak SECONDS --kill-every S``."""
+    why = elastic_chaos.ulfm_missing(elastic_chaos.mpiexec())
+    if why:
+        print(f"bench elastic --soak: needs Open MPI with ULFM: {why}", file=sys.stderr)
+        return 2
+    if args.soak <= 0 or args.kill_every <= 0:
+        print("bench elastic --soak: expected --soak SECONDS > 0 and --kill-every S > 0", file=sys.stderr)
+        return 2
+    mode = args.soak_mode
+    cfg = {"mode": mode, "seconds": args.soak, "width": args.soak_width, "layers": args.soak_layers,
+           "batch": args.soak_batch}
+    print(f"# bench elastic --soak {args.soak:g} --kill-every {args.kill_every:g}: 4 ranks, {mode}, MLP "
+          f"{args.soak_layers}x{args.soak_width}, global batch {args.soak_batch}, Adam, commit every step; "
+          + ("growth: elastic.run(max_world_size=4)" if growth() else
+             "no growth (elastic.run takes no max_world_size): shrinks, nobody killed below 2 ranks"))
+    print("# max |w - ref|: every survivor's final weights against one plain torch process, same steps")
+    print(f"{'run':<12}{'ranks':>8}{'steps':>8}{'train s':>9}{'steps/s':>10}{'ratio':>8}{'recov':>6}"
+          f"{'recover s':>10}{'max |w-ref|':>12}")
+    timeout = args.soak + 240
+    base = soak_run(cfg | {"kill_every": 0}, timeout)
+    line, rate = _row("no failures", cfg, base, None)
+    print(line, flush=True)
+    chaos = soak_run(cfg | {"kill_every": args.kill_every}, timeout)
+    line, _ = _row(f"kill/{args.kill_every:g}s", cfg, chaos, rate)
+    print(line, flush=True)
+    return 0

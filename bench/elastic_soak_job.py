@@ -1,0 +1,134 @@
+"""The job of ``python -m bench elastic --soak`` (bench/elastic_soak.py): train for a while under
+elastic.run, a rank SIGKILLed every ``kill_every`` seconds.
+
+    mpirun --with-ft ulfm -n 4 python -m mpi4py bench/elastic_soak_job.py CONFIG_JSON OUT_DIR
+
+CONFIG: ``mode`` (ddp | zero2 | zero2-mpi), ``seconds`` (training time; every step agrees on
+stopping, so every rank does the same steps), ``kill_every`` (0: no kills), ``width`` and
+``layers`` (the MLP), ``batch`` (the global batch). Kill k (k = seconds since the common start //
+kill_every) takes the rank whose current rank is k modulo the world size, at a step's start;
+without growth (``elastic.run`` taking no ``max_world_size``) nobody dies below 2 ranks. Every
+survivor writes OUT_DIR/rank<R>.json (steps, training seconds, recoveries) and rank<R>.npz.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+import torch
+
+import elastic
+import mpicomm
+
+SAMPLES, LR = 4096, 1e-3
+
+
+def make_model(width: int, layers: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    mods: list[torch.nn.Module] = []
+    for _ in range(layers):
+        mods += [torch.nn.Linear(width, width), torch.nn.Tanh()]
+    return torch.nn.Sequential(*mods[:-1])
+
+
+def data(width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(11)
+    return torch.randn(SAMPLES, width, generator=g), 0.5 * torch.randn(SAMPLES, width, generator=g)
+
+
+def sampler(batch: int) -> elastic.ElasticSampler:
+    return elastic.ElasticSampler(SAMPLES, batch, seed=5)
+
+
+def reference(cfg: dict, steps: int) -> list[np.ndarray]:
+    """Final weights of one plain torch process (Adam) after ``steps`` steps on the same global batches."""
+    model = make_model(cfg["width"], cfg["layers"])
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    x, y = data(cfg["width"])
+    s = sampler(cfg["batch"])
+    for step in range(steps):
+        idx = s.global_indices(step)
+        loss = ((model(x[idx]) - y[idx]) ** 2).sum() / cfg["batch"]
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return [p.detach().numpy().copy() for p in model.parameters()]
+
+
+def growth() -> bool:
+    """Whether ``elastic.run`` takes ``max_world_size`` (spawns replacements after a loss)."""
+    return "max_world_size" in inspect.signature(elastic.run).parameters
+
+
+def main() -> None:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from mpicomm import distributed as mdist
+    from zero import ZeroOptimizer
+
+    cfg, out = json.loads(sys.argv[1]), sys.argv[2]
+    torch.set_num_threads(1)
+    if cfg["mode"].endswith("-mpi"):
+        os.environ[elastic.shm.ENV] = "0"
+    world = mpicomm.init()
+    mdist.init_process_group()
+    me = world.rank
+    start = world.mpi_comm.bcast(time.time() + 1.0, root=0)     # one host: one clock
+    model = make_model(cfg["width"], cfg["layers"])
+    if cfg["mode"] == "ddp":
+        opt: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+        state = elastic.TorchState(model=model, optimizer=opt, comm=world, step=0)
+    else:
+        opt = ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=2, comm=world.dup(), lr=LR)
+        state = elastic.TorchState(model=model, optimizer=opt, step=0)
+    x, y = data(cfg["width"])
+    s = sampler(cfg["batch"])
+    grows = growth()
+    kw = {"max_world_size": world.size} if grows else {}
+    seen = [0]
+    marks: dict[str, float] = {}
+
+    @elastic.run(**kw)
+    def train(state: elastic.TorchState) -> None:
+        net = DDP(model) if cfg["mode"] == "ddp" else model
+        while True:
+            now = time.time()
+            k = int((now - start) // cfg["kill_every"]) if cfg["kill_every"] > 0 else 0
+            if k > seen[0]:
+                seen[0] = k
+                if (grows or state.world_size > 2) and state.rank == k % state.world_size:
+                    sys.stdout.flush(), sys.stderr.flush()
+                    os.kill(os.getpid(), signal.SIGKILL)
+            stop = torch.tensor([float(now >= start + cfg["seconds"])])
+            state.comm.all_reduce(stop, op=mpicomm.ReduceOp.MAX)
+            if stop.item() > 0:
+                return
+            idx = s.local_indices(state.step, state.rank, state.world_size)
+            opt.zero_grad()
+            (s.loss_scale(state.world_size) * ((net(x[idx]) - y[idx]) ** 2).sum()).backward()
+            opt.step()
+            state.step += 1
+            state.commit()
+
+    while time.time() < start:
+        time.sleep(0.01)
+    t0 = time.perf_counter()
+    train(state)
+    seconds = time.perf_counter() - t0
+    np.savez(os.path.join(out, f"rank{me}.npz"), **{f"p{i}": p.detach().numpy() for i, p in enumerate(model.parameters())})
+    with open(os.path.join(out, f"rank{me}.json"), "w") as f:
+        json.dump({"steps": int(state.step), "seconds": seconds, "world_size": state.world_size, "growth": grows,
+                   "recoveries": state.recoveries}, f, default=repr)
+    torch.distributed.destroy_process_group()
+    state.comm.barrier()
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(0)     # as tests/elastic_job.py: after a failure MPI_Finalize sometimes hung (Open MPI 5.0.11, ULFM)
+
+
+if __name__ == "__main__":
+    main()
