@@ -72,7 +72,8 @@ def save(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.op
 
     Collective over ``comm`` (default: the ZeroOptimizer's communicator, else the world).
     Every rank writes its own shard (and an even share of replicated tensors) into one data
-    file with MPI-IO, in a working directory ``.<name>.tmp-<id>`` marked ``INCOMPLETE``; rank 0
+    file (each rank on its own with O_DIRECT or POSIX calls, or collective MPI-IO: ``ckpt.io``;
+    never MPI-IO under ULFM), in a working directory ``.<name>.tmp-<id>`` marked ``INCOMPLETE``; rank 0
     then writes the manifest, drops the marker, and publishes the directory under its final
     name by an atomic rename (an atomic swap with ``overwrite``), holding a lock on the parent so
     that concurrent saves commit one at a time; ``<parent>/latest`` then names it. A failure on
@@ -119,7 +120,7 @@ def save(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.op
         tmp = run.on_root("creating the working directory", lambda: create_workdir(path, c.size, overwrite))
         nbytes = manifest.files[DATA_NAME]["nbytes"]
         parts, counts = run.everywhere("writing data", lambda: checksum.block_parts(write_items(
-            c.mpi_comm, os.path.join(tmp, DATA_NAME), mine, buffers, file_size=nbytes, block_size=block_size,
+            c, os.path.join(tmp, DATA_NAME), mine, buffers, file_size=nbytes, block_size=block_size,
             chunk_bytes=chunk_bytes, sync=sync), nbytes, block_size))
         parts, counts = run.reduce_xor(parts), run.reduce_sum(counts)  # one fixed-size array each, at the root
         return run.on_root("committing", lambda: commit_save(
@@ -238,7 +239,7 @@ def load(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.op
         comm, m, ckdir, model, opt, strict, state or {}, result, pg_ranks))
     nbytes = int(m.files[DATA_NAME]["nbytes"])
     parts, counts = run.everywhere("reading data", lambda: checksum.block_parts(read_items(
-        comm.mpi_comm, os.path.join(ckdir, DATA_NAME), rp.items, rp.dests, rp.dtypes, block_size=m.block_size,
+        comm, os.path.join(ckdir, DATA_NAME), rp.items, rp.dests, rp.dtypes, block_size=m.block_size,
         chunk_bytes=chunk_bytes, unchecked=rp.unchecked), nbytes, m.block_size))
     parts, counts = run.reduce_xor(parts), run.reduce_sum(counts)  # fixed-size, at the root
     run.on_root("verifying checksums", lambda: verify_data(ckdir, m, parts, counts))

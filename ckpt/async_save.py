@@ -11,6 +11,7 @@ import torch
 from mpi4py import MPI
 
 from accelerators import get_accelerator
+from mpicomm.faults import fault_tolerant
 from mpicomm.work import BaseWork, WaitTimeoutError, timeout_seconds
 
 from .collective import Collective
@@ -45,6 +46,10 @@ class SnapshotPool:
             self.arena = torch.empty(0, dtype=torch.uint8)  # free the old one first
             self.arena = torch.zeros(total + total // 8, dtype=torch.uint8)  # zeros: touch every page now
         return [self.arena[off:off + n] for off, n in zip(offsets, sizes)]
+
+    def release(self) -> None:
+        """Drop the memory (freed once no snapshot of it is referenced)."""
+        self.arena = torch.empty(0, dtype=torch.uint8)
 
     def snapshot(self, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
         """Copies of ``buffers`` (contiguous; any device) as flat uint8 host tensors in the pool."""
@@ -220,6 +225,29 @@ class _Slot:
         self.pool = SnapshotPool()
         self.pending: SaveHandle | None = None
 
+    def dead(self) -> bool:
+        """Whether its communicator was freed, or revoked after a rank failure (ULFM): no save
+        on it can run again."""
+        if self.source == MPI.COMM_NULL:
+            return True
+        if not fault_tolerant():
+            return False
+        try:
+            return bool(self.source.Is_revoked())
+        except MPI.Exception:  # noqa: BLE001 - a communicator MPI no longer answers for
+            return True
+
+    def free(self) -> None:
+        """Free the duplicate and the snapshot memory (once the save in flight, if any, ended)."""
+        if self.pending is not None:
+            self.pending._finish()  # its thread joined, its step pre-hook removed
+            self.pending = None
+        try:
+            self.dup.free()  # local on a revoked communicator
+        except MPI.Exception:  # noqa: BLE001 - nothing more to give back
+            pass
+        self.pool.release()
+
 
 _SLOTS: dict[int, _Slot] = {}
 _LOCK = threading.Lock()
@@ -239,6 +267,19 @@ def wait_pending(comm: Any = None) -> None:
         if handle is not None:
             slot.pending = None
             handle._settle_pending()
+
+
+def release_dead() -> int:
+    """Free the slots (duplicate communicator, snapshot memory) of the communicators that were
+    freed or revoked after a rank failure and have no save running; returns how many. A
+    recovery calls it once the save in flight when a rank failed has ended: the survivors save
+    on a new communicator from then on."""
+    with _LOCK:
+        gone = [k for k, s in _SLOTS.items() if s.dead() and (s.pending is None or s.pending._done)]
+        slots = [_SLOTS.pop(k) for k in gone]
+    for slot in slots:
+        slot.free()
+    return len(slots)
 
 
 def slot_for(comm: Any) -> _Slot:

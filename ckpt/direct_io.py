@@ -31,7 +31,7 @@ O_DIRECT = getattr(os, "O_DIRECT", 0)
 def open_direct(filename: str, write: bool) -> tuple[int, int] | None:
     """A descriptor of ``filename`` opened with O_DIRECT (created when ``write``) and the
     alignment its file system takes, or None when this system or file system refuses it (the
-    caller then uses MPI-IO, which reports errors)."""
+    caller then uses MPI-IO or plain POSIX calls, which report errors)."""
     if not O_DIRECT:
         return None
     try:
@@ -111,7 +111,8 @@ def _crc_pieces(offset: int, mem: np.ndarray, block_size: int) -> list[Piece]:
             block_ranges(offset, len(mem), block_size)]
 
 
-def _pwrite(fd: int, mem: np.ndarray, offset: int) -> None:
+def pwrite_all(fd: int, mem: np.ndarray, offset: int) -> None:
+    """Write all of ``mem`` at ``offset`` (pwrite may write less than asked)."""
     view = memoryview(mem)
     done = 0
     while done < len(view):
@@ -121,7 +122,7 @@ def _pwrite(fd: int, mem: np.ndarray, offset: int) -> None:
         done += n
 
 
-def _pread(fd: int, mem: np.ndarray, offset: int, need: int) -> None:
+def pread_all(fd: int, mem: np.ndarray, offset: int, need: int) -> None:
     """Read into ``mem`` from ``offset``; at least ``need`` bytes must come (the rest may lie past
     the end of the file)."""
     view = memoryview(mem)
@@ -152,7 +153,7 @@ def write(filename: str, fd_direct: int, chunks: Sequence[IOItem], views: Sequen
                 base = c.offset // align * align  # buf[x - base] holds file byte x: aligned where x is
                 buf[c.offset - base:c.offset - base + c.nbytes] = src
                 for s, e, whole in spans(c.offset, c.nbytes, align):
-                    _pwrite(fd_direct if whole else fd, buf[s - base:e - base], s)
+                    pwrite_all(fd_direct if whole else fd, buf[s - base:e - base], s)
             pieces = [p for f in futures for p in f.result()]
         if sync:
             os.fsync(fd)
@@ -175,7 +176,7 @@ def read(fd_direct: int, chunks: Sequence[IOItem], dests: Sequence[torch.Tensor]
             for c in chunks:
                 base = c.offset // align * align
                 top = -(-(c.offset + c.nbytes) // align) * align
-                _pread(fd_direct, buf[:top - base], base, c.offset + c.nbytes - base)
+                pread_all(fd_direct, buf[:top - base], base, c.offset + c.nbytes - base)
                 mem = buf[c.offset - base:c.offset - base + c.nbytes]
                 if c.buf not in unchecked:
                     pieces += _crc_pieces(c.offset, mem, block_size)

@@ -1,24 +1,52 @@
-"""Move planned byte ranges between local tensors and one file with collective MPI-IO."""
+"""Move planned byte ranges between local tensors and one file: each rank on its own with
+O_DIRECT (``direct_io``) or plain POSIX calls (``posix_io``), or with collective MPI-IO.
+
+Which one (``io_method``): by default O_DIRECT where every rank's file system takes it, else
+collective MPI-IO; under ULFM (a fault-tolerant communicator: Open MPI documents MPI-IO as not
+fault tolerant) never MPI-IO: each rank uses O_DIRECT where its file system takes it, else plain
+POSIX calls, and no collective call at all. ``MPICOMM_CKPT_IO`` overrides: ``posix`` (per-rank
+I/O everywhere) or ``mpiio`` (MPI-IO, no O_DIRECT; refused under ULFM). Every path writes the
+same file, so a checkpoint written by one reads with any other."""
 from __future__ import annotations
 
-import ctypes
 import os
-import sys
 from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
-from mpicomm.faults import is_failure, surface
+from mpicomm.faults import fault_tolerant, is_failure, surface
 
-from . import direct_io
-from .checksum import Piece, block_ranges, crc32
+from . import direct_io, posix_io
+from .checksum import Piece, crc32
 from .byte_ranges import IOItem, batches, chunk, coalesce
 
 DEFAULT_CHUNK_BYTES = 32 << 20   # bound of staging buffers (dtype conversion, device copies)
 DIRECT_CHUNK_BYTES = 256 << 20   # rounds that move bytes straight to or from a host tensor
+IO_VAR = "MPICOMM_CKPT_IO"
+IO_METHODS = ("auto", "posix", "mpiio")
+
+
+def io_method(comm: Any = None) -> str:
+    """How ckpt moves data on ``comm`` (an mpicomm Communicator or an mpi4py communicator):
+    "posix" (each rank on its own: O_DIRECT where its file system takes it, else plain POSIX
+    calls), "mpiio" (collective MPI-IO, no O_DIRECT) or "auto" (O_DIRECT where every rank can,
+    else MPI-IO). Under ULFM "auto" is "posix" and "mpiio" is refused (ValueError)."""
+    asked = os.environ.get(IO_VAR, "auto").strip().lower() or "auto"
+    if asked not in IO_METHODS:
+        raise ValueError(f"{IO_VAR}={os.environ[IO_VAR]!r}: expected one of {', '.join(IO_METHODS)}")
+    ft = getattr(comm, "fault_tolerant", None)
+    if ft is None:
+        ft = fault_tolerant()
+    if not ft:
+        return asked
+    if asked == "mpiio":
+        raise ValueError(f"{IO_VAR}=mpiio under ULFM (mpirun --with-ft ulfm): Open MPI's MPI-IO is not fault "
+                         "tolerant, so ckpt writes and reads each rank's bytes with POSIX calls there; "
+                         f"unset {IO_VAR} or set it to auto or posix")
+    return "posix"
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:
@@ -33,32 +61,28 @@ def _host(t: torch.Tensor) -> np.ndarray:
     return (t if t.device.type == "cpu" else t.cpu()).numpy()
 
 
-def _rounds(mpi_comm: MPI.Comm, n: int) -> int:
+def _mpi(comm: Any) -> MPI.Comm:
+    return getattr(comm, "mpi_comm", comm)
+
+
+def _rounds(comm: Any, n: int) -> int:
     try:
-        return mpi_comm.allreduce(n, op=MPI.MAX)
+        return _mpi(comm).allreduce(n, op=MPI.MAX)
     except MPI.Exception as exc:
-        err = surface(exc, mpi_comm, "ckpt I/O (rounds)")
+        err = surface(exc, comm, "ckpt I/O (rounds)")
         if err is exc:
             raise
         raise err from exc
 
 
-def _open(mpi_comm: MPI.Comm, filename: str, mode: int, info=MPI.INFO_NULL) -> MPI.File:
+def _open(comm: Any, filename: str, mode: int, info=MPI.INFO_NULL) -> MPI.File:
     try:
-        return MPI.File.Open(mpi_comm, filename, mode, info)
+        return MPI.File.Open(_mpi(comm), filename, mode, info)
     except MPI.Exception as exc:
-        err = surface(exc, mpi_comm, f"ckpt I/O (opening {filename})")
+        err = surface(exc, comm, f"ckpt I/O (opening {filename})")
         if err is exc:
             raise
         raise err from exc
-
-
-def _crc_pieces(offset: int, mem: np.ndarray, block_size: int) -> list[Piece]:
-    out = []
-    for off, ln in block_ranges(offset, len(mem), block_size):
-        a = off - offset
-        out.append(Piece(off, ln, crc32(mem[a:a + ln])))
-    return out
 
 
 def _chunks(items: Sequence[IOItem], direct: set[int], chunk_bytes: int, block_size: int,
@@ -68,27 +92,6 @@ def _chunks(items: Sequence[IOItem], direct: set[int], chunk_bytes: int, block_s
     out = chunk([i for i in items if i.buf in direct], big, block_size, itemsize)
     out += chunk([i for i in items if i.buf not in direct], chunk_bytes, block_size, itemsize)
     return sorted(out, key=lambda c: c.offset)
-
-
-def _start_writeback(fd: int | None, offset: int, nbytes: int) -> None:
-    """Ask the kernel to start writing a byte range back now (Linux sync_file_range), so that
-    the final sync waits only for the tail; a no-op elsewhere."""
-    if fd is None or _SYNC_FILE_RANGE is None:
-        return
-    _SYNC_FILE_RANGE(fd, ctypes.c_int64(offset), ctypes.c_int64(nbytes), 2)  # SYNC_FILE_RANGE_WRITE
-
-
-def _load_sync_file_range():
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.sync_file_range
-        fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-        return fn
-    except (OSError, AttributeError):
-        return None
-
-
-_SYNC_FILE_RANGE = _load_sync_file_range() if sys.platform.startswith("linux") else None
 
 
 def _view_type(batch: Sequence[IOItem]):
@@ -142,11 +145,11 @@ def _close(fh: MPI.File, failed: BaseException | None) -> None:
             raise
 
 
-def _all_direct(mpi_comm: MPI.Comm, opened: tuple[int, int] | None) -> int:
+def _all_direct(comm: Any, opened: tuple[int, int] | None) -> int:
     """The alignment every rank takes when every rank opened the file with O_DIRECT (``opened``:
     its descriptor and alignment), the largest of theirs; else 0, ``opened``'s descriptor closed."""
     refused = 2 * direct_io.MAX_ALIGN
-    align = _rounds(mpi_comm, refused if opened is None else opened[1])  # collective: MPI-IO unless every rank can
+    align = _rounds(comm, refused if opened is None else opened[1])  # collective: MPI-IO unless every rank can
     if align >= refused:
         if opened is not None:
             os.close(opened[0])
@@ -154,29 +157,44 @@ def _all_direct(mpi_comm: MPI.Comm, opened: tuple[int, int] | None) -> int:
     return align
 
 
-def write_items(mpi_comm: MPI.Comm, filename: str, items: Sequence[IOItem],
+def _direct(comm: Any, method: str, opened: tuple[int, int] | None) -> int:
+    """The O_DIRECT alignment this rank writes or reads with, 0 for none: per rank with
+    "posix" (no collective call), else only where every rank can (``_all_direct``)."""
+    if method == "posix":
+        return 0 if opened is None else opened[1]
+    return _all_direct(comm, opened)
+
+
+def write_items(comm: Any, filename: str, items: Sequence[IOItem],
                 buffers: Sequence[torch.Tensor], *, file_size: int, block_size: int,
                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, sync: bool = True, direct_io_ok: bool = True) -> list[Piece]:
-    """Collectively create ``filename`` of ``file_size`` bytes and write this rank's items from
-    ``buffers`` (their raw bytes); return the CRC of every written piece within each block.
+    """Create ``filename`` of ``file_size`` bytes and write this rank's items from ``buffers``
+    (their raw bytes), on every rank of ``comm`` (an mpicomm Communicator or an mpi4py
+    communicator); return the CRC of every written piece within each block.
 
-    With ``direct_io_ok`` and where every rank's file system takes O_DIRECT, each rank writes its
-    ranges on its own, past the page cache (``direct_io``), in staged chunks of ``chunk_bytes``.
-    Else MPI-IO: large host ranges are written in place, one collective call each; small or
+    With ``direct_io_ok`` and where the file system takes O_DIRECT (every rank's, unless
+    ``io_method`` says "posix"), each rank writes its ranges on its own, past the page cache
+    (``direct_io``), in staged chunks of ``chunk_bytes``. Else, with "posix", each rank writes
+    them on its own through the page cache (``posix_io``), straight from host memory. Else MPI-IO: large host ranges are written in place, one collective call each; small or
     device ranges are packed into a staging buffer of at most ``chunk_bytes`` and written
     through a file view. Checksums run in a thread alongside the writes; with ``sync`` the kernel
     is asked to start writing each round back as soon as it is written, and the file is synced
     at the end."""
-    opened = direct_io.open_direct(filename, True) if direct_io_ok else None
-    align = _all_direct(mpi_comm, opened)
+    method = io_method(comm)
+    mpi_comm = _mpi(comm)
+    opened = direct_io.open_direct(filename, True) if direct_io_ok and method != "mpiio" else None
+    align = _direct(comm, method, opened)
     if align:
         chunks = chunk(coalesce(items), chunk_bytes, block_size)
         return direct_io.write(filename, opened[0], chunks, [byte_view(b) for b in buffers], file_size=file_size,
                                block_size=block_size, staging_bytes=chunk_bytes, sync=sync, host=_host, align=align)
     host = {i for i, b in enumerate(buffers) if b.device.type == "cpu"}
-    rounds = _plan(items, host, chunk_bytes, block_size)
     views = [byte_view(b) for b in buffers]
-    nrounds = _rounds(mpi_comm, len(rounds))
+    if method == "posix":
+        return posix_io.write(filename, _chunks(coalesce(items), host, chunk_bytes, block_size), views,
+                              file_size=file_size, block_size=block_size, sync=sync, host=_host)
+    rounds = _plan(items, host, chunk_bytes, block_size)
+    nrounds = _rounds(comm, len(rounds))
     empty = np.empty(0, np.uint8)
     staging: torch.Tensor | None = None
     futures = []
@@ -186,13 +204,13 @@ def write_items(mpi_comm: MPI.Comm, filename: str, items: Sequence[IOItem],
     write = MPI.File.Write_at_all
     info = _write_hints()
     try:
-        fh = _open(mpi_comm, filename, MPI.MODE_WRONLY | MPI.MODE_CREATE, info)
+        fh = _open(comm, filename, MPI.MODE_WRONLY | MPI.MODE_CREATE, info)
     finally:
         info.Free()
     fd = None
     try:
         fh.Set_size(file_size)
-        if sync and rounds and _SYNC_FILE_RANGE is not None:
+        if sync and rounds and posix_io.SYNC_FILE_RANGE is not None:
             fd = os.open(filename, os.O_WRONLY)
         with ThreadPoolExecutor(max_workers=1) as pool:
             for i in range(nrounds):
@@ -200,7 +218,7 @@ def write_items(mpi_comm: MPI.Comm, filename: str, items: Sequence[IOItem],
                 try:
                     srcs = [_host(views[c.buf][c.buf_offset:c.buf_offset + c.nbytes]) for c in batch]
                     for c, src in zip(batch, srcs):
-                        futures.append(pool.submit(_crc_pieces, c.offset, src, block_size))
+                        futures.append(pool.submit(posix_io.crc_pieces, c.offset, src, block_size))
                     if len(batch) <= 1:
                         mem = srcs[0] if srcs else empty
                     else:
@@ -222,7 +240,7 @@ def write_items(mpi_comm: MPI.Comm, filename: str, items: Sequence[IOItem],
                         failed = exc
                         break
                 if batch and error is None:
-                    _start_writeback(fd, batch[0].offset, batch[-1].offset + batch[-1].nbytes - batch[0].offset)
+                    posix_io.start_writeback(fd, batch[0].offset, batch[-1].offset + batch[-1].nbytes - batch[0].offset)
             try:
                 pieces = [p for f in futures for p in f.result()]
             except Exception as exc:  # noqa: BLE001
@@ -238,39 +256,46 @@ def write_items(mpi_comm: MPI.Comm, filename: str, items: Sequence[IOItem],
             os.close(fd)
         _close(fh, failed)
     if failed is not None:
-        raise surface(failed, mpi_comm, "ckpt write") from error
+        raise surface(failed, comm, "ckpt write") from error
     if error is not None:
         raise error
     return pieces
 
 
-def read_items(mpi_comm: MPI.Comm, filename: str, items: Sequence[IOItem],
+def read_items(comm: Any, filename: str, items: Sequence[IOItem],
                dests: Sequence[torch.Tensor], file_dtypes: Sequence[torch.dtype], *,
                block_size: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES, unchecked: set[int] = frozenset(),
                direct_io_ok: bool = True) -> list[Piece]:
-    """Collectively read this rank's items into ``dests`` (flat views, converting from
+    """Read this rank's items into ``dests``, on every rank of ``comm`` (flat views, converting from
     ``file_dtypes`` where they differ); return the CRC of every piece read within each block,
     except those read into the dests numbered in ``unchecked`` (bytes another rank reports).
 
-    With ``direct_io_ok`` and where every rank's file system takes O_DIRECT, each rank reads
-    its ranges on its own, past the page cache (``direct_io``), in staged chunks of
-    ``chunk_bytes``. Else MPI-IO: large ranges land in place, one collective call each (their
+    With ``direct_io_ok`` and where the file system takes O_DIRECT (every rank's, unless
+    ``io_method`` says "posix"), each rank reads its ranges on its own, past the page cache
+    (``direct_io``), in staged chunks of ``chunk_bytes``. Else, with "posix", each rank reads
+    them on its own through the page cache (``posix_io``), large ranges in place. Else MPI-IO: large ranges land in place, one collective call each (their
     checksums computed in a thread while the next round is read); small, converted or device
     ranges go through a file view into a staging buffer of at most ``chunk_bytes``."""
     direct = [d.dtype == fd and d.device.type == "cpu" and d.is_contiguous()
               for d, fd in zip(dests, file_dtypes)]
     itemsize = {i: torch.empty(0, dtype=fd).element_size() for i, fd in enumerate(file_dtypes)}
-    opened = direct_io.open_direct(filename, False) if direct_io_ok else None
-    align = _all_direct(mpi_comm, opened)
+    method = io_method(comm)
+    mpi_comm = _mpi(comm)
+    opened = direct_io.open_direct(filename, False) if direct_io_ok and method != "mpiio" else None
+    align = _direct(comm, method, opened)
     if align:
         chunks = chunk(coalesce(items), chunk_bytes, block_size, itemsize)
         views = [byte_view(d) if ok else None for d, ok in zip(dests, direct)]
         return direct_io.read(opened[0], chunks, dests, views, file_dtypes, itemsize, block_size=block_size,
                               staging_bytes=chunk_bytes, unchecked=set(unchecked), align=align)
     in_place = {i for i, ok in enumerate(direct) if ok}
-    rounds = _plan(items, in_place, chunk_bytes, block_size, itemsize)
-    nrounds = _rounds(mpi_comm, len(rounds))
     views = [byte_view(d) if ok else None for d, ok in zip(dests, direct)]
+    if method == "posix":
+        return posix_io.read(filename, _chunks(coalesce(items), in_place, chunk_bytes, block_size, itemsize), dests,
+                             views, file_dtypes, itemsize, block_size=block_size, staging_bytes=chunk_bytes,
+                             unchecked=set(unchecked))
+    rounds = _plan(items, in_place, chunk_bytes, block_size, itemsize)
+    nrounds = _rounds(comm, len(rounds))
     staging: torch.Tensor | None = None
     empty = np.empty(0, np.uint8)
     futures = []
@@ -278,7 +303,7 @@ def read_items(mpi_comm: MPI.Comm, filename: str, items: Sequence[IOItem],
     pieces: list[Piece] = []
     failed: BaseException | None = None  # a rank failure (ULFM): raised as RankFailedError
     read = MPI.File.Read_at_all
-    fh = _open(mpi_comm, filename, MPI.MODE_RDONLY)
+    fh = _open(comm, filename, MPI.MODE_RDONLY)
     try:
         with ThreadPoolExecutor(max_workers=1) as pool:
             for i in range(nrounds):
@@ -308,13 +333,13 @@ def read_items(mpi_comm: MPI.Comm, filename: str, items: Sequence[IOItem],
                 try:
                     if raw is None:
                         if batch[0].buf not in unchecked:
-                            futures.append(pool.submit(_crc_pieces, batch[0].offset, mem, block_size))
+                            futures.append(pool.submit(posix_io.crc_pieces, batch[0].offset, mem, block_size))
                         continue
                     pos = 0
                     for c in batch:
                         part = raw[pos:pos + c.nbytes]
                         if c.buf not in unchecked:
-                            futures.append(_Done(_crc_pieces(c.offset, part.numpy(), block_size)))
+                            futures.append(_Done(posix_io.crc_pieces(c.offset, part.numpy(), block_size)))
                         if views[c.buf] is not None:
                             views[c.buf][c.buf_offset:c.buf_offset + c.nbytes].copy_(part)
                         else:
@@ -332,7 +357,7 @@ def read_items(mpi_comm: MPI.Comm, filename: str, items: Sequence[IOItem],
     finally:
         _close(fh, failed)
     if failed is not None:
-        raise surface(failed, mpi_comm, "ckpt read") from error
+        raise surface(failed, comm, "ckpt read") from error
     if error is not None:
         raise error
     return pieces

@@ -102,21 +102,25 @@ def settle(handle: Any, timeout: float = SETTLE_S) -> str:
     (whole, published), "failed" (its working directory is never published, so never the newest)
     or "none". Its error is the failure being recovered from, so it is not raised; a save still
     running after ``timeout`` seconds raises ElasticError (a recovery must not read the directory
-    while it may still move ``latest``)."""
+    while it may still move ``latest``). Then the async-save slots of the revoked communicators
+    (a duplicated communicator and a snapshot buffer each) are freed."""
+    from ckpt import async_save
     from mpicomm import WaitTimeoutError
 
     from .errors import ElasticError
 
-    if handle is None:
-        return "none"
-    try:
-        handle.wait(timeout)
-    except WaitTimeoutError:
-        raise ElasticError(f"elastic: the checkpoint save in flight when a rank failed did not end within "
-                           f"{timeout:g} s; the job ends") from None
-    except Exception:  # noqa: BLE001 - the failure being recovered from
-        return "failed"
-    return "committed"
+    outcome = "none"
+    if handle is not None:
+        try:
+            handle.wait(timeout)
+            outcome = "committed"
+        except WaitTimeoutError:
+            raise ElasticError(f"elastic: the checkpoint save in flight when a rank failed did not end within "
+                               f"{timeout:g} s; the job ends") from None
+        except Exception:  # noqa: BLE001 - the failure being recovered from
+            outcome = "failed"
+    async_save.release_dead()  # the revoked communicators' save slots: their duplicate, their snapshot memory
+    return outcome
 
 
 def _rank0_says(comm: Any, flag: bool) -> bool:
@@ -147,7 +151,7 @@ def load(state: Any) -> dict[str, Any]:
         key = f"attr.{name}"
         if isinstance(items[key], (_Generator, _Random)) or key not in res.state:
             continue
-        object.__setattr__(state, name, res.state[key])
+        state._attrs[name] = res.state[key]
     extra = res.extra if isinstance(res.extra, dict) else {}
     count = int(extra.get(_COUNT, res.step or 0))
     return {"path": res.path, "commits": count, "saved_world_size": res.world_size}
