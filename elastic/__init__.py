@@ -12,8 +12,17 @@
     train(state)
 
 What lives where:
-    state     TorchState: what a commit keeps (replicated state, ZeroOptimizer shards and buddy replicas)
+    state     TorchState: the public state object, its attributes and the commit's outline
+    commit    what a commit holds on one rank, and the chunked copy that fills it
+    sharded   a ZeroOptimizer's shards in a commit: sent to the buddy or kept in shared memory
+    gradrep   a ZeroOptimizer replicated by its gradient (the buddy replays the update)
+    epoch     the agreement a ZeroOptimizer's commit makes under ULFM, matched by the recovery
+    domains   every rank's failure domain and the replica stride they give
     run       the decorator and the recovery (revoke, shrink, new process group, rollback, callbacks)
+    rollback  which generation a recovery rolls back to (every survivor holds it whole), and the rollback
+    repartition  how shards move after a loss or a growth: point to point from the ranks holding them
+    grow      growing back: spawn replacements at a commit, merge, hand them the state
+    wire      a tree of tensors and plain values broadcast without pickle
     replicas  which rank holds whose shard replica (pure)
     reshard   a ZeroOptimizer group's shards joined in parameter order (pure)
     fsdp      FSDP2 state: local DTensor shards committed with a buddy replica, re-partitioned over
@@ -28,11 +37,11 @@ Layering: accelerators <- mpicomm <- compressed <- zero <- ckpt <- elastic <- be
 """
 from __future__ import annotations
 
-from .errors import ElasticError, ResetCallbackError, ShardsLostError, WorldTooSmallError
+from .errors import ElasticError, HostsUpdatedInterrupt, ResetCallbackError, ShardsLostError, WorldTooSmallError
 from .fsdp import RebuildFSDP
 from .run import recover, run
 from .sampler import ElasticSampler
 from .state import TorchState
 
-__all__ = ["ElasticError", "ElasticSampler", "RebuildFSDP", "ResetCallbackError", "ShardsLostError", "TorchState",
-           "WorldTooSmallError", "recover", "run"]
+__all__ = ["ElasticError", "ElasticSampler", "HostsUpdatedInterrupt", "RebuildFSDP", "ResetCallbackError",
+           "ShardsLostError", "TorchState", "WorldTooSmallError", "recover", "run"]

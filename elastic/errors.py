@@ -20,3 +20,13 @@ class ShardsLostError(ElasticError):
 
 class ResetCallbackError(ElasticError):
     """A reset callback raised after a recovery."""
+
+
+class HostsUpdatedInterrupt(RuntimeError):
+    """Raised by ``state.check_host_updates()`` on every rank when slots were added to the job:
+    ``elastic.run`` grows the job at that commit and calls ``train`` again (Horovod's name).
+    ``skip_sync``: as Horovod's (nothing to synchronise: the state is the commit's)."""
+
+    def __init__(self, message: str = "elastic: hosts were added to the job", skip_sync: bool = True) -> None:
+        super().__init__(message)
+        self.skip_sync = skip_sync

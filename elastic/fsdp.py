@@ -262,7 +262,7 @@ def rollback(state: Any, c: dict[str, Any], count: int, new_comm: Any, survivors
                                      {s: [b] for s, b in mine.items()}, [survivors.index(h) for h in held],
                                      [torch.empty(0, dtype=torch.uint8)], offs[-1])
     shards = {e.key: _view(packed, e, offs[i], n, r) for i, e in enumerate(entries)}
-    object.__setattr__(state, "_fsdp_pending", {"entries": entries, "shards": shards, "plain": c["plain"],
+    state._fsdp_pending = ({"entries": entries, "shards": shards, "plain": c["plain"],
                                                 "count": count})
 
 
@@ -310,14 +310,42 @@ class RebuildFSDP:
             raise err
         if not int(ok[0]):
             raise ValueError("elastic.RebuildFSDP: the rebuilt model did not take the committed state on another rank")
-        object.__setattr__(state, "model", model)
-        object.__setattr__(state, "optimizer", opt)
+        before = state.optimizer
+        state.model, state.optimizer = model, opt
+        if before is not None and opt is not before:
+            for value in state._attrs.values():     # an LR scheduler drives the new optimizer now
+                retarget(value, before, opt)
         if pending.get("disk"):         # a shard was lost with its replica: the newest checkpoint
             state._resume()             # ckpt.load re-partitions it over the survivors' mesh
             if state.resumed is None:
                 raise ElasticError(f"elastic: {state.checkpoint_dir} holds no committed checkpoint")
         object.__setattr__(state, "_fsdp_pending", None)
         state._commit(state.commits if pending.get("disk") else pending["count"])
+
+
+def shard_dim(placement: Any) -> int:
+    """The dimension a ``Shard`` placement splits (the only placement elastic re-partitions)."""
+    kind, dim = dl.placement_kind(placement)
+    if kind != "shard":
+        raise ValueError(f"elastic: expected a Shard placement, got {placement!r}")
+    return int(dim)
+
+
+def shard(dim: int) -> Any:
+    """The ``Shard(dim)`` placement."""
+    from torch.distributed.tensor import Shard
+
+    return Shard(int(dim))
+
+
+def retarget(value: Any, old: Any, new: Any) -> None:
+    """Point ``value`` (an LR scheduler, or one that chains schedulers) at optimizer ``new`` where
+    it drives ``old``: a scheduler rolled back with the state must step the rebuilt optimizer."""
+    if getattr(value, "optimizer", None) is old:
+        value.optimizer = new
+        new._opt_called = True      # torch's "scheduler stepped before the optimizer" check
+    for inner in getattr(value, "_schedulers", None) or ():
+        retarget(inner, old, new)
 
 
 def _check_built(state: Any, model: torch.nn.Module) -> None:

@@ -1,4 +1,5 @@
-"""elastic.run: call train(state) again on the survivors after a rank fails."""
+"""elastic.run: call train(state) again on the survivors after a rank fails, and on the grown
+world after replacements joined."""
 from __future__ import annotations
 
 import functools
@@ -8,8 +9,8 @@ from typing import Any, Callable, TypeVar
 
 import torch
 
-from . import replicas
-from .errors import ElasticError, ResetCallbackError, WorldTooSmallError
+from . import disk, epoch, grow, replicas, rollback
+from .errors import ElasticError, HostsUpdatedInterrupt, ResetCallbackError, ShardsLostError, WorldTooSmallError
 from .state import TorchState
 
 log = logging.getLogger("elastic")
@@ -40,35 +41,79 @@ def _revoke(comms: list[Any]) -> None:
             log.debug("elastic: revoke of %r failed: %s", c, e)
 
 
-def run(func: F | None = None, *, min_world_size: int = 1) -> Any:
+def is_failure(state: TorchState, err: BaseException) -> bool:
+    """Whether ``err`` means that a rank was lost (an mpicomm.RankFailedError in its chain, or
+    one of the state's communicators revoked or knowing a failed rank: DDP and torch wrap the
+    backend's error in their own); anything else is the user's error, raised at once."""
+    from mpi4py import MPI
+
+    import mpicomm
+    from mpicomm import faults
+
+    seen: set[int] = set()
+    e: BaseException | None = err
+    while e is not None and id(e) not in seen:
+        if isinstance(e, mpicomm.RankFailedError) or (isinstance(e, MPI.Exception) and faults.is_failure(e)):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    for comm in _comms_of(state, None):
+        try:
+            if comm is not None and (comm.revoked or comm.failed_ranks()):
+                return True
+        except Exception:  # noqa: BLE001 - a communicator MPI no longer answers for
+            continue
+    return False
+
+
+def run(func: F | None = None, *, min_world_size: int = 1, max_world_size: int | None = None) -> Any:
     """Decorate ``train(state, ...)`` so a rank failure rolls ``state`` back to its last commit
-    on the survivors and calls ``train`` again; ``min_world_size``: fewer survivors end the job."""
+    on the survivors and calls ``train`` again; ``min_world_size``: fewer survivors end the job;
+    ``max_world_size``: after a loss (or ``state.check_host_updates()`` finding new slots) the
+    job spawns replacements up to that many ranks, which join at the commit (Open MPI, ULFM)."""
     if int(min_world_size) < 1:
         raise ValueError(f"elastic.run: expected min_world_size >= 1, got {min_world_size!r}")
+    if max_world_size is not None and int(max_world_size) < int(min_world_size):
+        raise ValueError(f"elastic.run: expected max_world_size >= min_world_size={min_world_size}, got "
+                         f"{max_world_size!r}")
     if func is None:
-        return functools.partial(run, min_world_size=min_world_size)
+        return functools.partial(run, min_world_size=min_world_size, max_world_size=max_world_size)
 
     @functools.wraps(func)
     def wrapper(state: TorchState, *args: Any, **kwargs: Any) -> Any:
         if not isinstance(state, TorchState):
             raise TypeError(f"elastic.run: expected an elastic.TorchState as first argument, got {type(state).__name__}")
-        if state.world_size < min_world_size:
+        state._max_world_size = max_world_size
+        joining = grow.joining()
+        if not joining and state.world_size < min_world_size:
             raise WorldTooSmallError(f"elastic.run: {state.world_size} ranks, fewer than min_world_size="
                                      f"{min_world_size}")
-        if state.generation == 0:
-            state._resume()
-            state._commit(state.commits)
+        start = joining or state.generation == 0
+        growing = False
         while True:
             try:
+                if joining:
+                    joining = False
+                    grow.join(state)                # a replacement: the state comes from live ranks
+                elif start:
+                    start = False
+                    state._resume()
+                    state._commit(state.commits)
+                if growing:
+                    growing = False
+                    grow.grow(state, max_world_size)
                 out = func(state, *args, **kwargs)
                 state.wait_checkpoint()
                 return out
             except ElasticError:
                 raise
+            except HostsUpdatedInterrupt:
+                growing = True                      # at the commit check_host_updates followed
             except Exception as err:  # noqa: BLE001 - a failure shows as any error (DDP wraps it)
-                if not getattr(state.comm, "fault_tolerant", False):
+                if not getattr(state.comm, "fault_tolerant", False) or not is_failure(state, err):
                     raise
                 recover(state, err, min_world_size)
+                growing = max_world_size is not None and state.world_size < max_world_size
 
     return wrapper
 
@@ -84,12 +129,10 @@ def _comms_of(state: TorchState, comm: Any) -> list[Any]:
 
 def recover(state: TorchState, err: BaseException, min_world_size: int = 1) -> dict[str, Any]:
     """Revoke, shrink to the survivors, re-create the process group, roll ``state`` back to the
-    newest commit every survivor holds (or, when a shard and its replica were both lost, to the
-    newest checkpoint of ``checkpoint_dir``), run the reset callbacks; a rank failing meanwhile
-    starts it again over the fewer survivors. Re-raises ``err`` when no rank was lost; raises
-    ``ElasticError`` on every survivor when the job cannot go on."""
-    from . import disk
-
+    newest commit every survivor holds whole (or, when a shard and its replica were both lost, to
+    the newest checkpoint of ``checkpoint_dir``), run the reset callbacks; a rank failing
+    meanwhile starts it again over the fewer survivors. Re-raises ``err`` when no rank was lost;
+    raises ``ElasticError`` on every survivor when the job cannot go on."""
     t0, wall0 = time.monotonic(), time.time()
     old = state.comm
     old_world, old_rank = state.world_size, state.rank
@@ -99,7 +142,7 @@ def recover(state: TorchState, err: BaseException, min_world_size: int = 1) -> d
         attempts += 1
         _revoke(_comms_of(state, comm))
         if attempts == 1:
-            state._close_epoch()            # survivors inside a commit's agreement are let out of it
+            epoch.close(state)              # survivors inside a commit's agreement are let out of it
         saving, state._saving = state._saving, None
         settled = disk.settle(saving)       # revoked with the rest: it ends (or had committed)
         outcome = settled if outcome == "none" else outcome
@@ -108,13 +151,13 @@ def recover(state: TorchState, err: BaseException, min_world_size: int = 1) -> d
             t_shrink = time.monotonic()
             if new.size == comm.size:
                 raise err
-        object.__setattr__(state, "_commits", list(held))
+        state._commits[:] = held
         done, again = _attempt(state, new, old_rank, old_world, min_world_size, err)
         if done is not None:
             break
         comm, (new, err) = new, again       # a rank failed during the recovery: again, over fewer
     survivors, gen, resumed = done
-    state._open_epoch()                     # the next commit agrees over the survivors
+    epoch.open(state)                       # the next commit agrees over the survivors
     lost = sorted(set(range(old_world)) - set(survivors))
     info = {"lost": lost, "survivors": survivors, "old_world": old_world,
             "generation": gen if resumed is None else None,
@@ -127,17 +170,32 @@ def recover(state: TorchState, err: BaseException, min_world_size: int = 1) -> d
     return info
 
 
+def _target(state: TorchState, new: Any, old_rank: int, old_world: int, survivors: list[int]) -> int | None:
+    """The generation to roll back to (collective over ``new``), or None to restart from disk;
+    raises ``ShardsLostError`` where neither can be."""
+    sharded = "ZeroOptimizer" if state.sharded else "FSDP2" if state._fsdp else None
+    gen = rollback.choose(new, rollback.offers(state, old_rank, old_world, survivors))
+    if gen is not None:
+        return gen
+    lost = replicas.lost_shards(old_world, survivors, state.replica_stride) if sharded else []
+    why = ("no checkpoint_dir to fall back to" if state.checkpoint_dir is None
+           else None if disk.newest_exists(state, new)
+           else f"{state.checkpoint_dir} holds no committed checkpoint yet")
+    if why is None:
+        return None
+    what = (f"the {sharded} shards of old ranks {lost} are lost (each rank and its buddy, "
+            f"{state.replica_stride} on, both failed; survivors: old ranks {survivors})" if lost
+            else f"no commit is held whole by every survivor (old ranks {survivors})")
+    raise ShardsLostError(f"elastic: {what}; {why}", lost)
+
+
 def _attempt(state: TorchState, new: Any, old_rank: int, old_world: int, min_world_size: int,
              err: BaseException) -> tuple[Any, Any]:
     """One try at carrying on over ``new``: ((old ranks of the survivors, the commit rolled back
     to, what was loaded from disk or None), None), or (None, (the survivors' shrunk communicator,
     the error seen here)) when a rank failed meanwhile (every survivor agrees on that)."""
-    import mpicomm
     import torch.distributed as dist
     from mpicomm import distributed as mdist
-
-    from . import disk
-    from .errors import ShardsLostError
 
     failed: str | None = None            # a reset callback that raised
     error: BaseException | None = None   # anything else raised here (a failure, most likely)
@@ -155,33 +213,16 @@ def _attempt(state: TorchState, new: Any, old_rank: int, old_world: int, min_wor
             raise WorldTooSmallError(
                 f"elastic.run: old ranks {lost} failed; {new.size} survivors, fewer than min_world_size="
                 f"{min_world_size}") from err
-        sharded = "ZeroOptimizer" if state.sharded else "FSDP2" if state._fsdp else None
-        shards_lost = replicas.lost_shards(old_world, survivors, state.replica_stride) if sharded else []
-        if shards_lost:
-            why = ("no checkpoint_dir to fall back to" if state.checkpoint_dir is None
-                   else None if disk.newest_exists(state, new)
-                   else f"{state.checkpoint_dir} holds no committed checkpoint yet")
-            if why is not None:
-                raise ShardsLostError(
-                    f"elastic: the {sharded} shards of old ranks {shards_lost} are lost (each rank and its "
-                    f"buddy, {state.replica_stride} on, both failed; survivors: old ranks {survivors}); {why}",
-                    shards_lost)
-        gen_t = torch.tensor([state._rollback_generation(old_rank, old_world, survivors)], dtype=torch.int64)
-        new.all_reduce(gen_t, op=mpicomm.ReduceOp.MIN)
-        gen = int(gen_t)
+        target = _target(state, new, old_rank, old_world, survivors)
         if dist.is_available() and dist.is_initialized():
             mdist.reinit_process_group(new)
-        if shards_lost:
+        if target is None:
             state._restart_from_disk(new)    # an FSDP2 model: loaded by RebuildFSDP, below
         else:
+            gen = target
             state._rollback(gen, new, survivors, old_world)
-        for fn in state._callbacks:
-            try:
-                fn()
-            except Exception as e:  # noqa: BLE001 - reported on every survivor below
-                failed = f"{getattr(fn, '__qualname__', repr(fn))}: {type(e).__name__}: {e}"
-                break
-        if shards_lost:
+        failed = run_callbacks(state)
+        if target is None:
             resumed = state.resumed
         # after the callbacks: an FSDP2 model is the one RebuildFSDP made on the survivors
         if failed is None and state.checkpoint_dir is not None and state.commits % state.checkpoint_every == 0 \
@@ -204,3 +245,13 @@ def _attempt(state: TorchState, new: Any, old_rank: int, old_world: int, min_wor
         raise ElasticError("elastic: the recovery failed on another rank (a reset callback or an error there); "
                            "the job ends")
     raise ElasticError(f"elastic: the recovery failed ({type(error).__name__}: {error}); the job ends") from error
+
+
+def run_callbacks(state: TorchState) -> str | None:
+    """Run the reset callbacks in order; what the first that raised said, or None."""
+    for fn in state._callbacks:
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - reported on every rank by the caller
+            return f"{getattr(fn, '__qualname__', repr(fn))}: {type(e).__name__}: {e}"
+    return None

@@ -6,13 +6,15 @@ the shard of a rank killed on its host; a host lost whole takes both, as it take
 held in the buddy's own memory. Buddies on other hosts (``TorchState``'s failure domains put
 them there when there are several hosts) are sent the shard through MPI as before.
 
-Each rank's segment holds two areas, each a header (the generation it holds, -1 while it is
-written) and the pieces: when some buddy is sent its shard through MPI, two slots (the two
+Each rank's segment holds two areas, each a header (the generation it holds whole, -1 while
+one is written, and the generation being or last written) and the pieces: when some buddy is sent its shard through MPI, two slots (the two
 commits a ``TorchState`` keeps then: a commit can be cut short on a survivor); when every
 replica goes through shared memory, the rank's live shard (its optimizer state is moved there)
 and one slot: no commit sends anything, so every survivor completes the commit it is in, and a
 rank that dies writing its slot leaves its live shard, still what that commit was copying, to
-its buddy. One extra shard per rank. The file is unlinked as soon
+its buddy (the header says which commit that was; ``TorchState`` agrees over the communicator
+before a commit overwrites the single slot, so every survivor writes it or none does). One
+extra shard per rank. The file is unlinked as soon
 as the buddy has mapped it: nothing is left in ``/dev/shm`` however the job ends, and the
 memory goes back when the last of the two processes does.
 """
@@ -69,7 +71,7 @@ class Segment:
         self._headers, self._areas = [], []
         for area in range(2):
             at = area * size
-            self._headers.append(base[at:at + 8].view(torch.int64))
+            self._headers.append(base[at:at + 16].view(torch.int64))    # [whole, being written]
             self._areas.append([base[at + o:at + o + n * getattr(torch, d).itemsize].view(getattr(torch, d))
                                 for o, (d, n) in zip(offsets, specs)])
 
@@ -90,17 +92,25 @@ class Segment:
         return self._areas[0]
 
     def begin(self, gen: int) -> None:
-        """Mark commit ``gen``'s slot as being written."""
-        self._headers[self._slot(gen)].fill_(-1)
+        """Mark commit ``gen``'s slot as being written with ``gen`` (no longer whole)."""
+        head = self._headers[self._slot(gen)]
+        head[0] = -1
+        head[1] = gen
 
     def finish(self, gen: int) -> None:
         """Mark commit ``gen``'s slot as holding it whole."""
-        self._headers[self._slot(gen)].fill_(gen)
+        self._headers[self._slot(gen)][0] = gen
 
     def holds(self, gen: int) -> bool:
         """Whether commit ``gen``'s slot holds it whole (its owner finished writing it and has
         not begun a later commit there)."""
-        return int(self._headers[self._slot(gen)]) == gen
+        return int(self._headers[self._slot(gen)][0]) == gen
+
+    def writing(self, gen: int) -> bool:
+        """Whether commit ``gen``'s slot was being written with ``gen`` and is not whole (its
+        owner died, or is, writing it)."""
+        head = self._headers[self._slot(gen)]
+        return int(head[0]) == -1 and int(head[1]) == gen
 
 
 class Shared:

@@ -102,3 +102,28 @@ def nbytes(value: Any) -> int:
     if isinstance(value, (list, tuple)):
         return sum(nbytes(v) for v in value)
     return 0
+
+
+def get_global_rng() -> dict[str, Any]:
+    """The states of the global generators: torch's (CPU, and CUDA where initialised), numpy's
+    and ``random``'s."""
+    out: dict[str, Any] = {"torch": torch.get_rng_state(), "random": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+        out["numpy"] = np.random.get_state()
+    except ImportError:  # pragma: no cover
+        pass
+    return out
+
+
+def set_global_rng(saved: dict[str, Any]) -> None:
+    """Set the global generators back to ``get_global_rng``'s ``saved``."""
+    torch.set_rng_state(saved["torch"])
+    random.setstate(saved["random"])
+    if "cuda" in saved:
+        torch.cuda.set_rng_state_all(saved["cuda"])
+    if "numpy" in saved:
+        import numpy as np
+        np.random.set_state(saved["numpy"])

@@ -54,14 +54,14 @@ def main() -> None:
     if where == "commit":
         os.environ[elastic.shm.ENV] = "0"
     if where == "copy":
-        copy = elastic.state._copy_polling
+        copy = elastic.commit.copy_polling
 
         def copy_then_die(dst, src, works):
             if inside[0] and state.step == kill_step + 1 and me == victim:
                 dst[0].view(-1)[: dst[0].numel() // 2].copy_(src[0].reshape(-1)[: dst[0].numel() // 2])
                 die("copy")
             copy(dst, src, works)
-        elastic.state._copy_polling = copy_then_die
+        elastic.commit.copy_polling = copy_then_die
 
     mdist.init_process_group()
     model = make_model()

@@ -545,7 +545,7 @@ def test_replicas_on_one_host_go_through_shared_memory(shared, monkeypatch):
         held = sum(x.nbytes() for x in state._commits) - sum(
             elastic.values.nbytes(x.model) + elastic.values.nbytes(x.attrs) for x in state._commits)
         assert held == (1 if shared else 4) * own, (held, own)
-        assert c.ward_whole()
+        assert c.ward_pieces() is c.ward      # whole: the ward's copy itself
         assert len(state._commits) == (1 if shared else 2)   # after commits on one set of segments
         if shared:      # the live shard is in the area the buddy maps, and updates go there
             area = state._shared[1].own.live_pieces()
@@ -583,10 +583,11 @@ def test_shared_segment_slots_say_which_commit_they_hold():
     assert seg.pieces(1)[0].data_ptr() == seg.pieces(3)[0].data_ptr()
     seg.begin(1)
     seg.pieces(1)[0].fill_(1.5)
-    assert not seg.holds(1)
+    assert not seg.holds(1) and seg.writing(1) and not seg.writing(3)
     seg.finish(1)
-    assert seg.holds(1) and not seg.holds(3) and not seg.holds(2)
+    assert seg.holds(1) and not seg.holds(3) and not seg.holds(2) and not seg.writing(1)
     seg.begin(3)                 # the owner overwrites the slot with commit 3
     assert not seg.holds(1) and not seg.holds(3)
+    assert seg.writing(3) and not seg.writing(1), "a torn slot says which commit it was being written with"
     seg.finish(3)
     assert seg.holds(3) and not seg.holds(1)
