@@ -72,7 +72,7 @@ def check_same(op: Op, descs: np.ndarray, ranks: list[int], rest_only: bool = Fa
 
 def allreduce_ranks(op: Op, eng, descs: np.ndarray) -> tuple[list[int], list[int]]:
     """(ranks reducing, ranks joined) of an allreduce round, or raise (same on every rank)."""
-    joined = same_kind_or_fail(op, eng, descs, joined_ok=True)
+    joined = same_kind_or_fail(op, eng, descs, joined_ok=True, kind=ALLREDUCE)
     active = [r for r in range(eng.size) if r not in joined]
     check_same(op, descs, active, reduce_op=True)
     code = int(descs[active[0], F_OP])

@@ -139,9 +139,11 @@ class Op:
         self._advance()
 
 
-def same_kind_or_fail(op: Op, eng: "Engine", descs: np.ndarray, joined_ok: bool = False) -> list[int]:
+def same_kind_or_fail(op: Op, eng: "Engine", descs: np.ndarray, joined_ok: bool = False,
+                      kind: int | None = None) -> list[int]:
     """Check the round: one kind everywhere (JOIN allowed where ``joined_ok``), names agreeing.
     Returns the ranks that joined."""
+    kind = op.kind if kind is None else kind
     kinds = descs[:, F_KIND]
     errs = [r for r in range(eng.size) if kinds[r] == ERROR]
     if errs:
@@ -152,8 +154,8 @@ def same_kind_or_fail(op: Op, eng: "Engine", descs: np.ndarray, joined_ok: bool 
     if joined and not joined_ok:
         raise CollectiveMismatchError(
             f"{op.label}: rank(s) {joined} have called hvd.join(); only allreduce (Sum or "
-            f"Average) goes on with joined ranks, {KIND_NAMES[op.kind]} does not")
-    others = [r for r in range(eng.size) if kinds[r] not in (JOIN, op.kind)]
+            f"Average) goes on with joined ranks, {KIND_NAMES[kind]} does not")
+    others = [r for r in range(eng.size) if kinds[r] not in (JOIN, kind)]
     if others:
         calls = ", ".join(f"rank {r}: {describe_desc(descs[r])}" for r in range(eng.size))
         raise CollectiveMismatchError(

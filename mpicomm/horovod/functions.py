@@ -39,7 +39,8 @@ def broadcast_parameters(params, root_rank: int = 0, process_set=global_process_
 def broadcast_object(obj=None, root_rank: int = 0, name: str | None = None,
                      process_set=global_process_set):
     """Rank ``root_rank``'s ``obj`` on every rank (pickled in memory for the trip)."""
-    me = process_set._live("broadcast_object").rank
+    process_set._live("broadcast_object")
+    me = _world_rank()
     if me == root_rank:
         buf = torch.frombuffer(bytearray(_dumps(obj)), dtype=torch.uint8)
         size = torch.tensor([buf.numel()], dtype=torch.int64)
@@ -64,6 +65,11 @@ def allgather_object(obj, name: str | None = None, process_set=global_process_se
     return out
 
 
+def _world_rank() -> int:
+    from .basics import rank
+    return rank()
+
+
 def _dumps(obj) -> bytes:
     b = io.BytesIO()
     pickle.dump(obj, b)
@@ -82,7 +88,8 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     """Make every rank's optimizer state and options (lr, momentum, ...) rank ``root_rank``'s."""
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("broadcast_optimizer_state: cannot broadcast torch.optim.LBFGS state")
-    me = process_set._live("broadcast_optimizer_state").rank
+    process_set._live("broadcast_optimizer_state")
+    me = _world_rank()
     sd = optimizer.state_dict() if me == root_rank else None
     tensors: list[torch.Tensor] = []
 

@@ -52,6 +52,15 @@ def _submit_error(eng, label: str, exc: Exception):
     raise exc
 
 
+def set_rank_of(call: str, root_rank, process_set: ProcessSet) -> int:
+    """The rank within ``process_set`` of ``root_rank`` (a rank of the job, as in Horovod)."""
+    ranks = process_set.ranks
+    if isinstance(root_rank, bool) or not isinstance(root_rank, int) or root_rank not in ranks:
+        raise ValueError(f"{call}: root_rank must be a rank of the process set {ranks} "
+                         f"(ranks of the job), got {root_rank!r}")
+    return ranks.index(root_rank)
+
+
 # -- allreduce ---------------------------------------------------------------------------------
 
 def _allreduce_ops(call, tensors, average, name, op, prescale, postscale, process_set, inplace):
@@ -139,14 +148,11 @@ def grouped_allgather_async(tensors, name=None, process_set=global_process_set) 
 def _broadcast_op(call, tensor, root_rank, name, process_set, inplace):
     eng = _engine(call, process_set)
     t = _tensor(call, tensor)
-    n = eng.size
-    if isinstance(root_rank, bool) or not isinstance(root_rank, int) or not 0 <= root_rank < n:
-        raise ValueError(f"{call}: root_rank must be an int in [0, {n}) (ranks of the process "
-                         f"set), got {root_rank!r}")
+    root = set_rank_of(call, root_rank, process_set)
     if inplace and not t.is_contiguous():
         raise ValueError(f"{call}: in-place calls need a contiguous tensor")
     out = t if inplace else t.detach().clone(memory_format=torch.contiguous_format)
-    return [eng.submit(calls.BroadcastOp(call, out, name, root_rank))]
+    return [eng.submit(calls.BroadcastOp(call, out, name, root))]
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set) -> int:
