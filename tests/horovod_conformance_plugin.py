@@ -85,3 +85,15 @@ def _without_muon():
 
 
 _without_muon()
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """After each test, remove the process sets it left registered (test_process_set_barrier_op
+    leaves [0] and [1]): the suite's tearDown gets the same by shutting Horovod down after
+    every test under Gloo, which cannot be re-initialised under MPI (collective, every rank)."""
+    from mpicomm.horovod.basics import state
+
+    if state.world is not None:
+        for set_id in sorted(state.sets):
+            if set_id != 0:
+                _hvd.remove_process_set(state.sets[set_id])

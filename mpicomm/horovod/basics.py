@@ -33,25 +33,28 @@ def _need():
     return state.world
 
 
-def init(comm: "MPI.Comm | Sequence[int] | None" = None, process_sets=None) -> None:
-    """Start Horovod on ``comm`` (an mpi4py communicator, a list of world ranks, or None: the
-    world), with optional static ``process_sets``. Idempotent."""
+def init(comm: "mpicomm.Communicator | MPI.Comm | Sequence[int] | None" = None,
+         process_sets=None) -> None:
+    """Start Horovod on ``comm`` (an mpicomm Communicator, an mpi4py communicator, a list of
+    world ranks, or None: the world), with optional static ``process_sets``. Idempotent."""
     from .process_sets import ProcessSet, _register, global_process_set
 
     if state.world is not None:
         return
     if comm is None:
-        mpi_comm = MPI.COMM_WORLD
+        world = mpicomm.init().dup()          # in the family of mpicomm's world (ULFM revokes)
+    elif isinstance(comm, mpicomm.Communicator):
+        world = comm.dup()
     elif isinstance(comm, MPI.Comm):
-        mpi_comm = comm
+        world = mpicomm.Communicator(comm.Dup())
     else:
         ranks = sorted(int(r) for r in comm)
-        world = MPI.COMM_WORLD
-        mpi_comm = world.Create_group(world.Get_group().Incl(ranks))
-        if mpi_comm == MPI.COMM_NULL:
-            raise ValueError(f"hvd.init(comm={list(comm)}): this rank ({world.Get_rank()}) is "
-                             "not in the list; start Horovod only on the listed ranks")
-    world = mpicomm.Communicator(mpi_comm.Dup())
+        everyone = MPI.COMM_WORLD
+        sub = everyone.Create_group(everyone.Get_group().Incl(ranks))
+        if sub == MPI.COMM_NULL:
+            raise ValueError(f"hvd.init(comm={list(comm)}): this rank ({everyone.Get_rank()}) "
+                             "is not in the list; start Horovod only on the listed ranks")
+        world = mpicomm.Communicator(sub)
     state.world = world
     state.cross = world.split(world.local_rank, key=world.rank)
     sizes = world.mpi_comm.allgather(world.local_size)
@@ -81,6 +84,17 @@ def shutdown() -> None:
     if state.cross is not None:
         state.cross.free()
     state.world.free()
+    state.world = state.cross = None
+    state.sets = {}
+
+
+def abandon() -> None:
+    """Drop every process set without a collective (after a rank failure: elastic's reset)."""
+    for ps in list(state.sets.values()):
+        if ps._engine is not None:
+            ps._engine.free(collective=False)
+        ps._engine = ps._comm = None
+        ps.process_set_id = None
     state.world = state.cross = None
     state.sets = {}
 

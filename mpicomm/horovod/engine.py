@@ -186,8 +186,10 @@ class Engine:
     def __init__(self, comm) -> None:
         self.comm = comm                                # the set's mpicomm Communicator
         self.rank, self.size = comm.rank, comm.size
-        self.ctrl = comm.mpi_comm.Dup()                 # descriptors
-        self.fence = comm.mpi_comm.Dup()                # barriers
+        # duplicates in the set's family: a revoke (ULFM) of one reaches them all
+        self._ctrl, self._fence = comm.dup(), comm.dup()
+        self.ctrl = self._ctrl.mpi_comm                 # descriptors (mpi4py)
+        self.fence = self._fence.mpi_comm               # barriers (mpi4py)
         self.data = comm.dup()                          # data collectives (mpicomm)
         self.queue: deque = deque()                     # rounds posted, not yet decided
         self.flight: list[Op] = []                      # data posted, not yet complete
@@ -261,16 +263,18 @@ class Engine:
                 elif self.flight:
                     self.flight[0].block()
 
-    def free(self) -> None:
+    def free(self, collective: bool = True) -> None:
+        """Cancel what is left and release the communicators (``collective=False``: after a
+        rank failure, only drop them)."""
         for op in list(self.queue) + self.flight:
             if not op.done:
                 op._finish(RuntimeError(f"{op.label}: hvd.shutdown() or remove_process_set() "
                                         "cancelled this call"))
         self.queue.clear()
         self.flight.clear()
-        self.ctrl.Free()
-        self.fence.Free()
-        self.data.free()
+        if collective:
+            for c in (self._ctrl, self._fence, self.data):
+                c.free()
 
 
 def wait_for(ops: list[Op], engines: Callable[[], list[Engine]]) -> None:
