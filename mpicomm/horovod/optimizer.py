@@ -184,6 +184,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                  "prohibited as it can cause a race condition.")
         return super(self.__class__, self).zero_grad(*args, **kwargs)
 
+    def _reset_buckets(self) -> None:
+        """Forget the step in flight (after a rank failure: elastic's reset)."""
+        for b in self._buckets:
+            b.ready, b.handle, b.flat, b.ctx, b.sparse = 0, None, None, None, []
+        self._next = 0
+        self._onebit = None
+        for p in self._requires_update:
+            self._allreduce_delay[p] = self.backward_passes_per_step
+
     def set_backward_passes_per_step(self, passes: int) -> None:
         self.backward_passes_per_step = passes
         for p in self._allreduce_delay:
