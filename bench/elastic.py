@@ -4,6 +4,7 @@ training that lost nothing.
     mpirun --with-ft ulfm -n 4 python -m bench elastic --params 20M --kill-rank 1 --kill-step 3
     python -m bench elastic --chaos 20      # one process: 20 ULFM jobs, ranks killed at random (elastic_chaos)
     python -m bench elastic --soak 120 --kill-every 30      # one process: with and without kills (elastic_soak)
+    python -m bench elastic --peers --params 20M            # one process: torchft, torchrun beside (elastic_peers)
 
 Part 1, at the full world, no failure: per mode (DDP + Adam; ZeroOptimizer stage 2 + Adam with
 ``replicate="state"``, "zero" (on one host the buddy maps the rank's copy in shared memory:
@@ -228,7 +229,15 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--soak-width", type=int, default=256, help="width of the soak MLP")
     k.add_argument("--soak-layers", type=int, default=4, help="Linear layers of the soak MLP")
     k.add_argument("--soak-batch", type=int, default=64, help="global batch of the soak")
+    q = p.add_argument_group("peers (run as one process: bench/elastic_peers.py; --params, --width, --batch and "
+                             "--kill-step apply; worker 1 is killed)")
+    q.add_argument("--peers", action="store_true", help="torchft 0.2 and torchrun + DCP beside elastic")
+    q.add_argument("--peers-steps", type=int, default=8, help="steps of each peer run")
+    q.add_argument("--peers-ours", choices=("ddp", "zero2"), default="zero2", help="elastic's training in --peers")
     args = p.parse_args(argv)
+    if args.peers:
+        from . import elastic_peers
+        return elastic_peers.main(args)
     if args.soak is not None:
         from . import elastic_soak
         return elastic_soak.main(args)

@@ -6,7 +6,7 @@ training losing nothing, in one run.
 Run as one process: two ``mpirun --with-ft ulfm -n 4`` jobs of bench/elastic_soak_job.py, the one
 without failures first. Prints, per run: the ranks at the start and the end, the steps done in the
 training time, steps per second and their ratio to the run without failures, the recoveries and
-their mean time in ``elastic.recover``, and the largest difference of every survivor's final
+their mean time in ``elastic.recover``, the newcomers that joined (growth), and the largest difference of every survivor's final
 weights from one plain torch process on the same global batches (the run without failures
 shows the rounding this length of training gives). Without growth (``elastic.run`` taking no
 ``max_world_size``) the job only shrinks: nobody is killed below 2 ranks.
@@ -49,7 +49,7 @@ def _row(name: str, cfg: dict[str, Any], res: dict[str, Any], base_rate: float |
     if not res["ranks"]:
         tail = res["output"][-1500:]
         return f"{name:<12} no survivor finished (exit status {res['rc']}; None: timed out)\n{tail}", None
-    first = next(iter(res["ranks"].values()))
+    first = max(res["ranks"].values(), key=lambda r: r["seconds"])     # an original rank, not a newcomer
     steps, secs = first["steps"], first["seconds"]
     rate = steps / secs
     want = reference(cfg, steps)
@@ -59,7 +59,7 @@ def _row(name: str, cfg: dict[str, Any], res: dict[str, Any], base_rate: float |
     rec_s = sum(r["recover_s"] for r in recs) / len(recs) if recs else 0.0
     ratio = "" if base_rate is None else f"{rate / base_rate:.1%}"
     line = (f"{name:<12}{'4->' + str(first['world_size']):>8}{steps:>8}{secs:>9.1f}{rate:>10.2f}{ratio:>8}"
-            f"{len(recs):>6}{rec_s:>10.3f}{diff:>12.2e}{'' if same else '  (survivors differ in steps!)':>4}")
+            f"{len(recs):>6}{sum(r.get('newcomer', False) for r in res['ranks'].values()):>5}{rec_s:>10.3f}{diff:>12.2e}{'' if same else '  (survivors differ in steps!)':>4}")
     return line, rate
 
 

@@ -77,20 +77,20 @@ def main() -> None:
         os.environ[elastic.shm.ENV] = "0"
     world = mpicomm.init()
     mdist.init_process_group()
-    me = world.rank
-    start = world.mpi_comm.bcast(time.time() + 1.0, root=0)     # one host: one clock
+    grows = growth()
+    newcomer = grows and elastic.grow.joining()        # spawned by the job growing back: joins in elastic.run
+    start = 0.0 if newcomer else world.mpi_comm.bcast(time.time() + 1.0, root=0)     # one host: one clock
     model = make_model(cfg["width"], cfg["layers"])
     if cfg["mode"] == "ddp":
         opt: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=LR)
-        state = elastic.TorchState(model=model, optimizer=opt, comm=world, step=0)
+        state = elastic.TorchState(model=model, optimizer=opt, comm=world, step=0, start=start)
     else:
         opt = ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=2, comm=world.dup(), lr=LR)
-        state = elastic.TorchState(model=model, optimizer=opt, step=0)
+        state = elastic.TorchState(model=model, optimizer=opt, step=0, start=start)
     x, y = data(cfg["width"])
     s = sampler(cfg["batch"])
-    grows = growth()
-    kw = {"max_world_size": world.size} if grows else {}
-    seen = [0]
+    kw = {"max_world_size": 4} if grows else {}
+    seen: list[int | None] = [None]     # the last kill this rank saw come due (a newcomer: the current one)
     marks: dict[str, float] = {}
 
     @elastic.run(**kw)
@@ -98,13 +98,15 @@ def main() -> None:
         net = DDP(model) if cfg["mode"] == "ddp" else model
         while True:
             now = time.time()
-            k = int((now - start) // cfg["kill_every"]) if cfg["kill_every"] > 0 else 0
+            k = int((now - state.start) // cfg["kill_every"]) if cfg["kill_every"] > 0 else 0
+            if seen[0] is None:
+                seen[0] = k
             if k > seen[0]:
                 seen[0] = k
                 if (grows or state.world_size > 2) and state.rank == k % state.world_size:
                     sys.stdout.flush(), sys.stderr.flush()
                     os.kill(os.getpid(), signal.SIGKILL)
-            stop = torch.tensor([float(now >= start + cfg["seconds"])])
+            stop = torch.tensor([float(now >= state.start + cfg["seconds"])])
             state.comm.all_reduce(stop, op=mpicomm.ReduceOp.MAX)
             if stop.item() > 0:
                 return
@@ -120,9 +122,10 @@ def main() -> None:
     t0 = time.perf_counter()
     train(state)
     seconds = time.perf_counter() - t0
+    me = state.rank      # (a newcomer's world rank is 0 of its own world)
     np.savez(os.path.join(out, f"rank{me}.npz"), **{f"p{i}": p.detach().numpy() for i, p in enumerate(model.parameters())})
     with open(os.path.join(out, f"rank{me}.json"), "w") as f:
-        json.dump({"steps": int(state.step), "seconds": seconds, "world_size": state.world_size, "growth": grows,
+        json.dump({"steps": int(state.step), "seconds": seconds, "world_size": state.world_size, "growth": grows, "newcomer": newcomer,
                    "recoveries": state.recoveries}, f, default=repr)
     torch.distributed.destroy_process_group()
     state.comm.barrier()
