@@ -6,19 +6,20 @@ Measured choices (64 MiB, one core, CPU time): encode in 4096-element tiles (a v
 writing 0/1 flag bytes into L1, then 8 flags packed per multiply, into a contiguous buffer) took
 9.7 ms against 15 ms storing into the strided message rows, 12.2 ms for flags in memory +
 numpy.packbits and 13.4 ms for 64-element groups, with memcpy at 9.4 ms; a fused
-residual+decode pass was slower than the two separate passes.
+residual+decode pass was slower than the two separate passes. The streaming stores and the
+fence after them are ``_numba_intrinsics``'.
 """
 from __future__ import annotations
 
-import platform
 import threading
 
 import numba
 import numpy as np
-from llvmlite import ir
-from numba import types
-from numba.core import cgutils
-from numba.extending import intrinsic
+
+from ._numba_intrinsics import can_stream as _can_stream
+from ._numba_intrinsics import nt_copy8 as _nt_copy8
+from ._numba_intrinsics import nt_store as _nt_store
+from ._numba_intrinsics import sfence as _sfence
 
 _jit = numba.njit(cache=True, nogil=True)
 
@@ -98,40 +99,6 @@ def _encode_bf16_flat(gb, e, packed):
             byte = (byte << 1) | (1 if x >= 0 else 0)
         packed[c] = byte
     return ss
-
-
-# Non-temporal ("streaming") stores for x in the fused pass: x is not read again in this call,
-# and a plain store first reads each line it writes (64 MiB: 15.2 ms -> 10.5 ms, memcpy 9.3 ms).
-# x86-64 only (the closing sfence); they need 32-byte aligned tiles, checked by the caller.
-_NT_STORES = platform.machine().lower() in ("x86_64", "amd64")
-
-
-@intrinsic
-def _nt_store(typingctx, arr, idx, val):  # noqa: ARG001
-    """arr[idx] = val as a non-temporal store that claims 32-byte alignment (vectorised loops
-    over 32-byte aligned tiles only)."""
-    def codegen(context, builder, signature, args):
-        arrty = signature.args[0]
-        ary = context.make_array(arrty)(context, builder, args[0])
-        ptr = cgutils.get_item_pointer(context, builder, arrty, ary, [args[1]], wraparound=False)
-        store = builder.store(args[2], ptr, align=32)
-        store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
-        return context.get_dummy_value()
-    return types.void(arr, idx, val), codegen
-
-
-@intrinsic
-def _sfence(typingctx):  # noqa: ARG001
-    """Order the streaming stores before anything after them (x86 sfence)."""
-    def codegen(context, builder, signature, args):
-        if _NT_STORES:
-            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
-                                                "llvm.x86.sse.sfence")
-            builder.call(fn, [])
-        else:  # never streamed there; a full fence keeps this compilable everywhere
-            builder.fence("seq_cst")
-        return context.get_dummy_value()
-    return types.void(), codegen
 
 
 @_jitv
@@ -246,12 +213,6 @@ def _add_mean_flat(a, b, parts, out, stream):
         out[i] = (a[i] + b[i]) / d
     if stream:
         _sfence()
-
-
-def _can_stream(out) -> bool:
-    """Whether the tile kernels may store into ``out`` with ``_nt_store`` (x86-64, a 64-byte
-    aligned start, contiguous float32)."""
-    return _NT_STORES and out.ctypes.data % 64 == 0 and out.strides[0] == 4
 
 
 def add_mean(a, b, parts, out):
@@ -437,30 +398,6 @@ def server_residual(se, scale):
         se[i] = x - s if x >= 0 else x + s
 
 
-@intrinsic
-def _nt_copy8(typingctx, lut, r, v, out, base):  # noqa: ARG001
-    """out[base:base + 8] = lut[r, v, :8] with two 16-byte non-temporal stores (``out`` must be
-    16-byte aligned, as numpy and torch allocate float32 arrays)."""
-    def codegen(context, builder, sig, args):
-        lutty, _, _, outty, _ = sig.args
-        la = context.make_array(lutty)(context, builder, args[0])
-        zero = context.get_constant(types.intp, 0)
-        src = cgutils.get_item_pointer(context, builder, lutty, la, [args[1], args[2], zero],
-                                       wraparound=False)
-        oa = context.make_array(outty)(context, builder, args[3])
-        dst = cgutils.get_item_pointer(context, builder, outty, oa, [args[4]], wraparound=False)
-        vty = ir.VectorType(ir.FloatType(), 4)
-        md = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
-        for h in range(2):
-            off = ir.Constant(ir.IntType(64), 4 * h)
-            s = builder.bitcast(builder.gep(src, [off]), vty.as_pointer())
-            d = builder.bitcast(builder.gep(dst, [off]), vty.as_pointer())
-            store = builder.store(builder.load(s, align=4), d, align=16)
-            store.set_metadata("nontemporal", md)
-        return context.get_dummy_value()
-    return types.void(lut, types.intp, types.intp, out, types.intp), codegen
-
-
 @_jit
 def _decode_stream(rows, scales, out):
     """``decode`` with non-temporal stores: the output is not read again in this call, and a
@@ -485,7 +422,7 @@ def _decode_stream(rows, scales, out):
 
 def decode(rows, scales, out):
     """Write scales[r] * sign (from row r's bits) into ``out``, cut at out's length."""
-    if _NT_STORES and out.ctypes.data % 16 == 0 and out.strides[0] == 4:
+    if _can_stream(out, 16):
         _decode_stream(rows, scales, out)
     else:
         _decode_plain(rows, scales, out)
