@@ -5,8 +5,9 @@ Which one (``io_method``): by default O_DIRECT where every rank's file system ta
 collective MPI-IO; under ULFM (a fault-tolerant communicator: Open MPI documents MPI-IO as not
 fault tolerant) never MPI-IO: each rank uses O_DIRECT where its file system takes it, else plain
 POSIX calls, and no collective call at all. ``MPICOMM_CKPT_IO`` overrides: ``posix`` (per-rank
-I/O everywhere) or ``mpiio`` (MPI-IO, no O_DIRECT; refused under ULFM). Every path writes the
-same file, so a checkpoint written by one reads with any other."""
+I/O everywhere), ``buffered`` (per-rank POSIX calls through the page cache, no O_DIRECT) or
+``mpiio`` (MPI-IO, no O_DIRECT; refused under ULFM). Every path writes the same file, so a
+checkpoint written by one reads with any other."""
 from __future__ import annotations
 
 import os
@@ -26,14 +27,15 @@ from .byte_ranges import IOItem, batches, chunk, coalesce
 DEFAULT_CHUNK_BYTES = 32 << 20   # bound of staging buffers (dtype conversion, device copies)
 DIRECT_CHUNK_BYTES = 256 << 20   # rounds that move bytes straight to or from a host tensor
 IO_VAR = "MPICOMM_CKPT_IO"
-IO_METHODS = ("auto", "posix", "mpiio")
+IO_METHODS = ("auto", "posix", "buffered", "mpiio")
 
 
 def io_method(comm: Any = None) -> str:
     """How ckpt moves data on ``comm`` (an mpicomm Communicator or an mpi4py communicator):
     "posix" (each rank on its own: O_DIRECT where its file system takes it, else plain POSIX
-    calls), "mpiio" (collective MPI-IO, no O_DIRECT) or "auto" (O_DIRECT where every rank can,
-    else MPI-IO). Under ULFM "auto" is "posix" and "mpiio" is refused (ValueError)."""
+    calls), "buffered" (each rank on its own with plain POSIX calls), "mpiio" (collective
+    MPI-IO, no O_DIRECT) or "auto" (O_DIRECT where every rank can, else MPI-IO). Under ULFM
+    "auto" is "posix" and "mpiio" is refused (ValueError)."""
     asked = os.environ.get(IO_VAR, "auto").strip().lower() or "auto"
     if asked not in IO_METHODS:
         raise ValueError(f"{IO_VAR}={os.environ[IO_VAR]!r}: expected one of {', '.join(IO_METHODS)}")
@@ -42,10 +44,12 @@ def io_method(comm: Any = None) -> str:
         ft = fault_tolerant()
     if not ft:
         return asked
+    if asked == "buffered":
+        return asked
     if asked == "mpiio":
         raise ValueError(f"{IO_VAR}=mpiio under ULFM (mpirun --with-ft ulfm): Open MPI's MPI-IO is not fault "
                          "tolerant, so ckpt writes and reads each rank's bytes with POSIX calls there; "
-                         f"unset {IO_VAR} or set it to auto or posix")
+                         f"unset {IO_VAR} or set it to auto, posix or buffered")
     return "posix"
 
 
@@ -157,6 +161,14 @@ def _all_direct(comm: Any, opened: tuple[int, int] | None) -> int:
     return align
 
 
+def _method(comm: Any, direct_io_ok: bool) -> tuple[str, bool]:
+    """("posix", "mpiio" or "auto"; whether O_DIRECT may be tried) from ``io_method``."""
+    method = io_method(comm)
+    if method == "buffered":
+        return "posix", False
+    return method, direct_io_ok and method != "mpiio"
+
+
 def _direct(comm: Any, method: str, opened: tuple[int, int] | None) -> int:
     """The O_DIRECT alignment this rank writes or reads with, 0 for none: per rank with
     "posix" (no collective call), else only where every rank can (``_all_direct``)."""
@@ -180,9 +192,9 @@ def write_items(comm: Any, filename: str, items: Sequence[IOItem],
     through a file view. Checksums run in a thread alongside the writes; with ``sync`` the kernel
     is asked to start writing each round back as soon as it is written, and the file is synced
     at the end."""
-    method = io_method(comm)
+    method, direct_io_ok = _method(comm, direct_io_ok)
     mpi_comm = _mpi(comm)
-    opened = direct_io.open_direct(filename, True) if direct_io_ok and method != "mpiio" else None
+    opened = direct_io.open_direct(filename, True) if direct_io_ok else None
     align = _direct(comm, method, opened)
     if align:
         chunks = chunk(coalesce(items), chunk_bytes, block_size)
@@ -279,9 +291,9 @@ def read_items(comm: Any, filename: str, items: Sequence[IOItem],
     direct = [d.dtype == fd and d.device.type == "cpu" and d.is_contiguous()
               for d, fd in zip(dests, file_dtypes)]
     itemsize = {i: torch.empty(0, dtype=fd).element_size() for i, fd in enumerate(file_dtypes)}
-    method = io_method(comm)
+    method, direct_io_ok = _method(comm, direct_io_ok)
     mpi_comm = _mpi(comm)
-    opened = direct_io.open_direct(filename, False) if direct_io_ok and method != "mpiio" else None
+    opened = direct_io.open_direct(filename, False) if direct_io_ok else None
     align = _direct(comm, method, opened)
     if align:
         chunks = chunk(coalesce(items), chunk_bytes, block_size, itemsize)

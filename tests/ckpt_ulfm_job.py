@@ -17,6 +17,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import signal
 import sys
 import time
 
@@ -43,10 +44,19 @@ OPENS = spy_file_opens()
 ckpt.direct_io.open_direct = lambda *a, **k: None
 
 
+def trace(out: str, what: str) -> None:
+    """A line in ``<out>.<world rank>.trace`` (the test shows it when the job fails)."""
+    with open(f"{out}.{mpicomm.init().rank}.trace", "a") as f:
+        f.write(f"{time.time():.3f} {what}\n")
+
+
 def die() -> None:
+    """End this process as an OOM kill would (SIGKILL: Open MPI 5.0.11's launcher, under ULFM,
+    ended the whole job when a second rank exited with a non-zero status, as tests/elastic_disk_job.py
+    notes)."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(9)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def model(seed: int) -> torch.nn.Module:
@@ -153,6 +163,7 @@ def recoveries(directory: str, out: str) -> dict:
     @elastic.run
     def loop(state: elastic.TorchState) -> None:
         while state.step < steps:
+            trace(out, f"step {state.step} on {state.world_size} ranks")
             if kills.get(state.step) == world.rank:
                 die()
             train(state.model, state.optimizer, range(state.step, state.step + 1))
@@ -160,6 +171,7 @@ def recoveries(directory: str, out: str) -> dict:
             state.commit()
 
     loop(state)
+    trace(out, f"trained: {state.step} steps, recoveries {[r['lost'] for r in state.recoveries]}")
     state.wait_checkpoint()
     final = values(state.model, state.optimizer)
     ok = loaded(directory, state.comm, 5, final)     # the newest checkpoint: the last commit

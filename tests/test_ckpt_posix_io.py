@@ -22,9 +22,10 @@ from ckpt.byte_ranges import IOItem
 from ckpt.io import read_items, write_items
 
 BLOCK = 1 << 16
-# (MPICOMM_CKPT_IO, direct_io_ok): per-rank POSIX through the page cache, collective MPI-IO,
-# and the default (O_DIRECT where the file system takes it, else MPI-IO)
-PATHS = {"posix": ("posix", False), "mpiio": ("mpiio", False), "auto": ("auto", True)}
+# (MPICOMM_CKPT_IO, direct_io_ok): per-rank POSIX through the page cache (asked two ways),
+# collective MPI-IO, and the default (O_DIRECT where the file system takes it, else MPI-IO)
+PATHS = {"posix": ("posix", False), "buffered": ("buffered", True), "mpiio": ("mpiio", False),
+         "auto": ("auto", True)}
 
 
 def _layout(size: int, nranks: int, seed: int) -> list[list[tuple[int, int]]]:
@@ -53,7 +54,8 @@ def _use(monkeypatch, path: str) -> bool:
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("writer,reader", [("posix", "mpiio"), ("mpiio", "posix"), ("posix", "auto"),
-                                           ("auto", "posix"), ("posix", "posix")])
+                                           ("auto", "posix"), ("posix", "posix"),
+                                           ("buffered", "mpiio"), ("mpiio", "buffered")])
 def test_a_file_written_one_way_reads_the_other(world, shared_tmp_path, monkeypatch, file_opens, writer, reader):
     size = 3 * BLOCK + 1234
     ref = np.random.default_rng(5).integers(0, 256, size, dtype=np.uint8)
@@ -92,7 +94,7 @@ def test_a_file_written_one_way_reads_the_other(world, shared_tmp_path, monkeypa
                direct_io_ok=direct, unchecked={0})
     expect = np.concatenate([ref[o:o + n].view(np.float32) for o, n in f32]) if f32 else np.zeros(0)
     np.testing.assert_array_equal(wide.numpy(), expect.astype(np.float64))
-    if "mpiio" not in (writer, reader) and "auto" not in (writer, reader):
+    if {writer, reader} <= {"posix", "buffered"}:
         assert file_opens == []  # the POSIX path opened no MPI file
 
 
@@ -113,7 +115,7 @@ def _trained(seed: int):
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("async_", [False, True])
-@pytest.mark.parametrize("writer,reader", [("posix", "mpiio"), ("mpiio", "posix")])
+@pytest.mark.parametrize("writer,reader", [("posix", "mpiio"), ("mpiio", "posix"), ("buffered", "auto")])
 def test_a_checkpoint_saved_one_way_loads_the_other(comm, world, shared_tmp_path, monkeypatch, file_opens,
                                                      writer, reader, async_):
     net, opt = _trained(1)
@@ -139,7 +141,7 @@ def test_a_checkpoint_saved_one_way_loads_the_other(comm, world, shared_tmp_path
     for v, m in zip([v for st in opt2.state.values() for _, v in sorted(st.items())], moments):
         np.testing.assert_array_equal(v.numpy(), m)
     np.testing.assert_array_equal(got.weight.detach().numpy(), mine)
-    if writer == "posix":
+    if writer in ("posix", "buffered"):
         assert opened_by_save == []
     else:
         assert len(file_opens) == len(opened_by_save)
@@ -148,7 +150,7 @@ def test_a_checkpoint_saved_one_way_loads_the_other(comm, world, shared_tmp_path
 @pytest.mark.mpi(min_size=1)
 def test_the_io_method_is_checked(comm, world, monkeypatch):
     monkeypatch.setenv(ckpt_io.IO_VAR, "fast")
-    with pytest.raises(ValueError, match="MPICOMM_CKPT_IO='fast': expected one of auto, posix, mpiio"):
+    with pytest.raises(ValueError, match="MPICOMM_CKPT_IO='fast': expected one of auto, posix, buffered, mpiio"):
         ckpt_io.io_method(comm)
     monkeypatch.setenv(ckpt_io.IO_VAR, "mpiio")
     if comm.fault_tolerant:
@@ -156,6 +158,8 @@ def test_the_io_method_is_checked(comm, world, monkeypatch):
             ckpt_io.io_method(comm)
     else:
         assert ckpt_io.io_method(comm) == "mpiio"
+    monkeypatch.setenv(ckpt_io.IO_VAR, "buffered")
+    assert ckpt_io.io_method(comm) == "buffered"
     monkeypatch.delenv(ckpt_io.IO_VAR)
     assert ckpt_io.io_method(comm) == ("posix" if comm.fault_tolerant else "auto")
 

@@ -70,7 +70,11 @@ def _run(n: int, mode: str, directory: str, out: str, timeout: float = 240) -> t
     except subprocess.TimeoutExpired as exc:
         text = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
         raise AssertionError(f"the job hung (killed after {timeout} s): {' '.join(cmd)}\n{text[-4000:]}") from None
-    log = f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    traces = ""
+    for name in sorted(glob.glob(out + ".*.trace")):
+        with open(name) as f:
+            traces += f"{os.path.basename(name)}:\n{f.read()[-1500:]}"
+    log = f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}\n{traces}"
     infos = []
     for name in sorted(glob.glob(out + ".*.json")):
         with open(name) as f:
