@@ -12,7 +12,9 @@ PROGRAMS = {
     "ckpt": ("bench.ckpt", "sharded checkpoint save/load (O_DIRECT or MPI-IO)"),
     "train": ("bench.train", "data-parallel training: DDP on mpicomm, gloo, mpicomm and 1-bit hooks"),
     "plot": ("bench.plot", "draw saved JSON runs: log-log, one panel per op, min-max bands"),
+    "onebit_warmup": ("bench.onebit_warmup", "FSDP2 1-bit gradients: the loss with and without a warm-up"),
     "zero": ("bench.zero", "ZeroOptimizer vs DDP and FSDP2: step time, overlap, memory, bytes per step"),
+    "horovod": ("bench.horovod", "mpicomm.horovod's DistributedOptimizer vs DDP on mpicomm and gloo (img/s)"),
     "elastic": ("bench.elastic", "a rank killed mid-training: detection, recovery, commit cost, replica memory"),
     "netsim": ("bench.netsim", "run a benchmark on simulated hosts with a rate-limited network"),
 }

@@ -140,7 +140,8 @@ def make_fsdp_peer(name: str, args, groups: dict) -> Peer:
         from compressed.fsdp import QuantizedReduceScatter, quantize_comms
 
         bits = 1 if name.endswith("-q1") else 8
-        quantize_comms(model, weight_bits=8, grad_bits=bits)
+        quantize_comms(model, weight_bits=8, grad_bits=bits,  # timed rounds: 1-bit from the start
+                       warmup_steps=None if getattr(args, "curve", False) else 0)
         scatter = QuantizedReduceScatter(bits=bits)
 
         def comm_alone():

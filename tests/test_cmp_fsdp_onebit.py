@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import mpicomm  # noqa: F401 - registers the backend
 from compressed.fsdp import QuantizedReduceScatter, quantize_comms
-from mpitest import assert_all, assert_close_all
+from mpitest import assert_all, assert_close_all, check_all
 from test_cmp_fsdp import _local_grads, _model, _rows, _shard_all, _unrow
 from test_cmp_fsdp import groups  # noqa: F401 - the fixture: the mpicomm world and a gloo group
 
@@ -78,9 +78,9 @@ def test_onebit_reduce_scatter_matches_simulation(groups, world, backend, dtype,
 # ---------------------------------------------------------------------------------------------
 # on FSDP2, and the error state through ckpt
 
-def _fsdp_model(mesh, seed=0, weight_bits=8):
+def _fsdp_model(mesh, seed=0, weight_bits=8, warmup_steps=0):
     model = _shard_all(_model(seed), mesh)
-    quantize_comms(model, weight_bits=weight_bits, grad_bits=1)
+    quantize_comms(model, weight_bits=weight_bits, grad_bits=1, warmup_steps=warmup_steps)
     return model
 
 
@@ -91,15 +91,17 @@ def _backward(model, rank: int, steps: int) -> None:
         torch.nn.functional.mse_loss(model(x).float(), torch.zeros(4, 5)).backward()
 
 
-def check_grads(world, mesh, replicate: int, steps: int = 3, device=torch.device("cpu")):
+def check_grads(world, mesh, replicate: int, steps: int = 3, device=torch.device("cpu"),
+                warmup: int = 0):
     """FSDP2's sharded gradients after each of ``steps`` backward passes (same weights, same
     local gradients: the error feedback alone changes the result) against the simulation; a
     ``(replicate, shard)`` mesh averages the shard groups' results exactly (FSDP2's all-reduce).
-    ``mesh`` of ``device``: gradients and error states must stay there."""
+    ``mesh`` of ``device``: gradients and error states must stay there. The first ``warmup``
+    steps: the exact mean (full precision), the error starting at zero after them."""
     rank, size = world.rank, world.size
     shard = size // replicate
     i_rep, j = divmod(rank, shard)  # mesh (replicate, shard): the shard group is one row
-    model = _fsdp_model(mesh, weight_bits=None)  # exact weights: the plain model's gradients
+    model = _fsdp_model(mesh, weight_bits=None, warmup_steps=warmup)  # exact weights
     x = torch.randn(4, 12, generator=torch.Generator().manual_seed(7 + rank)).to(device)
     everyone = world.allgather([[g.numpy() for g in layer] for layer in _local_grads(x)])
     errors = {}
@@ -116,6 +118,9 @@ def check_grads(world, mesh, replicate: int, steps: int = 3, device=torch.device
                 if shard == 1:
                     total = total + rows[0][0]
                     continue
+                if step < warmup:
+                    total = total + sum(r[j] for r in rows) / shard
+                    continue
                 e = errors.setdefault((idx, i), [np.zeros(shard * (-(-rows[0].shape[1] // 8) * 8))
                                                  for _ in range(shard)])
                 total = total + simulate_step(rows, e)[j]
@@ -131,6 +136,59 @@ def check_grads(world, mesh, replicate: int, steps: int = 3, device=torch.device
 
 def test_fsdp_gradients_match_simulation(groups, world):
     check_grads(world, init_device_mesh("cpu", (world.size,)), 1)
+
+
+def test_fsdp_warmup_then_onebit(groups, world):
+    """quantize_comms(grad_bits=1, warmup_steps=2): two steps of exact mean gradients, then the
+    1-bit simulation from a zero error."""
+    check_grads(world, init_device_mesh("cpu", (world.size,)), 1, steps=4, warmup=2)
+
+
+@pytest.mark.parametrize("backend,async_op", [("mpicomm", False), ("gloo", True)])
+def test_warmup_calls_are_full_precision(groups, world, backend, async_op):
+    """QuantizedReduceScatter(bits=1, warmup_steps=2): calls 1-2 give the exact AVG (fp32 sum
+    of every rank's row over ranks) and leave no error; calls 3-4 match the 1-bit simulation
+    started from a zero error; the step count is in state_dict()."""
+    group, rank, size = groups[backend], world.rank, world.size
+    m = 13
+    comm = QuantizedReduceScatter(bits=1, warmup_steps=2)
+    errors = [np.zeros(size * 16) for _ in range(size)]
+    for step in range(4):
+        inputs = [_input(step, r, size, m, torch.float32) for r in range(size)]
+        out = torch.empty(m)
+        work = comm(out, inputs[rank].reshape(-1).clone(), group, dist.ReduceOp.AVG,
+                    async_op=async_op)
+        if work is not None:
+            work.wait()
+        assert_all(comm.state_dict()["steps"] == step + 1, f"steps {comm.state_dict()['steps']}")
+        if step < 2 or size == 1:
+            want = sum(t[rank].double() for t in inputs).numpy() / size
+            assert_close_all(out.double().numpy(), want, rtol=1e-6, atol=1e-6,
+                             what=f"warm-up call {step}")
+            assert_all(step >= 2 or comm.state_dict()["worker_error"] is None,
+                       "an error state during the warm-up")
+            continue
+        want = simulate_step([t.double().numpy() for t in inputs], errors)[rank]
+        assert_close_all(out.double().numpy(), want, rtol=1e-5, atol=1e-6 * float(
+            np.abs(want).max()), what=f"1-bit call {step}")
+
+
+def test_bad_warmup_raises(world):
+    def bad():
+        for value in (-1, 1.5, True, "3"):
+            with pytest.raises(ValueError, match=r"expected warmup_steps as a whole number"):
+                quantize_comms(torch.nn.Linear(2, 2), grad_bits=1, warmup_steps=value)
+            with pytest.raises(ValueError, match=r"expected warmup_steps as a whole number"):
+                QuantizedReduceScatter(bits=1, warmup_steps=value)
+        for bits in (8, None):
+            with pytest.raises(ValueError, match=r"warmup_steps=5 applies to 1-bit gradients"):
+                quantize_comms(torch.nn.Linear(2, 2), grad_bits=bits, warmup_steps=5)
+        with pytest.raises(ValueError, match=r"warmup_steps=5 applies to 1-bit gradients"):
+            QuantizedReduceScatter(bits=8, warmup_steps=5)
+        with pytest.raises(ValueError, match=r"saved step count"):
+            QuantizedReduceScatter(bits=1).load_state_dict(
+                {"world_size": None, "numel": None, "worker_error": None, "steps": -2})
+    check_all(bad)
 
 
 @pytest.mark.mpi(min_size=4)
@@ -209,6 +267,8 @@ def test_error_state_through_ckpt(groups, world, comm, shared_tmp_path):
     again = GradientErrors(fresh).per_rank_state_dict()["modules"]
     assert_all(all(torch.equal(again[k]["worker_error"], mine[k]["worker_error"]) for k in mine),
                "errors not bit-identical after a same-size load")
+    assert_all(all(int(again[k]["steps"]) == int(mine[k]["steps"]) == (2 if size > 1 else 0)
+                   for k in mine), "step counts not kept")  # FSDP2 reduces nothing at 1 rank
     # N -> 1: every rank alone loads the checkpoint saved by all
     saved = world.allgather({k: (v["shapes"], v["worker_error"].numpy()) for k, v in mine.items()})
     alone = None
@@ -221,6 +281,8 @@ def test_error_state_through_ckpt(groups, world, comm, shared_tmp_path):
     ckpt.load(shared_tmp_path / "e", model=solo, comm=MPI.COMM_SELF,
               state={"grad_errors": GradientErrors(solo)})
     got = GradientErrors(solo).per_rank_state_dict()["modules"]
+    assert_all(all(int(got[k]["steps"]) == int(mine[k]["steps"]) for k in mine),
+               "step counts not kept at 1 rank")
     for k in mine:
         shapes = saved[0][k][0]
         owed = [sum(parts) / size for parts in zip(*[
@@ -296,3 +358,33 @@ def test_error_layout_pack_unpack(world):
     assert all(torch.allclose(a, b.float().double()) for a, b in zip(unpack(three, shapes, 3), owed))
     with pytest.raises(ValueError, match="expected .* for parameters"):
         unpack(three, shapes, 4)
+
+
+def test_warmup_progress_through_ckpt(groups, world, comm, shared_tmp_path):
+    """A checkpoint taken during the warm-up (2 of 5 steps) resumes at step 2: the resumed
+    model's next 3 steps are full precision (no error yet), the 4th compresses; a state saved
+    without a step count (before the warm-up existed) counts as past the warm-up."""
+    import ckpt
+    from compressed.fsdp import GradientErrors
+    rank, size = world.rank, world.size
+    if size == 1:
+        pytest.skip("FSDP2 calls no reduce-scatter at one rank: no steps to count")
+    mesh = init_device_mesh("cpu", (size,))
+    model = _fsdp_model(mesh, warmup_steps=5)
+    _backward(model, rank, 2)
+    ckpt.save(shared_tmp_path / "w", model=model, comm=comm,
+              state={"grad_errors": GradientErrors(model)})
+    fresh = _fsdp_model(mesh, seed=3, warmup_steps=5)
+    ckpt.load(shared_tmp_path / "w", model=fresh, comm=comm,
+              state={"grad_errors": GradientErrors(fresh)})
+    states = [rs.onebit for _, rs in GradientErrors(fresh).targets.values()]
+    assert_all(all(st.steps == 2 for st in states), f"steps {[st.steps for st in states]}")
+    _backward(fresh, rank, 3)
+    assert_all(all(st.steps == 5 and float(st.worker_error.abs().max()) == 0 for st in states),
+               "an error grew during the warm-up")
+    _backward(fresh, rank, 1)
+    assert_all(all(float(st.worker_error.abs().max()) > 0 for st in states),
+               "no error feedback after the warm-up")
+    old = QuantizedReduceScatter(bits=1, warmup_steps=5)
+    old.load_state_dict({"world_size": 1, "numel": 3, "worker_error": torch.zeros(8)})
+    assert_all(old.onebit.steps == 5 and not old.onebit.count_step(), "old state still warming")

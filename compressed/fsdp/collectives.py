@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 from . import wires
-from .onebit import OnebitState
+from .onebit import OnebitState, check_warmup
 from .quantize import Layout, _numba, dequantize_into, layout, quantize_rows, reduce_rows
 
 __all__ = ["QuantizedAllGather", "QuantizedReduceScatter", "check_bits", "DEFAULT_BLOCK"]
@@ -281,13 +281,17 @@ class QuantizedReduceScatter(_Quantized, ReduceScatter):
     FSDPModule needs its own; at one rank the gradient passes exactly. With ``async_op=True``
     the signs are packed and posted at the call (the transfer progressing on the process
     group's own async path) and the work's ``wait()`` sums them and updates the error; a
-    second call of the same object first finishes the one in flight.
+    second call of the same object first finishes the one in flight. ``warmup_steps`` (bits=1
+    only; 0 here, ``quantize_comms`` gives 20 by default): the first calls run as full-precision
+    reduce-scatters (SUM at the input's dtype, then the op's factor), the error starting at zero
+    with the first 1-bit call; the call count is in ``state_dict()``.
     """
 
     def __init__(self, bits: int = 8, block: int = DEFAULT_BLOCK,
-                 segments: Sequence[int] | None = None) -> None:
+                 segments: Sequence[int] | None = None, warmup_steps: int = 0) -> None:
         super().__init__(bits, block, segments, "QuantizedReduceScatter", (8, 1))
-        self.onebit = OnebitState() if self.bits == 1 else None
+        warmup = check_warmup(warmup_steps, self.bits, "QuantizedReduceScatter", 0)
+        self.onebit = OnebitState(warmup) if self.bits == 1 else None
 
     def state_dict(self) -> dict:
         """The 1-bit worker error (``OnebitState.state_dict``); empty for ``bits=8``."""
@@ -313,11 +317,15 @@ class QuantizedReduceScatter(_Quantized, ReduceScatter):
             raise ValueError("QuantizedReduceScatter: expected floating-point gradients, got "
                              f"{input_tensor.dtype}")
         factor = _op_factor(op, world)
+        warm = False
         if self.onebit is not None:
             self.onebit.shape_check(world, m)
+            warm = self.onebit.count_step()
         if world == 1 or m == 0:
             _write(output_tensor, input_tensor.reshape(world, m)[rank].float(), factor)
             return _Done() if async_op else None
+        if warm:
+            return _full_precision(output_tensor, input_tensor, group, direct, factor, async_op)
         if self.onebit is not None:
             kind = getattr(op, "op", op)
             mult = 1.0 if kind == _RED.AVG else world * (1.0 if factor is None else factor)
@@ -360,6 +368,28 @@ class QuantizedReduceScatter(_Quantized, ReduceScatter):
             output_tensor.view(-1).copy_(total)
             _used_here(recv)
         return _finish(start, reduce, async_op)
+
+
+def _full_precision(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup,
+                    direct, factor: float | None, async_op: bool):
+    """The 1-bit warm-up's reduce-scatter: a SUM at the input's dtype on the group (``direct``:
+    its mpicomm Communicator), then the op's factor, into ``output``."""
+    inp = input.reshape(-1) if input.is_contiguous() else input.contiguous().view(-1)
+    into = (output.is_contiguous() and output.dtype == inp.dtype and not output.is_neg())
+    out = output.view(-1) if into else torch.empty(output.numel(), dtype=inp.dtype,
+                                                   device=inp.device)
+
+    def start(async_: bool):
+        if direct is not None:
+            return direct.reduce_scatter_tensor(out, inp)
+        return dist.reduce_scatter_tensor(out, inp, group=group, async_op=async_)
+
+    def then() -> None:
+        if factor is not None:
+            out.mul_(factor)
+        if not into:
+            output.view(-1).copy_(out)
+    return _finish(start, then, async_op)
 
 
 def _used_here(t: torch.Tensor) -> None:

@@ -7,7 +7,9 @@ same item gives them back. At the saved shard-group size every rank takes its ow
 bit-identical); at another size the error mass is carried over as for the 1-bit optimizers
 (``compressed.reshard``): each saved rank's error is put back on the parameters' positions
 (FSDP2's dim-0 chunks; its padding and the wire's dropped), the mean over saved ranks is what
-the mean gradient owes, and every new rank takes that mean, laid out as its own rows.
+the mean gradient owes, and every new rank takes that mean, laid out as its own rows. Each
+module's step count (its warm-up's progress) is saved too and comes back at any size (the
+largest saved; a checkpoint without one, from before the warm-up, counts as past it).
 """
 from __future__ import annotations
 
@@ -100,7 +102,8 @@ class GradientErrors:
                              "grad_bits=1) first")
 
     def per_rank_state_dict(self) -> dict[str, Any]:
-        """``{"modules": {name: {"world_size", "shapes", "numel", "worker_error"}}}``."""
+        """``{"modules": {name: {"world_size", "shapes", "numel", "worker_error", "steps"}}}``
+        (``steps``: the reduce-scatter's calls so far, its warm-up included)."""
         modules = {}
         for name, (m, comm) in self.targets.items():
             world, shapes, numel = _module_info(m)
@@ -110,7 +113,7 @@ class GradientErrors:
             if e is None:
                 e = torch.zeros(world * padded_row(numel), dtype=torch.float32)
             modules[name] = {"world_size": world, "shapes": shapes, "numel": numel,
-                             "worker_error": e.detach().clone()}
+                             "worker_error": e.detach().clone(), "steps": st.steps}
         return {"modules": modules}
 
     def load_per_rank_state_dict(self, saved: list[dict], rank: int, size: int) -> None:
@@ -135,5 +138,7 @@ class GradientErrors:
                     parts = unpack(e["worker_error"], shapes, int(e["world_size"]))
                     owed = parts if owed is None else [a + b for a, b in zip(owed, parts)]
                 mine = pack([t / len(entries) for t in owed], world)
+            counts = [e.get("steps") for e in entries if e.get("steps") is not None]
             comm.onebit.load_state_dict({"world_size": world, "numel": numel,
-                                         "worker_error": mine})
+                                         "worker_error": mine,
+                                         "steps": max(counts) if counts else None})

@@ -5,6 +5,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 
 from .collectives import DEFAULT_BLOCK, QuantizedAllGather, QuantizedReduceScatter, check_bits
+from .onebit import check_warmup
 
 __all__ = ["quantize_comms", "param_groups"]
 
@@ -27,12 +28,16 @@ def _segments(module: FSDPModule) -> tuple[int, ...]:
 
 
 def quantize_comms(module: torch.nn.Module, weight_bits: int | None = 8,
-                   grad_bits: int | None = 8, block: int = DEFAULT_BLOCK) -> list[str]:
+                   grad_bits: int | None = 8, block: int = DEFAULT_BLOCK,
+                   warmup_steps: int | None = None) -> list[str]:
     """Install int8 weight all-gathers and int8 (``grad_bits=8``) or 1-bit (``grad_bits=1``,
     error feedback per module) gradient reduce-scatters on every FSDPModule under ``module``;
-    ``None`` leaves that side as FSDP2's own. Returns the modules' names."""
+    ``None`` leaves that side as FSDP2's own. ``warmup_steps`` (1-bit only; None: 20): the
+    steps whose gradients are reduce-scattered at full precision before 1-bit starts. Returns
+    the modules' names."""
     weight_bits = check_bits(weight_bits, (None, 8), "quantize_comms weight_bits")
     grad_bits = check_bits(grad_bits, (None, 8, 1), "quantize_comms grad_bits")
+    warmup_steps = check_warmup(warmup_steps, grad_bits, "quantize_comms")
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"quantize_comms: expected a torch.nn.Module, got {type(module).__name__}")
     found = [(name or "<root>", m) for name, m in module.named_modules()
@@ -55,5 +60,6 @@ def quantize_comms(module: torch.nn.Module, weight_bits: int | None = 8,
         if weight_bits is not None:
             m.set_custom_all_gather(QuantizedAllGather(weight_bits, block, segments))
         if grad_bits is not None:
-            m.set_custom_reduce_scatter(QuantizedReduceScatter(grad_bits, block, segments))
+            m.set_custom_reduce_scatter(QuantizedReduceScatter(grad_bits, block, segments,
+                                                                warmup_steps))
     return [name for name, _ in targets]

@@ -7,9 +7,16 @@ multiple of 8 elements, zeros there), sends the signs of row ``j`` to rank ``j``
 ``j`` gets ``mean_i(s_i * sign(x_i[j]))`` (``compressed.engine.reduce_scatter``), times the
 rank count for SUM (and FSDP2's PREMUL_SUM factor). The worker error ``e`` (fp32, ranks x m8
 elements) is this state's: one per FSDPModule.
+
+A warm-up (``warmup_steps``, as DeepSpeed's 1-bit methods freeze before compressing): the first
+``warmup_steps`` calls are full-precision reduce-scatters and the error feedback starts, at
+zero, with the first 1-bit call. A call is a step: FSDP2 reduce-scatters each module's
+gradients once per optimizer step (once per accumulation window). The count is state
+(``state_dict``), so a resumed run compresses from the same step.
 """
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +27,25 @@ import torch.distributed as dist
 from .. import engine
 from ..compressor import Compressor
 
-__all__ = ["InFlight", "OnebitState", "padded_row"]
+__all__ = ["InFlight", "OnebitState", "padded_row", "check_warmup", "DEFAULT_WARMUP_STEPS"]
+
+#: Full-precision steps before the 1-bit reduce-scatters start (``quantize_comms``'s default).
+DEFAULT_WARMUP_STEPS = 20
+
+
+def check_warmup(warmup_steps: object, bits: int | None, what: str,
+                 default: int = DEFAULT_WARMUP_STEPS) -> int:
+    """``warmup_steps`` checked (a whole number >= 0; None: ``default`` for ``bits=1``, else 0);
+    a warm-up for other than 1-bit gradients raises ValueError naming ``what``."""
+    if warmup_steps is None:
+        return default if bits == 1 else 0
+    if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 0:
+        raise ValueError(f"{what}: expected warmup_steps as a whole number of steps >= 0 (None: "
+                         f"the default, {default} for 1-bit gradients), got {warmup_steps!r}")
+    if warmup_steps and bits != 1:
+        raise ValueError(f"{what}: warmup_steps={warmup_steps} applies to 1-bit gradients "
+                         f"(grad_bits=1) only; got bits={bits!r}, which has no warm-up")
+    return warmup_steps
 
 
 def padded_row(m: int) -> int:
@@ -48,9 +73,12 @@ class InFlight:
 
 
 class OnebitState:
-    """Worker error and compressor of one FSDP parameter group's 1-bit reduce-scatter."""
+    """Worker error, warm-up count and compressor of one FSDP parameter group's 1-bit
+    reduce-scatter: the first ``warmup_steps`` calls run at full precision."""
 
-    def __init__(self) -> None:
+    def __init__(self, warmup_steps: int = 0) -> None:
+        self.warmup_steps = check_warmup(warmup_steps, 1, "OnebitState", 0)
+        self.steps = 0  # calls so far, warm-up ones included
         self.world: int | None = None
         self.m: int | None = None
         self.worker_error: torch.Tensor | None = None
@@ -67,6 +95,11 @@ class OnebitState:
                 f"QuantizedReduceScatter(bits=1): its error feedback belongs to one FSDP "
                 f"parameter group ({self.world} ranks x {self.m} elements), now called with "
                 f"{world} x {m}; give every FSDPModule its own (quantize_comms does)")
+
+    def count_step(self) -> bool:
+        """Count a call; True while it is one of the warm-up's (full precision)."""
+        self.steps += 1
+        return self.steps <= self.warmup_steps
 
     def errors(self, world: int, m: int, device: torch.device) -> torch.Tensor:
         """The worker error (fp32, world x padded_row(m)), zeros when new."""
@@ -169,16 +202,31 @@ class OnebitState:
         return views
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"world_size", "numel", "worker_error"}`` (None before the first call); a call
-        in flight is finished first."""
+        """``{"world_size", "numel", "worker_error", "steps"}`` (the first three None before the
+        first 1-bit call; ``steps`` the calls so far, warm-up included); a call in flight is
+        finished first."""
         self.settle()
-        return {"world_size": self.world, "numel": self.m, "worker_error": self.worker_error}
+        return {"world_size": self.world, "numel": self.m, "worker_error": self.worker_error,
+                "steps": self.steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take a worker error saved for ``world_size`` ranks x ``numel`` (checked at the next
-        call against the group it runs on); a call in flight is finished first."""
+        call against the group it runs on) and the step count (a state saved without one, before
+        the warm-up existed, compressed from its first call: the warm-up counts as over); a call
+        in flight is finished first."""
         self.settle()
         world, m, e = state["world_size"], state["numel"], state["worker_error"]
+        steps = state.get("steps")
+        if steps is None:
+            steps = self.warmup_steps if e is not None else 0
+        try:
+            steps = operator.index(steps)
+        except TypeError:
+            steps = -1
+        if isinstance(state.get("steps"), bool) or steps < 0:
+            raise ValueError(f"QuantizedReduceScatter(bits=1): expected a saved step count as a "
+                             f"whole number >= 0, got {state.get('steps')!r}")
+        self.steps = steps
         if e is None:
             self.world = self.m = self.worker_error = None
             return
