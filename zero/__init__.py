@@ -10,7 +10,10 @@ on the shard, and the weights are all-gathered back. ``ckpt.save``/``ckpt.load``
 any optimizer, at any world size, through its public shard groups (``ShardGroup``).
 
 What lives where:
-    optimizer   ZeroOptimizer and ShardGroup (one parameter group's shard on this rank)
+    optimizer   ZeroOptimizer: construction, gradient hooks, step and the weight all-gather
+    grad_norm   the averaged gradient's norm and checks (one small allreduce), clip_grad_norm_
+    shard_access  what ckpt and elastic use: ShardGroup (one parameter group's shard on this rank),
+                shard_state, layouts_for, rebind, the update hooks
     partition   which elements each rank owns: ShardLayout, Segment, split_evenly (pure, no MPI)
     buckets     the bucket plan (once, for both directions); gradient reduction from backward hooks
     quantize    symmetric int8 per block for the weight all-gather (gather_bits=8; pure, no MPI)
@@ -21,7 +24,8 @@ Layering: accelerators <- mpicomm <- compressed <- zero <- ckpt <- bench.
 """
 from __future__ import annotations
 
-from .optimizer import ShardGroup, ZeroOptimizer
+from .optimizer import ZeroOptimizer
+from .shard_access import ShardGroup
 from .partition import STAGES, Segment, ShardLayout, ceil_div, split_evenly
 from .quantize import GATHER_BITS
 
