@@ -135,25 +135,30 @@ class Moves:
         return self._launch(comm.Alltoallv, comm.Ialltoallv, args, [send, recv], async_op,
                             [output])
 
-    # gather and scatter are one shape mirrored (checks, the root's flat buffer, one MPI call;
-    # gather splits the flat buffer after, scatter joins it before): kept as two bodies, since
-    # one with the direction as an argument read worse than these.
+    # gather and scatter are one shape mirrored: the same checks (``_rooted``) and one MPI call on
+    # the root's flat buffer (gather splits it after, scatter joins it before).
+    def _rooted(self, call: str, root_name: str, root, tensor, list_name: str, tensors,
+                writable: bool) -> tuple:
+        """The checks gather and scatter open with: (root, tensor, its MPI type, the root's
+        list of tensors), agreed across ranks when checking."""
+        root = check_rank(call, root_name, root, self.size)
+        t = to_tensor(tensor, call, "tensor", writable=writable)
+        mpi_type = move_type(call, "tensor", t)
+        ts = root_list(call, list_name, tensors, t, root_name, root, self.rank, self.size)
+        if self.check:
+            agree(self.mpi_comm, call, f"{root_name}={root}, tensor={signature(t)}")
+        return root, t, mpi_type, ts
+
     @observed
     def gather(self, tensor, gather_list: list | None = None, dst: int = 0,
                async_op: bool = False) -> Work | None:
         """Collect every rank's ``tensor`` into ``gather_list`` on rank ``dst``."""
-        call = "gather"
-        dst = check_rank(call, "dst", dst, self.size)
-        inp = to_tensor(tensor, call, "tensor", writable=False)
-        mpi_type = move_type(call, "tensor", inp)
-        root = self.rank == dst
-        outs = root_list(call, "gather_list", gather_list, inp, "dst", dst, self.rank, self.size)
-        if self.check:
-            agree(self.mpi_comm, call, f"dst={dst}, tensor={signature(inp)}")
+        dst, inp, mpi_type, outs = self._rooted("gather", "dst", dst, tensor, "gather_list",
+                                                gather_list, False)
         mpi_call = "igather" if async_op else "gather"
         send = prepare(inp, IN, mpi_type, inp.dtype, self.device_policy, mpi_call)
         n = inp.numel()
-        if not root:
+        if self.rank != dst:
             return self._launch(self.mpi_comm.Gather, self.mpi_comm.Igather,
                                 (_spec(send, n), None, dst), [send], async_op, [])
         flat = torch.empty((self.size * n,), dtype=inp.dtype, device=inp.device)
@@ -166,18 +171,12 @@ class Moves:
     def scatter(self, tensor, scatter_list: list | None = None, src: int = 0,
                 async_op: bool = False) -> Work | None:
         """Rank ``src`` sends ``scatter_list[r]`` into ``tensor`` on rank r."""
-        call = "scatter"
-        src = check_rank(call, "src", src, self.size)
-        out = to_tensor(tensor, call, "tensor", writable=True)
-        mpi_type = move_type(call, "tensor", out)
-        root = self.rank == src
-        ins = root_list(call, "scatter_list", scatter_list, out, "src", src, self.rank, self.size)
-        if self.check:
-            agree(self.mpi_comm, call, f"src={src}, tensor={signature(out)}")
+        src, out, mpi_type, ins = self._rooted("scatter", "src", src, tensor, "scatter_list",
+                                               scatter_list, True)
         mpi_call = "iscatter" if async_op else "scatter"
         recv = prepare(out, OUT, mpi_type, out.dtype, self.device_policy, mpi_call)
         n = out.numel()
-        if not root:
+        if self.rank != src:
             return self._launch(self.mpi_comm.Scatter, self.mpi_comm.Iscatter,
                                 (None, _spec(recv, n), src), [recv], async_op, [tensor])
         flat = torch.cat([x.reshape(-1) for x in ins])

@@ -203,16 +203,17 @@ def _scratch(state: State, mem, numel: int):
     return raw, (lambda: state.scratch.release(raw, mem.device))
 
 
-# all_reduce, reduce_scatter and reduce open alike (the private communicator, the memory kind,
-# the bit views, the one-collective or pipelined choice); kept inline: each is a few lines that
-# read as the steps of its own call.
+def _opening(state: State, x: torch.Tensor):
+    """What every call opens with: (private communicator, size, rank, memory kind, ``x``'s bit
+    view, dtype name)."""
+    comm = state.comm()
+    mem = _memory(x)
+    return comm, comm.Get_size(), comm.Get_rank(), mem, mem.bits(x), _NAMES[x.dtype]
+
 
 def all_reduce(state: State, x: torch.Tensor, plan: tuple[int, int, float]) -> Requests:
     """Start reducing the contiguous 16-bit tensor ``x`` in place on every rank."""
-    comm = state.comm()
-    p, me = comm.Get_size(), comm.Get_rank()
-    mem = _memory(x)
-    xb, dtype = mem.bits(x), _NAMES[x.dtype]
+    comm, p, me, mem, xb, dtype = _opening(state, x)
     n = xb.shape[0]
     if _small(n, p):
         raw, release = _scratch(state, mem, p * n)
@@ -229,10 +230,8 @@ def reduce_scatter(state: State, out: torch.Tensor, inp: torch.Tensor,
                    plan: tuple[int, int, float]) -> Requests:
     """Start reducing ``inp`` (p equal chunks) into ``out`` (this rank's chunk), both contiguous
     and in the same memory."""
-    comm = state.comm()
-    p = comm.Get_size()
-    mem = _memory(inp)
-    ib, ob, dtype = mem.bits(inp), mem.bits(out), _NAMES[inp.dtype]
+    comm, p, _, mem, ib, dtype = _opening(state, inp)
+    ob = mem.bits(out)
     b = ob.shape[0]
     if _small(ib.shape[0], p):
         raw, release = _scratch(state, mem, ib.shape[0])
@@ -245,10 +244,7 @@ def reduce_scatter(state: State, out: torch.Tensor, inp: torch.Tensor,
 
 def reduce(state: State, x: torch.Tensor, dst: int, plan: tuple[int, int, float]) -> Requests:
     """Start reducing the contiguous ``x`` into ``x`` on rank ``dst`` (others keep theirs)."""
-    comm = state.comm()
-    p, me = comm.Get_size(), comm.Get_rank()
-    mem = _memory(x)
-    xb, dtype = mem.bits(x), _NAMES[x.dtype]
+    comm, p, me, mem, xb, dtype = _opening(state, x)
     n = xb.shape[0]
     if _small(n, p):
         raw, release = _scratch(state, mem, p * n if me == dst else 1)
