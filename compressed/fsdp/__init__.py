@@ -9,8 +9,8 @@ Public API:
   chunks through an all-to-all, summed in fp32 in rank order (SUM, AVG, PREMUL_SUM);
   ``bits=1``: signs and one scale per rank with error feedback (the 1-bit engine's phase 1).
 - ``quantize_comms(module, weight_bits=8, grad_bits=8, warmup_steps=None)``: both on every
-  FSDPModule under ``module`` (blocks never span two parameters); ``None`` leaves that side as FSDP2's own;
-  ``grad_bits=1`` the 1-bit reduce-scatter, one error state per FSDPModule, after
+  FSDPModule under ``module`` (blocks never span two parameters); ``None`` leaves that side
+  as FSDP2's own; ``grad_bits=1`` the 1-bit reduce-scatter, one error state per FSDPModule, after
   ``warmup_steps`` (default 20) full-precision steps.
 - ``GradientErrors(model)``: those error states as one ckpt per-rank state item (resharded
   N -> M at load).
