@@ -122,3 +122,19 @@ def test_fsdp_call_cost_rows(capsys):
     assert "transfer replaced by a copy" in capsys.readouterr().out
     with pytest.raises(ValueError, match="expected ranks >= 2"):
         fsdp_call_cost.measure(ranks=1)
+
+
+def test_onebit_warmup_program(tmp_path):
+    """bench onebit_warmup: one record per run; during its warm-up a 1-bit run follows FSDP2's
+    own gradients with int8 weights (w8-g-exact) exactly, and without one it does not."""
+    stdout, recs = _run(tmp_path, "onebit_warmup", "--steps", "4", "--seeds", "1",
+                        "--warmups", "0,2")
+    by = {r["peer"]: r for r in recs}
+    assert list(by) == ["exact", "w-exact-g8", "w8-g-exact", "q8", "q1-w0", "q1-w2"]
+    for rec in recs:  # bench/records.py validates the curve fields of bench train only
+        assert rec["bench"] == "onebit_warmup" and rec["op"] == "curve" and rec["ranks"] == 2
+        assert rec["steps"] == 4 and len(rec["losses"]) == 4 and np.isfinite(rec["final_loss"])
+    assert by["q1-w2"]["warmup"] == 2 and by["q8"]["warmup"] is None
+    assert by["q1-w2"]["losses"][:3] == by["w8-g-exact"]["losses"][:3]
+    assert by["q1-w0"]["losses"][1] != by["w8-g-exact"]["losses"][1]
+    assert "final loss after 4 steps" in stdout
