@@ -37,7 +37,8 @@ What lives where:
     commit         atomic publish (rename / exchange) under a directory lock
     errors         CheckpointError and its subclasses, the CLI's exit codes
     io             collective MPI-IO of planned byte ranges, with checksums
-    byte_ranges    pure byte-range math;  manifest: the JSON format;  checksum: CRC-32
+    byte_ranges    pure byte-range math;  manifest: the records and their JSON;  checksum: CRC-32
+    manifest_checks  what a valid manifest is: its field and section checks, ManifestError and kin
     safetensors_header  the safetensors header that makes data.bin a safetensors file
     dtypes         the dtype names of the format;  progress_bar: the CLI's progress bars
     dcp_reader     DCPReader: torch DCP's StorageReader over our format (byte runs, checked blocks)

@@ -1,13 +1,20 @@
-"""The checkpoint manifest: a versioned JSON description of every tensor's bytes (pure, no MPI)."""
+"""The checkpoint manifest: a versioned JSON description of every tensor's bytes (pure, no MPI).
+
+Here the records (``Manifest``, ``TensorEntry``, ``ParamInfo``, the ``Packer`` that lays tensors
+out in the data file) and their JSON, its checksum included; what a valid manifest is, and the
+errors for one that is not, are in ``ckpt.manifest_checks`` (re-exported here).
+"""
 from __future__ import annotations
 
 import json
 import math
 import zlib
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
-from .errors import EXIT_DAMAGED, EXIT_INCOMPLETE, EXIT_USAGE, CheckpointError
+from .manifest_checks import (ITEMSIZE, KINDS, DamagedCheckpointError, IncompleteCheckpointError, ManifestError,
+                              bool_field, int_field, layout_rule, list_field, opt_str_field, shape_field, str_field,
+                              validate_manifest)
 
 FORMAT_NAME = "mpicomm-ckpt"
 FORMAT_VERSION = 4
@@ -20,34 +27,8 @@ DATA_NAME = "data.bin"
 LATEST_NAME = "latest"
 DEFAULT_BLOCK_SIZE = 4 << 20
 
-KINDS = ("param", "master", "state", "item")
-
-ITEMSIZE = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
-    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
-}
-
-
 INCOMPLETE_NAME = "INCOMPLETE"   # present while a save is writing; removed just before the commit
 TMP_MARK = ".tmp-"                # a save's working directory is ``.<name>.tmp-<id>``
-
-
-class ManifestError(CheckpointError, ValueError):
-    """The manifest is missing, malformed, or of an unsupported version."""
-
-    exit_code = EXIT_USAGE
-
-
-class IncompleteCheckpointError(ManifestError):
-    """The directory is a save that did not finish (its writer died or failed); never loaded."""
-
-    exit_code = EXIT_INCOMPLETE
-
-
-class DamagedCheckpointError(ManifestError):
-    """A file of the checkpoint is missing or has the wrong size."""
-
-    exit_code = EXIT_DAMAGED
 
 
 @dataclass(frozen=True)
@@ -237,124 +218,38 @@ class Manifest:
                          for t in d["tensors"]],
                 files=d["files"], optimizer=d.get("optimizer"), extra=d.get("extra"), block_size=d["block_size"],
                 checksum=d.get("checksum", "crc32"), info=d.get("info") or {}, state=d.get("state"), version=version)
-        params = [ParamInfo(_str(p["name"], "params[].name"), _shape(p["shape"], "params[].shape"),
-                            _str(p["dtype"], "params[].dtype"), _bool(p.get("buffer", False), "params[].buffer"))
-                  for p in _list(d["params"], "params")]
-        tensors = [TensorEntry(_str(t["name"], "tensors[].name"), _int(t["param"], "tensors[].param", -1),
-                               _str(t["kind"], "tensors[].kind"), _shape(t["shape"], "tensors[].shape"),
-                               _str(t["dtype"], "tensors[].dtype"), _str(t["file"], "tensors[].file"),
-                               _int(t["offset"], "tensors[].offset"), _int(t["nbytes"], "tensors[].nbytes"),
-                               _opt_str(t.get("key"), "tensors[].key"), t.get("boxes"),
-                               _layout_rule(t.get("layout"), "tensors[].layout"))
-                   for t in _list(d["tensors"], "tensors")]
+        params = [ParamInfo(str_field(p["name"], "params[].name"), shape_field(p["shape"], "params[].shape"),
+                            str_field(p["dtype"], "params[].dtype"),
+                            bool_field(p.get("buffer", False), "params[].buffer"))
+                  for p in list_field(d["params"], "params")]
+        tensors = [TensorEntry(str_field(t["name"], "tensors[].name"), int_field(t["param"], "tensors[].param", -1),
+                               str_field(t["kind"], "tensors[].kind"), shape_field(t["shape"], "tensors[].shape"),
+                               str_field(t["dtype"], "tensors[].dtype"), str_field(t["file"], "tensors[].file"),
+                               int_field(t["offset"], "tensors[].offset"), int_field(t["nbytes"], "tensors[].nbytes"),
+                               opt_str_field(t.get("key"), "tensors[].key"), t.get("boxes"),
+                               layout_rule(t.get("layout"), "tensors[].layout"))
+                   for t in list_field(d["tensors"], "tensors")]
         stage = d["stage"]
         if stage is not None:
-            _int(stage, "stage")
+            int_field(stage, "stage")
         step = d["step"]
         if step is not None:
-            _int(step, "step", None)
+            int_field(step, "step", None)
         checksum = d.get("checksum", "crc32")
         if checksum != "crc32":
             raise ManifestError(f"expected checksum 'crc32', got {checksum!r}")
         info = d.get("info") or {}
         if not isinstance(info, dict):
             raise ManifestError(f"expected 'info' an object, got {type(info).__name__}")
-        return cls(world_size=_int(d["world_size"], "world_size", 1), stage=stage, step=step, params=params,
+        return cls(world_size=int_field(d["world_size"], "world_size", 1), stage=stage, step=step, params=params,
                    tensors=tensors, files=d["files"], optimizer=d.get("optimizer"), extra=d.get("extra"),
-                   block_size=_int(d["block_size"], "block_size", 1), checksum=checksum, info=info,
+                   block_size=int_field(d["block_size"], "block_size", 1), checksum=checksum, info=info,
                    state=d.get("state"), version=version)
 
     def validate(self) -> None:
         """Check internal consistency: kinds, dtypes, sizes, that tensors fit their files, and the
         optimizer and state sections' structure (what load reads from them)."""
-        if not isinstance(self.files, dict):
-            raise ManifestError(f"expected 'files' an object, got {type(self.files).__name__}")
-        for name, f in self.files.items():
-            if not isinstance(f, dict):
-                raise ManifestError(f"file {name!r}: expected an object, got {type(f).__name__}")
-            _int(f.get("nbytes"), f"files.{name}.nbytes")
-            crcs = _list(f.get("crc32", []), f"files.{name}.crc32")
-            nblocks = -(-int(f["nbytes"]) // self.block_size)
-            if len(crcs) != nblocks:
-                raise ManifestError(f"file {name!r}: expected {nblocks} block checksums, got {len(crcs)}")
-            # one pass in C over the types, then the range (a file of 200,000 blocks: not 600,000 Python calls)
-            if crcs and not (set(map(type, crcs)) == {int} and min(crcs) >= 0 and max(crcs) < 1 << 32):
-                bad = next(c for c in crcs if type(c) is not int or not 0 <= c < 1 << 32)
-                raise ManifestError(f"file {name!r}: expected block checksums in [0, 2**32), got {bad!r}")
-        for p in self.params:
-            if p.dtype not in ITEMSIZE:
-                raise ManifestError(f"param {p.name!r}: unsupported dtype {p.dtype!r}")
-        for t in self.tensors:
-            if t.kind not in KINDS:
-                raise ManifestError(f"tensor {t.name!r}: expected kind in {KINDS}, got {t.kind!r}")
-            if t.dtype not in ITEMSIZE:
-                raise ManifestError(f"tensor {t.name!r}: unsupported dtype {t.dtype!r}")
-            if t.nbytes != t.numel * t.itemsize:
-                raise ManifestError(f"tensor {t.name!r} ({t.kind}): expected {t.numel * t.itemsize} "
-                                    f"bytes for shape {t.shape} {t.dtype}, got {t.nbytes}")
-            if not 0 <= t.param < len(self.params) and not (t.kind == "item" and t.param == -1):
-                raise ManifestError(f"tensor {t.name!r}: param index {t.param} out of range")
-            if (t.kind == "item") != (t.param == -1) or (t.kind in ("state", "item")) != (t.key is not None):
-                raise ManifestError(f"tensor {t.name!r}: kind {t.kind!r} with param {t.param} and key {t.key!r}")
-            f = self.files.get(t.file)
-            if f is None:
-                raise ManifestError(f"tensor {t.name!r}: unknown file {t.file!r}")
-            if t.offset < 0 or t.offset + t.nbytes > int(f["nbytes"]):
-                raise ManifestError(f"tensor {t.name!r}: bytes [{t.offset}, {t.offset + t.nbytes}) "
-                                    f"outside file {t.file!r} of {f['nbytes']} bytes")
-        if self.optimizer is not None:
-            self._validate_optimizer()
-        if self.state is not None:
-            self._validate_state()
-
-    def _validate_optimizer(self) -> None:
-        o = self.optimizer
-        if not isinstance(o, dict) or not isinstance(o.get("class"), str):
-            raise ManifestError("'optimizer': expected an object with a 'class' name")
-        groups = _list(o.get("param_groups"), "optimizer.param_groups")
-        for gi, g in enumerate(groups):
-            if not isinstance(g, dict):
-                raise ManifestError(f"optimizer.param_groups[{gi}]: expected an object, got {type(g).__name__}")
-            for i in _list(g.get("params", []), f"optimizer.param_groups[{gi}].params"):
-                _int(i, f"optimizer.param_groups[{gi}].params[]", 0, len(self.params))
-        scalars = o.get("scalars")  # every version writes it, {} when there are none
-        if not isinstance(scalars, dict):
-            raise ManifestError(f"optimizer.scalars: expected an object, got {type(scalars).__name__}")
-        for i, per in scalars.items():
-            if not isinstance(per, dict):
-                raise ManifestError(f"optimizer.scalars[{i!r}]: expected an object, got {type(per).__name__}")
-            for key, v in per.items():
-                if not isinstance(v, dict) or "value" not in v or v.get("dtype") not in (None, *ITEMSIZE):
-                    raise ManifestError(f"optimizer.scalars[{i!r}][{key!r}]: expected {{'value', 'dtype'}}, got {v!r}")
-                if v.get("dtype") is not None and (isinstance(v["value"], bool) or
-                                                   not isinstance(v["value"], (int, float))):
-                    raise ManifestError(f"optimizer.scalars[{i!r}][{key!r}]: expected a number, got {v['value']!r}")
-
-    def _validate_state(self) -> None:
-        s = self.state
-        if not isinstance(s, dict):
-            raise ManifestError(f"'state': expected an object, got {type(s).__name__}")
-        items = s.get("items", {})
-        if not isinstance(items, dict):
-            raise ManifestError(f"state.items: expected an object, got {type(items).__name__}")
-        keys = {t.key for t in self.tensors if t.kind == "item"}
-        entries = [(f"state.items[{n!r}]", e) for n, e in items.items()]
-        if "optimizer" in s:
-            entries.append(("state.optimizer", s["optimizer"]))
-        for what, e in entries:
-            if not isinstance(e, dict):
-                raise ManifestError(f"{what}: expected an object, got {type(e).__name__}")
-            parts = [(what, e)] if "value" in e else []
-            if "ranks" in e:
-                parts += [(f"{what}.ranks[{r}]", x) for r, x in enumerate(_list(e["ranks"], f"{what}.ranks"))]
-            for w, part in parts:
-                if not isinstance(part, dict):
-                    raise ManifestError(f"{w}: expected an object, got {type(part).__name__}")
-                names = _list(part.get("tensors", []), f"{w}.tensors")
-                for k in names:
-                    if k not in keys:
-                        raise ManifestError(f"{w}: no tensor {k!r} in the manifest")
-                _check_tree(part.get("value"), len(names), f"{w}.value")
+        validate_manifest(self)
 
 
 class Packer:
@@ -395,28 +290,6 @@ def _entry_json(t: TensorEntry) -> dict[str, Any]:
     return d
 
 
-def _layout_rule(v: Any, what: str) -> Any:
-    """A DTensor layout rule read from a manifest: {"mesh": [sizes], "placements": [[kind, ...]]},
-    one placement per mesh dimension ("shard" dim, "strided" dim split, or "replicate")."""
-    if v is None:
-        return None
-    if not isinstance(v, dict):
-        raise ManifestError(f"{what}: expected an object, got {type(v).__name__}")
-    mesh = [_int(x, f"{what}.mesh", 1) for x in _list(v.get("mesh"), f"{what}.mesh")]
-    places = _list(v.get("placements"), f"{what}.placements")
-    if len(places) != len(mesh):
-        raise ManifestError(f"{what}: expected one placement per mesh dimension ({len(mesh)}), got {len(places)}")
-    for p in places:
-        ok = isinstance(p, list) and p and (p == ["replicate"] or (p[0] == "shard" and len(p) == 2)
-                                             or (p[0] == "strided" and len(p) == 3))
-        if not ok:
-            raise ManifestError(f"{what}.placements: expected ['shard', dim], ['strided', dim, split] or "
-                                f"['replicate'], got {p!r}")
-        for x in p[1:]:
-            _int(x, f"{what}.placements[]", 0)
-    return v
-
-
 def canonical_bytes(d: dict[str, Any]) -> bytes:
     """The manifest's JSON data in one fixed spelling (sorted keys, no spaces, ASCII): what its
     checksum covers, so that re-indenting the file changes nothing."""
@@ -426,91 +299,6 @@ def canonical_bytes(d: dict[str, Any]) -> bytes:
 def manifest_crc(d: dict[str, Any]) -> str:
     """The CRC-32 of ``canonical_bytes(d)`` as 8 hex digits (``d`` without MANIFEST_CRC_FIELD)."""
     return f"{zlib.crc32(canonical_bytes(d)) & 0xFFFFFFFF:08x}"
-
-
-def _int(v: Any, what: str, lo: int | None = 0, hi: int | None = None) -> int:
-    """``v`` if it is an int (not a bool) in [lo, hi), else a ManifestError naming ``what``."""
-    if not isinstance(v, int) or isinstance(v, bool) or (lo is not None and v < lo) or (hi is not None and v >= hi):
-        rng = f" in [{lo}, {hi if hi is not None else 'inf'})" if lo is not None else ""
-        raise ManifestError(f"{what}: expected an integer{rng}, got {v!r}")
-    return v
-
-
-def _typed(v: Any, what: str, kind: type, expected: str, got: Callable[[Any], str] = repr) -> Any:
-    """``v`` if it is a ``kind``, else a ManifestError naming ``what``, ``expected`` and ``got(v)``."""
-    if not isinstance(v, kind):
-        raise ManifestError(f"{what}: expected {expected}, got {got(v)}")
-    return v
-
-
-def _str(v: Any, what: str) -> str:
-    return _typed(v, what, str, "a string")
-
-
-def _opt_str(v: Any, what: str) -> str | None:
-    return None if v is None else _str(v, what)
-
-
-def _bool(v: Any, what: str) -> bool:
-    return _typed(v, what, bool, "true or false")
-
-
-def _list(v: Any, what: str) -> list:
-    return _typed(v, what, list, "a list", lambda x: type(x).__name__)
-
-
-def _shape(v: Any, what: str) -> tuple[int, ...]:
-    return tuple(_int(s, what) for s in _list(v, what))
-
-
-_TREE_MARKS = ("@tensor", "@tuple", "@items", "@float")
-
-
-def _check_tree(data: Any, ntensors: int, what: str, depth: int = 0) -> None:
-    """``data`` is what ckpt.tree.encode writes, referring to tensors 0..ntensors-1 only."""
-    if depth > 200:
-        raise ManifestError(f"{what}: nested too deep")
-    if isinstance(data, list):
-        for v in data:
-            _check_tree(v, ntensors, what, depth + 1)
-        return
-    if not isinstance(data, dict):
-        return
-    if len(data) == 1:
-        (mark, inner), = data.items()
-        if mark == "@tensor":
-            _int(inner, f"{what} @tensor", 0, ntensors)
-            return
-        if mark == "@tuple":
-            _check_tree(_list(inner, f"{what} @tuple"), ntensors, what, depth + 1)
-            return
-        if mark == "@items":
-            for kv in _list(inner, f"{what} @items"):
-                if not isinstance(kv, list) or len(kv) != 2:
-                    raise ManifestError(f"{what} @items: expected [key, value] pairs, got {kv!r}")
-                _check_tree(kv, ntensors, what, depth + 1)
-                if not _hashable_key(kv[0]):
-                    raise ManifestError(f"{what} @items: a key that cannot be a dict key: {kv[0]!r}")
-            return
-        if mark == "@float":
-            try:
-                float(_str(inner, f"{what} @float"))
-            except ValueError:
-                raise ManifestError(f"{what} @float: expected a float's repr, got {inner!r}") from None
-            return
-    for v in data.values():
-        _check_tree(v, ntensors, what, depth + 1)
-
-
-def _hashable_key(key: Any) -> bool:
-    """Whether decoding ``key`` gives something a dict key can be (tree._hashable's rule)."""
-    if isinstance(key, list):
-        return all(_hashable_key(k) for k in key)
-    if not isinstance(key, dict):
-        return True
-    if len(key) == 1 and ("@tensor" in key or "@float" in key):
-        return True
-    return len(key) == 1 and "@tuple" in key and all(_hashable_key(k) for k in key["@tuple"])
 
 
 def jsonable(value: Any, what: str) -> Any:
@@ -538,5 +326,8 @@ def like(template: Any, value: Any) -> Any:
     return value
 
 
-def dumps_params(entries: Iterable[ParamInfo]) -> list[dict]:
-    return [asdict(p) for p in entries]
+
+__all__ = ["DATA_NAME", "DEFAULT_BLOCK_SIZE", "FORMAT_NAME", "FORMAT_VERSION", "INCOMPLETE_NAME", "ITEMSIZE", "KINDS",
+           "LATEST_NAME", "MANIFEST_CRC_FIELD", "MANIFEST_NAME", "READABLE_VERSIONS", "TMP_MARK",
+           "DamagedCheckpointError", "IncompleteCheckpointError", "Manifest", "ManifestError", "Packer", "ParamInfo",
+           "TensorEntry", "canonical_bytes", "jsonable", "like", "manifest_crc"]
