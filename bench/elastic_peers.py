@@ -95,7 +95,7 @@ def run_torchrun(cfg: dict, out: str, timeout: float) -> str | None:
 def measure(evs: list[dict[str, Any]], kill_step: int) -> dict[str, float]:
     """Detection, recovery, the steady step and its fault-tolerance part, from a run's events."""
     death = next(e["t"] for e in evs if e["ev"] == "death")
-    steady = [e for e in evs if e["ev"] == "step" and e["step"] >= 1 and e["t1"] < death and e["world"] == WORKERS]
+    steady = [e for e in evs if e["ev"] == "step" and e["step"] >= 1 and e["t1"] < death and e["world"] >= WORKERS - 1]
     seen = [e.get("at", e["t"]) for e in evs if e["ev"] in ("failed", "term") and e.get("at", e["t"]) >= death]
     detect = min(seen) if seen else float("nan")
     after = [e for e in evs if e["ev"] == "step" and e["counted"] and e["t0"] > death and e["t0"] >= detect]

@@ -22,8 +22,11 @@ import time
 import numpy as np
 import torch
 
-import elastic
-import mpicomm
+# run as a script, bench/ is sys.path[0]: the repository's elastic, not bench/elastic.py
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import elastic  # noqa: E402
+import mpicomm  # noqa: E402
 
 SAMPLES, LR = 4096, 1e-3
 
@@ -77,7 +80,7 @@ def main() -> None:
         os.environ[elastic.shm.ENV] = "0"
     world = mpicomm.init()
     mdist.init_process_group()
-    grows = growth()
+    grows = growth() and cfg.get("grow", True)
     newcomer = grows and elastic.grow.joining()        # spawned by the job growing back: joins in elastic.run
     start = 0.0 if newcomer else world.mpi_comm.bcast(time.time() + 1.0, root=0)     # one host: one clock
     model = make_model(cfg["width"], cfg["layers"])
