@@ -185,7 +185,7 @@ def run_suite(directory: str, names: list[str], ranks: int, timeout: float = 120
                 pending = [n for n in remaining if n not in outcomes]
                 if not pending or exited:
                     break
-                if time.monotonic() - last > timeout + (60 if not outcomes else 0):
+                if time.monotonic() - last > timeout + (180 if not outcomes else 0):
                     stuck = "hung"
                     _kill(proc)
                     break

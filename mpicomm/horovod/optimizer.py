@@ -16,6 +16,7 @@ from .handles import synchronize as _sync
 from .process_sets import global_process_set
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+FIRST_BUCKET_BYTES = 1024 * 1024   # as DDP: the last layers' gradients start early
 
 
 def _bucket_bytes() -> int:
@@ -24,10 +25,10 @@ def _bucket_bytes() -> int:
 
 
 class _Bucket:
-    __slots__ = ("params", "ready", "handle", "flat", "ctx", "sparse")
+    __slots__ = ("params", "ready", "handle", "flat", "ctx", "sparse", "buf")
 
     def __init__(self, params):
-        self.params, self.ready, self.handle = params, 0, None
+        self.params, self.ready, self.handle, self.buf = params, 0, None, None
         self.flat = self.ctx = None
         self.sparse: list = []
 
@@ -103,7 +104,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 b.ctx[p] = ("sparse", sparse_allreduce_async(p.grad, None, self.op, ps))
         if not dense:
             return
-        flat = torch.cat([p.grad.reshape(-1) for p in dense])
+        numel = sum(p.grad.numel() for p in dense)
+        buf = b.buf
+        if buf is None or buf.numel() != numel or buf.dtype != dense[0].grad.dtype:
+            buf = b.buf = torch.empty(numel, dtype=dense[0].grad.dtype, device=dense[0].grad.device)
+        flat = torch.cat([p.grad.reshape(-1) for p in dense], out=buf)  # kept across steps
         if isinstance(self._compression, type) and issubclass(self._compression, OnebitCompressor):
             b.flat, b.handle = (flat, dense), "onebit"
             return
@@ -227,14 +232,16 @@ def _names(groups, named_parameters) -> dict:
 
 
 def _make_buckets(params: list) -> list[_Bucket]:
-    """Buckets of at most HOROVOD_FUSION_THRESHOLD bytes, last parameters first (their
-    gradients come first in the backward pass), one dtype and device per bucket."""
+    """Buckets of at most HOROVOD_FUSION_THRESHOLD bytes (the first at most 1 MiB, as DDP's),
+    last parameters first (their gradients come first in the backward pass), one dtype and
+    device per bucket."""
     cap = _bucket_bytes()
     buckets, cur, size, key = [], [], 0, None
     for p in reversed(params):
         k = (p.dtype, p.device)
         nbytes = p.numel() * p.element_size()
-        if cur and (k != key or size + nbytes > cap):
+        limit = min(cap, FIRST_BUCKET_BYTES) if not buckets else cap
+        if cur and (k != key or size + nbytes > limit):
             buckets.append(_Bucket(cur))
             cur, size = [], 0
         cur.append(p)
