@@ -73,7 +73,7 @@ def test_bench_q1_check_counts_only_wrong_elements(name):
     error, rows not a multiple of 8) passes on every rank; one element with its sign flipped, or
     off by a part in 10**4, is counted."""
     from bench import values
-    from bench.collectives import _q1_signs, q1_wrong
+    from bench.collective_peers import _q1_signs, q1_wrong
     from test_cmp_fsdp_onebit import simulate_step
 
     n, per = 3, 45

@@ -176,7 +176,7 @@ def test_bench_q8_check_counts_only_errors_past_the_bound(op):
     """bench collectives' mpicomm-pg-q8 check: a float64-simulated int8 result passes, one
     element pushed past its block's bound is counted."""
     from bench import values
-    from bench.collectives import Q8_BLOCK, q8_wrong
+    from bench.collective_peers import Q8_BLOCK, q8_wrong
 
     n, rank, per = 2, 1, 3 * Q8_BLOCK + 77   # a short tail block
     sl = rank * per + np.arange(per) if op == "reduce_scatter" else np.arange(per)
