@@ -77,8 +77,6 @@ def run(world, ranks: int, layers: int, hidden: int, base: str, reps: int,
 
     import torch
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     import ckpt
     import mpicomm
@@ -103,8 +101,7 @@ def run(world, ranks: int, layers: int, hidden: int, base: str, reps: int,
             mc.Barrier()
 
             def dcp_save():
-                msd, osd = get_state_dict(model, opt)
-                dcp.save({"model": msd, "optim": osd}, checkpoint_id=theirs, process_group=group)
+                save_dcp(model, opt, theirs, group)
                 _fsync_written(theirs, comm.rank)  # DCP does not fsync: charge it the durability ckpt gives
             t["ckpt save"].append(_timed(mc, lambda: ckpt.save(ours, model=model, optimizer=opt, comm=comm)))
             t["dcp save"].append(_timed(mc, dcp_save))
@@ -113,12 +110,7 @@ def run(world, ranks: int, layers: int, hidden: int, base: str, reps: int,
             ok_ckpt = _digest(model, opt) == want
             _clear(model, opt)
 
-            def dcp_load():
-                msd, osd = get_state_dict(model, opt)
-                state = {"model": msd, "optim": osd}
-                dcp.load(state, checkpoint_id=theirs, process_group=group)
-                set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-            t["dcp load"].append(_timed(mc, dcp_load))
+            t["dcp load"].append(_timed(mc, lambda: load_dcp(model, opt, theirs, group)))
             ok_dcp = _digest(model, opt) == want
             wrong[0] += mc.allreduce(int(not ok_ckpt), op=_sum())
             wrong[1] += mc.allreduce(int(not ok_dcp), op=_sum())
@@ -158,6 +150,26 @@ def run(world, ranks: int, layers: int, hidden: int, base: str, reps: int,
          f"{blocked / best['ckpt save']:.3f} x the sync save: save() {call * 1e3:.0f} ms + step() waiting "
          f"{waited * 1e3:.0f} ms; forward+backward meanwhile {fwd_bwd * 1e3:.0f} ms (alone {alone * 1e3:.0f} ms); "
          f"committed after {total:.2f} s")
+
+
+def save_dcp(model, opt, path: str, group) -> None:
+    """torch DCP's save of the model and its optimizer, as a DCP user writes it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path, process_group=group)
+
+
+def load_dcp(model, opt, path: str, group) -> None:
+    """torch DCP's load of what ``save_dcp`` wrote, back into the model and its optimizer."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=path, process_group=group)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
 def _fsync_written(path: str, rank: int) -> None:

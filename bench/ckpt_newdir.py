@@ -67,13 +67,11 @@ def run(world, ranks: int, layers: int, hidden: int, base: str, reps: int,
     import datetime
 
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
     from mpi4py import MPI
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     import ckpt
     import mpicomm
-    from bench.ckpt_fsdp2 import _clear, _digest, _timed, build
+    from bench.ckpt_fsdp2 import _clear, _digest, _timed, build, load_dcp, save_dcp
 
     dist.init_process_group("mpicomm", timeout=datetime.timedelta(seconds=600))
     group = dist.new_group(list(range(ranks))) if ranks < world.size else dist.group.WORLD
@@ -112,19 +110,11 @@ def run(world, ranks: int, layers: int, hidden: int, base: str, reps: int,
         def dcp_part(rep: int) -> None:
             theirs = os.path.join(root, f"dcp-{rep}")
 
-            def save():
-                msd, osd = get_state_dict(model, opt)
-                dcp.save({"model": msd, "optim": osd}, checkpoint_id=theirs, process_group=group)
-            t["dcp save"].append(_timed(mc, save))
+            t["dcp save"].append(_timed(mc, lambda: save_dcp(model, opt, theirs, group)))
             t["dcp os.sync"].append(_timed(mc, lambda: _os_sync(mc)))
             _clear(model, opt)
 
-            def load():
-                msd, osd = get_state_dict(model, opt)
-                state = {"model": msd, "optim": osd}
-                dcp.load(state, checkpoint_id=theirs, process_group=group)
-                set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-            t["dcp load"].append(_timed(mc, load))
+            t["dcp load"].append(_timed(mc, lambda: load_dcp(model, opt, theirs, group)))
             wrong[1] += mc.allreduce(int(_digest(model, opt) != want), op=MPI.SUM)
 
         for rep in range(reps):  # alternate which goes first
