@@ -166,7 +166,7 @@ def _method(comm: Any, direct_io_ok: bool) -> tuple[str, bool]:
     method = io_method(comm)
     if method == "buffered":
         return "posix", False
-    return method, direct_io_ok and method != "mpiio"
+    return method, direct_io_ok and method == "auto"
 
 
 def _direct(comm: Any, method: str, opened: tuple[int, int] | None) -> int:

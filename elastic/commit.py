@@ -52,14 +52,18 @@ class Commit:
         """The ward's shard at this commit, for when the ward is lost; None when this rank holds
         no whole copy of it. A copy mapped from shared memory must say it holds this commit
         (the ward may have overwritten it with a later commit, or died writing it); where the
-        ward's live shard is kept there too and the ward died writing this very commit, that
-        live shard is what the copy was of (nothing changes it between a step and its commit)."""
+        ward's live shard is kept there too and the ward died writing this very commit, or after
+        agreeing to it and before writing (its slot still holding the commit before, in segments
+        that held one), that live shard is what the copy was of (nothing changes it between a
+        step and its commit)."""
         seg = self.ward_shm
         if seg is None:
             return self.ward
         if seg.holds(self.gen):
             return self.ward
-        if self.ward_live and seg.writing(self.gen):
+        if self.ward_live and (seg.writing(self.gen) or (self.gen > 1 and seg.holds(self.gen - 1))):
+            # it died writing this commit, or after the commit's agreement (elastic.epoch), which
+            # it joined at the end of the step, before it began writing: its live shard is it
             return self.ward_live
         return None
 

@@ -16,7 +16,7 @@ import torch
 
 from . import epoch, fsdp, repartition, rollback, wire
 from .commit import Commit
-from .errors import ElasticError, HostsUpdatedInterrupt
+from .errors import HostsUpdatedInterrupt
 
 log = logging.getLogger("elastic")
 #: An executable printing ``host:slots`` lines (Horovod's host discovery contract).
@@ -142,8 +142,10 @@ def join(state: Any) -> None:
     _joined = True
     merged = MPI.Comm.Get_parent().Merge(high=True)
     note = _join(state, merged, None, time.monotonic())
-    if note is not None:
-        raise ElasticError(f"elastic: this replacement could not join the job ({note}); it leaves")
+    if note is not None:    # the job goes on without it: leave quietly (an error would abort the job)
+        print(f"elastic: this replacement could not join the job ({note}); it leaves", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(0)
 
 
 def _header(state: Any, old_world: int) -> dict[str, Any]:

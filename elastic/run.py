@@ -174,10 +174,11 @@ def _target(state: TorchState, new: Any, old_rank: int, old_world: int, survivor
     """The generation to roll back to (collective over ``new``), or None to restart from disk;
     raises ``ShardsLostError`` where neither can be."""
     sharded = "ZeroOptimizer" if state.sharded else "FSDP2" if state._fsdp else None
-    gen = rollback.choose(new, rollback.offers(state, old_rank, old_world, survivors))
-    if gen is not None:
-        return gen
     lost = replicas.lost_shards(old_world, survivors, state.replica_stride) if sharded else []
+    if not lost:
+        gen = rollback.choose(new, rollback.offers(state, old_rank, old_world, survivors))
+        if gen is not None:
+            return gen
     why = ("no checkpoint_dir to fall back to" if state.checkpoint_dir is None
            else None if disk.newest_exists(state, new)
            else f"{state.checkpoint_dir} holds no committed checkpoint yet")

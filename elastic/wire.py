@@ -99,6 +99,6 @@ def broadcast(comm: Any, value: Any = None, root: int = 0) -> Any:
     if int(comm.rank) != root:
         _empty(spec, tensors)
     for t in tensors:
-        if t.numel():
-            comm.broadcast(t.view(-1) if t.dim() else t.view(1), src=root)
+        if t.numel():       # as bytes: any dtype (numpy's uint32 generator state included)
+            comm.broadcast(t.reshape(-1).view(torch.uint8), src=root)
     return _value(spec, list(tensors))

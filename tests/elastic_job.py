@@ -1,6 +1,6 @@
 """Fault-injection job for tests/test_elastic_faults.py: train under elastic.run, one rank dies.
 
-    mpirun --with-ft ulfm -n N python tests/elastic_job.py OPT WHERE RANK STEP STEPS OUT [EVERY]
+    mpirun --with-ft ulfm -n N python tests/elastic_job.py OPT WHERE RANK STEP STEPS OUT [EVERY] [grow=N] [second=R]
 
 OPT: ddp | zero1 | zero2 (ZeroOptimizer stage) | zero1g | zero2g (the same, replicate="gradient") | onebit (ZeroOptimizer stage 2 of 1-bit Adam, in its
 warm-up: Adam exactly); WHERE: none | between (after the commit of step
@@ -11,15 +11,20 @@ sending two shard pieces to the buddy: a full-state commit; the replicas go thro
 between hosts, MPICOMM_ELASTIC_SHM=0) | copy (inside commit(), half way through copying the shard
 into the shared memory its buddy maps: the copy is cut short) | exchange (between the sends of the
 gradient exchange at the first update after a commit) | agree / agreed (inside commit(), just
-before / after the commit's agreement); RANK: the world rank that os._exit(9)s at step STEP.
+before / after the commit's agreement) | gather (right after the step's last all-gather of the
+weights returned on the victim: on the survivors it may have completed or not); RANK: the world rank that os._exit(9)s at step STEP.
 EVERY: commit every EVERY steps (default 1; a commit after more than one update sends the full
-state). The new rank 0 writes the final weights (OUT.npz) and what happened (OUT.json: with the
+state). grow=N: elastic.run(max_world_size=N), replacements spawned after the loss join the
+job (Open MPI, ULFM); second=R: world rank R dies too, in the recovery, right after its
+ZeroOptimizer was rebound to the survivors. Every rank writes its final weights
+(OUT.rank<R>.npz, a replacement OUT.new<rank>.npz); the new rank 0 writes the final weights (OUT.npz) and what happened (OUT.json: with the
 kind of each commit) for the test to compare with the single-process reference.
 """
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 
 import numpy as np
@@ -41,11 +46,15 @@ def main() -> None:
     opt_kind, where, victim, kill_step, steps, out = sys.argv[1:7]
     victim, kill_step, steps = int(victim), int(kill_step), int(steps)
     every = int(sys.argv[7]) if len(sys.argv) > 7 else 1
+    opts = dict(a.split("=", 1) for a in sys.argv[8:])
+    grow_to = int(opts["grow"]) if "grow" in opts else None      # elastic.run(max_world_size=...)
+    second = int(opts.get("second", -1))        # a rank that dies in the recovery, after its rebind
     inside = [False]                     # inside state.commit()
     kinds: list[str] = []
     torch.set_num_threads(1)
     world = mpicomm.init()
-    me = world.rank                      # the original rank: the victim is named by it
+    joined = elastic.grow.joining()      # a replacement spawned by the growing job
+    me = world.rank if not joined else -1    # the original rank: the victim is named by it
 
     def die(at: str) -> None:
         if where == at and me == victim:
@@ -100,12 +109,28 @@ def main() -> None:
                 die("agreed" if now else "")
                 return out
             comm.agree = agree_then_die
+    if where == "gather" and opt_kind != "ddp":
+        # right after the step's last all-gather returned here: on the others it may or may not have
+        gather = opt._grad_comm.all_gather_into_tensor
+
+        def gather_then_die(*a, **k):
+            out = gather(*a, **k)
+            die("gather" if state.step == kill_step else "")
+            return out
+        opt._grad_comm.all_gather_into_tensor = gather_then_die
+    if second >= 0 and me == second and opt_kind != "ddp":
+        rebind = opt.rebind
+
+        def rebind_then_die(*a, **k):     # in the recovery of the first failure, after the rebind
+            rebind(*a, **k)
+            os.kill(os.getpid(), signal.SIGKILL)   # (a second os._exit(9) makes the launcher end the job)
+        opt.rebind = rebind_then_die
     if where == "backward":
         # the first weight's gradient comes last in backward: the other buckets are in flight
         list(model.parameters())[0].register_post_accumulate_grad_hook(
             lambda p: die("backward" if state.step == kill_step else ""))
 
-    @elastic.run
+    @elastic.run(max_world_size=grow_to)
     def train(state: elastic.TorchState) -> None:
         net = model
         if opt_kind == "ddp":
@@ -123,12 +148,13 @@ def main() -> None:
             die("between" if state.step == kill_step + 1 else "")
 
     train(state)
+    weights = {f"p{i}": p.detach().numpy() for i, p in enumerate(model.parameters())}
+    np.savez(f"{out}.{'rank' + str(me) if me >= 0 else 'new' + str(state.rank)}.npz", **weights)   # every rank's
     if state.rank == 0:
-        weights = {f"p{i}": p.detach().numpy() for i, p in enumerate(model.parameters())}
         np.savez(out + ".npz", **weights)
         with open(out + ".json", "w") as f:
             json.dump({"world_size": state.world_size, "dist_world_size": dist.get_world_size(),
-                       "recoveries": state.recoveries, "commit_kinds": kinds,
+                       "recoveries": state.recoveries, "growths": state.growths, "commit_kinds": kinds,
                        "zero_world": getattr(opt, "world_size", None)}, f)
     dist.destroy_process_group()
     state.comm.barrier()

@@ -54,37 +54,52 @@ def _launch(n: int, args: list[str], timeout: float = 240) -> subprocess.Complet
 # to the buddy (before the update), inside the gradient exchange, just before and just after a
 # commit's agreement, inside a full commit (committing every 2 steps). Each job takes 15-40 s here.
 CASES = [
-    (3, "ddp", "between", 0, 2, 1),
-    (4, "ddp", "backward", 2, 1, 1),
-    (3, "zero1", "zstep", 1, 2, 1),
-    (4, "zero2", "backward", 0, 3, 1),
-    (3, "zero2", "commit", 2, 1, 1),
-    (4, "zero1", "copy", 2, 2, 1),        # on one host: cut short writing its shared-memory copy
-    (3, "zero1g", "zstep", 1, 2, 1),
-    (4, "zero1g", "exchange", 1, 2, 1),
-    (3, "zero2g", "agree", 0, 2, 1),
-    (4, "zero2g", "agreed", 3, 1, 1),
-    (3, "zero2g", "commit", 2, 1, 2),
-    (3, "onebit", "zstep", 2, 2, 1),      # 1-bit Adam's warm-up is Adam: the same reference
+    (3, "ddp", "between", 0, 2, 1, ()),
+    (4, "ddp", "backward", 2, 1, 1, ()),
+    (3, "zero1", "zstep", 1, 2, 1, ()),
+    (4, "zero2", "backward", 0, 3, 1, ()),
+    (3, "zero2", "commit", 2, 1, 1, ()),
+    (4, "zero1", "copy", 2, 2, 1, ()),        # on one host: cut short writing its shared-memory copy
+    (3, "zero1g", "zstep", 1, 2, 1, ()),
+    (4, "zero1g", "exchange", 1, 2, 1, ()),
+    (3, "zero2g", "agree", 0, 2, 1, ()),
+    (4, "zero2g", "agreed", 3, 1, 1, ()),
+    (3, "zero2g", "commit", 2, 1, 2, ()),
+    (3, "onebit", "zstep", 2, 2, 1, ()),      # 1-bit Adam's warm-up is Adam: the same reference
+    # right after the step's last all-gather: survivors may be a step apart (one slot in shared memory)
+    (4, "zero1", "gather", 1, 2, 1, ()),
+    (4, "zero2", "gather", 3, 3, 1, ()),
+    # a second rank dies in the recovery after its optimizer was rebound to the first survivors
+    (4, "zero2", "between", 1, 2, 1, ("second=3",)),
+    # the job grows back to 4 ranks: a replacement is spawned and joins at the recovery's commit
+    (4, "zero1", "between", 1, 2, 1, ("grow=4",)),
+    (4, "ddp", "backward", 2, 2, 1, ("grow=4",)),
 ]
 
 
-@pytest.mark.parametrize("n,opt,where,victim,step,every", CASES,
-                         ids=[f"{n}ranks-{o}-{w}-rank{v}" + (f"-every{e}" if e > 1 else "")
-                              for n, o, w, v, _, e in CASES])
-def test_survivors_end_with_the_reference_weights(tmp_path, n, opt, where, victim, step, every):
+@pytest.mark.parametrize("n,opt,where,victim,step,every,extra", CASES,
+                         ids=[f"{n}ranks-{o}-{w}-rank{v}" + (f"-every{e}" if e > 1 else "") + "".join(f"-{x}" for x in x_)
+                              for n, o, w, v, _, e, x_ in CASES])
+def test_survivors_end_with_the_reference_weights(tmp_path, n, opt, where, victim, step, every, extra):
+    """Every rank that ends the job (each survivor, and each replacement that joined) holds the
+    reference weights."""
     _ulfm()
     out = str(tmp_path / "run")
     proc = _launch(n, [os.path.join(HERE, "elastic_job.py"), opt, where, str(victim), str(step), str(STEPS), out,
-                       str(every)])
+                       str(every), *extra])
     log = f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     assert os.path.exists(out + ".json"), log
     with open(out + ".json") as f:
         info = json.load(f)
-    assert info["world_size"] == n - 1 and info["dist_world_size"] == n - 1, (info, log)
-    assert [r["lost"] for r in info["recoveries"]] == [[victim]], (info, log)
+    opts = dict(x.split("=") for x in extra)
+    lost = sorted([victim] + ([int(opts["second"])] if "second" in opts else []))
+    world = int(opts.get("grow", n - len(lost)))
+    assert info["world_size"] == world and info["dist_world_size"] == world, (info, log)
+    assert [r["lost"] for r in info["recoveries"]] == [lost], (info, log)
+    if "grow" in opts:
+        assert [g["spawned"] for g in info["growths"]] == [len(lost)], (info, log)
     if opt != "ddp":
-        assert info["zero_world"] == n - 1, info
+        assert info["zero_world"] == world, info
     if where in ("agree", "agreed"):   # the commit the victim died in went through on the survivors
         assert info["recoveries"][0]["generation"] == step + 2, (info, log)
     kinds = info["commit_kinds"]
@@ -92,9 +107,16 @@ def test_survivors_end_with_the_reference_weights(tmp_path, n, opt, where, victi
         assert set(kinds) == {"gradient"} if every == 1 else "full" in kinds, (kinds, log)
     else:
         assert set(kinds) == {"state"}, kinds
-    got = np.load(out + ".npz")
-    for i, ref in enumerate(reference(STEPS)):
-        np.testing.assert_allclose(got[f"p{i}"], ref.numpy(), rtol=1e-5, atol=1e-6, err_msg=f"param {i}\n{log}")
+    ranks = sorted(f for f in os.listdir(tmp_path) if f.startswith("run.rank") or f.startswith("run.new"))
+    survivors = [f"run.rank{r}.npz" for r in range(n) if r not in lost]
+    assert sorted(set(ranks) - {f"run.new{r}.npz" for r in range(n)}) == survivors, (ranks, log)
+    assert len(ranks) == world, (ranks, log)
+    refs = reference(STEPS)
+    for name in ranks:
+        got = np.load(os.path.join(tmp_path, name))
+        for i, ref in enumerate(refs):
+            np.testing.assert_allclose(got[f"p{i}"], ref.numpy(), rtol=1e-5, atol=1e-6,
+                                       err_msg=f"{name} param {i}\n{log}")
 
 
 def test_below_min_world_size_every_survivor_fails_clearly(tmp_path):
