@@ -32,8 +32,9 @@ IO_METHODS = ("auto", "posix", "buffered", "mpiio")
 
 def io_method(comm: Any = None) -> str:
     """How ckpt moves data on ``comm`` (an mpicomm Communicator or an mpi4py communicator):
-    "posix" (each rank on its own: O_DIRECT where its file system takes it, else plain POSIX
-    calls), "buffered" (each rank on its own with plain POSIX calls), "mpiio" (collective
+    "posix" or "buffered" (each rank on its own with plain POSIX calls through the page cache:
+    O_DIRECT needs every rank to take it, since two ranks' unaligned ends share a disk block,
+    and agreeing on that is a collective call), "mpiio" (collective
     MPI-IO, no O_DIRECT) or "auto" (O_DIRECT where every rank can, else MPI-IO). Under ULFM
     "auto" is "posix" and "mpiio" is refused (ValueError)."""
     asked = os.environ.get(IO_VAR, "auto").strip().lower() or "auto"
