@@ -96,7 +96,7 @@ if mode in ("kill-mid-write", "kill-before-publish", "kill-before-manifest"):
     torch.manual_seed(2)
     second = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
     if mode == "kill-mid-write" and rank == size - 1:
-        real, real_direct, calls = io._round, direct_io._pwrite, []
+        real, real_direct, calls = io._round, direct_io.pwrite_all, []
 
         def dying_round(fh, batch, mem, call):
             calls.append(1)
@@ -110,7 +110,7 @@ if mode in ("kill-mid-write", "kill-before-publish", "kill-before-manifest"):
                 die()
             return real_direct(fd, mem, offset)
 
-        io._round, direct_io._pwrite = dying_round, dying_write
+        io._round, direct_io.pwrite_all = dying_round, dying_write
     if mode == "kill-before-publish" and rank == 0:
         commit.publish = lambda *a, **k: die()  # data and manifest written, not yet renamed
     if mode == "kill-before-manifest" and rank == 0:
