@@ -4,12 +4,9 @@ sections (types, ranges, that tensors fit their files), and the errors raised wh
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from .errors import EXIT_DAMAGED, EXIT_INCOMPLETE, EXIT_USAGE, CheckpointError
-
-if TYPE_CHECKING:
-    from .manifest import Manifest
 
 KINDS = ("param", "master", "state", "item")
 
@@ -37,7 +34,7 @@ class DamagedCheckpointError(ManifestError):
     exit_code = EXIT_DAMAGED
 
 
-def validate_manifest(m: "Manifest") -> None:
+def validate_manifest(m: Any) -> None:
     """Check ``m``'s internal consistency: kinds, dtypes, sizes, that tensors fit their files, and
     the optimizer and state sections' structure (what load reads from them)."""
     if not isinstance(m.files, dict):
@@ -81,7 +78,7 @@ def validate_manifest(m: "Manifest") -> None:
         _check_state(m)
 
 
-def _check_optimizer(m: "Manifest") -> None:
+def _check_optimizer(m: Any) -> None:
     o = m.optimizer
     if not isinstance(o, dict) or not isinstance(o.get("class"), str):
         raise ManifestError("'optimizer': expected an object with a 'class' name")
@@ -105,7 +102,7 @@ def _check_optimizer(m: "Manifest") -> None:
                 raise ManifestError(f"optimizer.scalars[{i!r}][{key!r}]: expected a number, got {v['value']!r}")
 
 
-def _check_state(m: "Manifest") -> None:
+def _check_state(m: Any) -> None:
     s = m.state
     if not isinstance(s, dict):
         raise ManifestError(f"'state': expected an object, got {type(s).__name__}")

@@ -186,8 +186,6 @@ def _join(state: Any, merged_mpi: Any, old: Any, t0: float) -> str | None:
     import torch.distributed as dist
     from mpicomm import distributed as mdist
 
-    from .run import run_callbacks
-
     error: str | None = None
     newcomer = old is None
     merged = None
@@ -215,7 +213,7 @@ def _join(state: Any, merged_mpi: Any, old: Any, t0: float) -> str | None:
         state._commits.clear()
         if not state._fsdp:
             state._commit(c.count)
-        error = run_callbacks(state)
+        error = state._run_callbacks()
     except Exception as e:  # noqa: BLE001 - decided on every rank below
         error = f"{type(e).__name__}: {e}"
     ok = False
@@ -233,6 +231,6 @@ def _join(state: Any, merged_mpi: Any, old: Any, t0: float) -> str | None:
         rollback.restore(state, state._commits[-1].gen, old, list(range(int(old.size))), int(old.size))
         if dist.is_available() and dist.is_initialized():
             mdist.reinit_process_group(old)
-        run_callbacks(state)
+        state._run_callbacks()
         epoch.open(state)
     return error or "the join failed on another rank"

@@ -222,7 +222,7 @@ def _attempt(state: TorchState, new: Any, old_rank: int, old_world: int, min_wor
         else:
             gen = target
             state._rollback(gen, new, survivors, old_world)
-        failed = run_callbacks(state)
+        failed = state._run_callbacks()
         if target is None:
             resumed = state.resumed
         # after the callbacks: an FSDP2 model is the one RebuildFSDP made on the survivors
@@ -246,13 +246,3 @@ def _attempt(state: TorchState, new: Any, old_rank: int, old_world: int, min_wor
         raise ElasticError("elastic: the recovery failed on another rank (a reset callback or an error there); "
                            "the job ends")
     raise ElasticError(f"elastic: the recovery failed ({type(error).__name__}: {error}); the job ends") from error
-
-
-def run_callbacks(state: TorchState) -> str | None:
-    """Run the reset callbacks in order; what the first that raised said, or None."""
-    for fn in state._callbacks:
-        try:
-            fn()
-        except Exception as e:  # noqa: BLE001 - reported on every rank by the caller
-            return f"{getattr(fn, '__qualname__', repr(fn))}: {type(e).__name__}: {e}"
-    return None

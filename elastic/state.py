@@ -171,6 +171,15 @@ class TorchState:
                 raise TypeError(f"elastic.TorchState.register_reset_callbacks: expected callables, got {fn!r}")
             self._callbacks.append(fn)
 
+    def _run_callbacks(self) -> str | None:
+        """Run the reset callbacks in order; what the first that raised said, or None."""
+        for fn in self._callbacks:
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - reported on every rank by the caller
+                return f"{getattr(fn, '__qualname__', repr(fn))}: {type(e).__name__}: {e}"
+        return None
+
     def check_host_updates(self) -> None:
         """Raise ``elastic.HostsUpdatedInterrupt`` on every rank when slots were added to the
         job (``MPICOMM_ELASTIC_HOSTS``'s discovery) and ``elastic.run(max_world_size=...)``

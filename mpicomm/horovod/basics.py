@@ -12,25 +12,7 @@ import mpicomm
 from .engine import Engine, wait_for
 
 
-class _State:
-    world: "mpicomm.Communicator | None" = None   # the job's communicator (hvd.init's comm)
-    cross: "mpicomm.Communicator | None" = None
-    homogeneous: bool = True
-    sets: dict = {}                                # process set id -> ProcessSet
-    next_set_id: int = 1
-
-
-state = _State()
-
-
-class NotInitializedError(ValueError):
-    """A Horovod call before hvd.init() (Horovod raises ValueError)."""
-
-
-def _need():
-    if state.world is None:
-        raise NotInitializedError("Horovod has not been initialized; use hvd.init().")
-    return state.world
+from ._state import NotInitializedError, _need, state  # noqa: F401 - re-exported
 
 
 def init(comm: "mpicomm.Communicator | MPI.Comm | Sequence[int] | None" = None,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .basics import _need, state
+from ._state import _need, state
 from .engine import Engine
 
 
