@@ -12,7 +12,7 @@ import mpicomm
 from .engine import Engine, wait_for
 
 
-from ._state import NotInitializedError, _need, state  # noqa: F401 - re-exported
+from ._state import _need, state
 
 
 def init(comm: "mpicomm.Communicator | MPI.Comm | Sequence[int] | None" = None,

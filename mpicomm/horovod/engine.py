@@ -20,7 +20,6 @@ from typing import Callable, Generator
 
 import numpy as np
 import torch
-from mpi4py import MPI
 
 from mpicomm.errors import CollectiveMismatchError
 

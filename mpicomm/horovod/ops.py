@@ -9,7 +9,7 @@ import torch
 from . import calls
 from .basics import _need, wait
 from .calls import Adasum, Average, Sum
-from .handles import new_handle, run
+from .handles import new_handle
 from .process_sets import ProcessSet, global_process_set
 
 
