@@ -83,14 +83,17 @@ def main() -> None:
         import ckpt.api
         import ckpt.direct_io
         import ckpt.io
+        import ckpt.posix_io
 
         write, write_round, doomed = ckpt.api.write_items, ckpt.io._round, f".step{kill_step}.tmp"
 
         def write_then_die(mpi_comm, filename, *a, **k):
             if doomed in filename:   # inside the write of that checkpoint's data file: its
-                # collective MPI-IO rounds, or its O_DIRECT writes where the file system takes them
+                # collective MPI-IO rounds, its O_DIRECT writes where the file system takes them,
+                # or its per-rank POSIX writes (the path taken under ULFM)
                 ckpt.io._round = lambda *a, **k: die()
                 ckpt.direct_io.write = lambda *a, **k: die()
+                ckpt.posix_io.write = lambda *a, **k: die()
             return write(mpi_comm, filename, *a, **k)
         ckpt.api.write_items = write_then_die
         kill_step = -1

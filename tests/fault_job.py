@@ -127,17 +127,19 @@ def _model() -> torch.nn.Module:
 
 
 def checkpoint(comm, victim, out):
-    """ckpt.save: the victim dies writing the data (in its first MPI-IO round, or as its O_DIRECT
-    writes start where the file system takes them)."""
+    """ckpt.save: the victim dies writing the data (in its first MPI-IO round, as its O_DIRECT
+    writes start where the file system takes them, or in its per-rank POSIX writes under ULFM)."""
     import ckpt
     import ckpt.direct_io
     import ckpt.io
+    import ckpt.posix_io
 
     model = _model()
     ckpt.save(out / "before", model=model, step=0, comm=comm)
     if comm.rank == victim:
         ckpt.io._round = lambda *args: die(out)
         ckpt.direct_io.write = lambda *args, **kwargs: die(out)
+        ckpt.posix_io.write = lambda *args, **kwargs: die(out)
     ckpt.save(out / "after", model=model, step=1, comm=comm)
 
 
