@@ -14,6 +14,17 @@ def _needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
+def _compressed(tensor, compression, differentiable, start) -> torch.Tensor:
+    """``tensor`` compressed, through one collective and decompressed: ``differentiable(t)``
+    (an autograd Function's apply) when a gradient must flow back, else ``start(t)``'s handle,
+    waited on."""
+    from .compression import Compression
+    compression = compression or Compression.none
+    t, ctx = compression.compress(tensor)
+    out = differentiable(t) if _needs_grad(t) else synchronize(start(t))
+    return compression.decompress(out, ctx)
+
+
 class _Allreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, op, prescale, postscale, process_set, name):
@@ -31,16 +42,12 @@ class _Allreduce(torch.autograd.Function):
 def allreduce(tensor, average=None, name=None, compression=None, op=None, prescale_factor=1.0,
               postscale_factor=1.0, process_set=global_process_set) -> torch.Tensor:
     """The reduction of ``tensor`` over the ranks (a new tensor; differentiable)."""
-    from .compression import Compression
     code = _ops.resolve_op("allreduce", average, op)
-    compression = compression or Compression.none
-    t, ctx = compression.compress(tensor)
-    if _needs_grad(t):
-        out = _Allreduce.apply(t, code, prescale_factor, postscale_factor, process_set, name)
-    else:
-        out = synchronize(_ops.allreduce_async(t, None, name, code, prescale_factor,
-                                               postscale_factor, process_set))
-    return compression.decompress(out, ctx)
+    return _compressed(
+        tensor, compression,
+        lambda t: _Allreduce.apply(t, code, prescale_factor, postscale_factor, process_set, name),
+        lambda t: _ops.allreduce_async(t, None, name, code, prescale_factor, postscale_factor,
+                                       process_set))
 
 
 class _GroupedAllreduce(torch.autograd.Function):
@@ -193,15 +200,11 @@ class _Reducescatter(torch.autograd.Function):
 def reducescatter(tensor, name=None, compression=None, op=Average, process_set=global_process_set,
                   prescale_factor=1.0, postscale_factor=1.0) -> torch.Tensor:
     """The reduction over the ranks, rank r keeping its share of the first dimension."""
-    from .compression import Compression
-    compression = compression or Compression.none
-    t, c = compression.compress(tensor)
-    if _needs_grad(t):
-        out = _Reducescatter.apply(t, op, prescale_factor, postscale_factor, name, process_set)
-    else:
-        out = synchronize(_ops.reducescatter_async(t, name, op, process_set, prescale_factor,
-                                                   postscale_factor))
-    return compression.decompress(out, c)
+    return _compressed(
+        tensor, compression,
+        lambda t: _Reducescatter.apply(t, op, prescale_factor, postscale_factor, name, process_set),
+        lambda t: _ops.reducescatter_async(t, name, op, process_set, prescale_factor,
+                                           postscale_factor))
 
 
 def grouped_reducescatter(tensors, name=None, compression=None, op=Average,

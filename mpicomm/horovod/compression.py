@@ -42,18 +42,11 @@ class FP16Compressor(Compressor):
         return tensor if ctx is None or not ctx.is_floating_point else tensor.type(ctx)
 
 
-class OnebitCompressor(Compressor):
+class OnebitCompressor(NoneCompressor):
     """Marker for DistributedOptimizer: gradients go through ``compressed.OnebitAllreduce``
     (1 bit per element and a scale, error feedback on worker and server). As a plain
-    compress/decompress pair (hvd.allreduce(compression=...)) it sends full precision."""
-
-    @staticmethod
-    def compress(tensor):
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor
+    compress/decompress pair (hvd.allreduce(compression=...)) it sends full precision, as
+    ``NoneCompressor``."""
 
 
 class Compression:

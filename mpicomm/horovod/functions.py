@@ -83,6 +83,23 @@ def _loads(t: torch.Tensor):
 _TENSOR = "__mpicomm_horovod_tensor__"
 
 
+def _is_marker(x) -> bool:
+    """Whether ``x`` is the (_TENSOR, index, shape, dtype) that stands for a tensor."""
+    return isinstance(x, tuple) and len(x) == 4 and x[0] == _TENSOR
+
+
+def _rebuild(x, leaf):
+    """``x`` with its dicts, lists and tuples rebuilt around ``leaf(v)`` for every other value
+    ``v`` in them (a tensor marker counts as a value)."""
+    if isinstance(x, dict):
+        return {k: _rebuild(v, leaf) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_rebuild(v, leaf) for v in x]
+    if isinstance(x, tuple) and not _is_marker(x):
+        return tuple(_rebuild(v, leaf) for v in x)
+    return leaf(x)
+
+
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0,
                               model=None, process_set=global_process_set) -> None:
     """Make every rank's optimizer state and options (lr, momentum, ...) rank ``root_rank``'s."""
@@ -97,15 +114,9 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
         if isinstance(x, torch.Tensor):
             tensors.append(x)
             return (_TENSOR, len(tensors) - 1, list(x.shape), str(x.dtype).replace("torch.", ""))
-        if isinstance(x, dict):
-            return {k: strip(v) for k, v in x.items()}
-        if isinstance(x, list):
-            return [strip(v) for v in x]
-        if isinstance(x, tuple):
-            return tuple(strip(v) for v in x)
         return x
 
-    skeleton = broadcast_object(strip(sd) if me == root_rank else None, root_rank,
+    skeleton = broadcast_object(_rebuild(sd, strip) if me == root_rank else None, root_rank,
                                 process_set=process_set)
     if not skeleton["state"]:
         # nothing to copy yet: give each trainable parameter a zero gradient, as Horovod does
@@ -116,22 +127,16 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     received: list[torch.Tensor] = []
 
     def fill(x):
-        if isinstance(x, tuple) and len(x) == 4 and x[0] == _TENSOR:
+        if _is_marker(x):
             if me == root_rank:
                 t = tensors[x[1]].detach().cpu().clone(memory_format=torch.contiguous_format)
             else:
                 t = torch.empty(x[2], dtype=getattr(torch, x[3]))
             received.append(t)
             return t
-        if isinstance(x, dict):
-            return {k: fill(v) for k, v in x.items()}
-        if isinstance(x, list):
-            return [fill(v) for v in x]
-        if isinstance(x, tuple):
-            return tuple(fill(v) for v in x)
         return x
 
-    full = fill(skeleton)
+    full = _rebuild(skeleton, fill)
     handles = [_ops.broadcast_async_(t, root_rank, None, process_set) for t in received]
     for h in handles:
         synchronize(h)
