@@ -147,6 +147,18 @@ def _move(start: Callable[[bool], dist.Work | None], then: Callable[[], None],
     return _finish(start, then_release, async_op)
 
 
+def _starter(collective: str, comm, group: dist.ProcessGroup, output: torch.Tensor,
+             input: torch.Tensor) -> Callable[[bool], dist.Work | None]:
+    """``start(async_)`` of the (output, input) ``collective``: the mpicomm Communicator's
+    ``comm`` when given (a blocking call, see ``_communicator``), else torch.distributed's on
+    ``group``."""
+    def start(async_: bool):
+        if comm is not None:
+            return getattr(comm, collective)(output, input)
+        return getattr(dist, collective)(output, input, group=group, async_op=async_)
+    return start
+
+
 def _finish(start: Callable[[bool], dist.Work | None], then: Callable[[], None], async_op: bool):
     """Start the transfer (blocking unless ``async_op``); run ``then`` now or in the work's
     ``wait()``."""
@@ -244,28 +256,19 @@ class QuantizedAllGather(_Quantized, AllGather):
             (kernels.quantize_bf16 if x[1] else kernels.quantize)(
                 x[0], lay.edges, wire.send_scale, wire.send_q, -1)
 
-            def start(async_: bool):
-                if comm is not None:
-                    return comm.all_gather_into_tensor(wire.recv, wire.send)
-                return dist.all_gather_into_tensor(wire.recv, wire.send, group=group,
-                                                   async_op=async_)
-
             def dequantize() -> None:
                 (kernels.dequantize_bf16 if out[1] else kernels.dequantize)(
                     wire.recv_scale, wire.recv_q, lay.edges, out[0], rank)
-            return _move(start, dequantize, wire, async_op)
+            return _move(_starter("all_gather_into_tensor", comm, group, wire.recv, wire.send),
+                         dequantize, wire, async_op)
         row = quantize_rows(input_tensor.reshape(1, n), lay)
         gathered = torch.empty(world, lay.nbytes, dtype=torch.uint8, device=row.device)
-
-        def start(async_: bool):
-            if comm is not None:
-                return comm.all_gather_into_tensor(gathered, row)
-            return dist.all_gather_into_tensor(gathered, row, group=group, async_op=async_)
 
         def dequantize() -> None:
             dequantize_into(gathered, lay, output_tensor.view(world, n), skip=rank)
             _used_here(gathered)
-        return _finish(start, dequantize, async_op)
+        return _finish(_starter("all_gather_into_tensor", comm, group, gathered, row),
+                       dequantize, async_op)
 
 
 class QuantizedReduceScatter(_Quantized, ReduceScatter):
@@ -333,7 +336,6 @@ class QuantizedReduceScatter(_Quantized, ReduceScatter):
                                               async_op)
             return _LaterWork(call) if async_op else None
         lay = self._layout(m)
-        comm = direct
         kernels = _numba(input_tensor)
         x = _host(input_tensor, world) if kernels is not None else None
         out = _host(output_tensor, 1) if x is not None else None
@@ -343,31 +345,21 @@ class QuantizedReduceScatter(_Quantized, ReduceScatter):
             (kernels.quantize_bf16 if x[1] else kernels.quantize)(
                 x[0], lay.edges, wire.send_scale, wire.send_q, rank)
 
-            def start(async_: bool):
-                if comm is not None:
-                    return comm.all_to_all_single(wire.recv, wire.send)
-                return dist.all_to_all_single(wire.recv, wire.send, group=group,
-                                              async_op=async_)
-
             def reduce() -> None:
                 kernels.reduce_into(wire.recv_scale, wire.recv_q, lay.edges, x[0][rank], x[1],
                                     rank, 1.0 if factor is None else factor, out[0][0], out[1])
-            return _move(start, reduce, wire, async_op)
+            return _move(_starter("all_to_all_single", direct, group, wire.recv, wire.send),
+                         reduce, wire, async_op)
         chunks = input_tensor.reshape(world, m)
         send = quantize_rows(chunks, lay)
         recv = torch.empty_like(send)
-
-        def start(async_: bool):
-            if comm is not None:
-                return comm.all_to_all_single(recv, send)
-            return dist.all_to_all_single(recv, send, group=group, async_op=async_)
         own = chunks[rank]
 
         def reduce() -> None:
             total = reduce_rows(recv, lay, own, rank, 1.0 if factor is None else factor)
             output_tensor.view(-1).copy_(total)
             _used_here(recv)
-        return _finish(start, reduce, async_op)
+        return _finish(_starter("all_to_all_single", direct, group, recv, send), reduce, async_op)
 
 
 def _full_precision(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup,
@@ -379,17 +371,12 @@ def _full_precision(output: torch.Tensor, input: torch.Tensor, group: dist.Proce
     out = output.view(-1) if into else torch.empty(output.numel(), dtype=inp.dtype,
                                                    device=inp.device)
 
-    def start(async_: bool):
-        if direct is not None:
-            return direct.reduce_scatter_tensor(out, inp)
-        return dist.reduce_scatter_tensor(out, inp, group=group, async_op=async_)
-
     def then() -> None:
         if factor is not None:
             out.mul_(factor)
         if not into:
             output.view(-1).copy_(out)
-    return _finish(start, then, async_op)
+    return _finish(_starter("reduce_scatter_tensor", direct, group, out, inp), then, async_op)
 
 
 def _used_here(t: torch.Tensor) -> None:
