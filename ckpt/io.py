@@ -150,6 +150,16 @@ def _close(fh: MPI.File, failed: BaseException | None) -> None:
             raise
 
 
+def _raise_first(failed: BaseException | None, error: BaseException | None, comm: Any,
+                 what: str) -> None:
+    """Raise what a loop of collective rounds ended with: a rank failure (``surface``: a
+    RankFailedError) before a local error, nothing when neither happened."""
+    if failed is not None:
+        raise surface(failed, comm, what) from error
+    if error is not None:
+        raise error
+
+
 def _all_direct(comm: Any, opened: tuple[int, int] | None) -> int:
     """The alignment every rank takes when every rank opened the file with O_DIRECT (``opened``:
     its descriptor and alignment), the largest of theirs; else 0, ``opened``'s descriptor closed."""
@@ -268,10 +278,7 @@ def write_items(comm: Any, filename: str, items: Sequence[IOItem],
         if fd is not None:
             os.close(fd)
         _close(fh, failed)
-    if failed is not None:
-        raise surface(failed, comm, "ckpt write") from error
-    if error is not None:
-        raise error
+    _raise_first(failed, error, comm, "ckpt write")
     return pieces
 
 
@@ -369,10 +376,7 @@ def read_items(comm: Any, filename: str, items: Sequence[IOItem],
                 error = error or exc
     finally:
         _close(fh, failed)
-    if failed is not None:
-        raise surface(failed, comm, "ckpt read") from error
-    if error is not None:
-        raise error
+    _raise_first(failed, error, comm, "ckpt read")
     return pieces
 
 
