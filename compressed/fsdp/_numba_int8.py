@@ -19,93 +19,80 @@ _ABS = np.uint32(0x7FFFFFFF)
 _INF = np.uint32(0x7F800000)
 
 
+_ABS16 = np.uint16(0x7FFF)
+
+
 @_jit
-def _abs_bits_max(xu, lo, hi):
-    """max over xu[lo:hi] of the bits of |x| (fp32 bits as uint32): for finite values the
-    order of |x|, at least _INF when inf or NaN is there (an integer max vectorises)."""
-    m = np.uint32(0)
+def _abs_bits_max(xu, lo, hi, mask):
+    """max over xu[lo:hi] of the bits of |x| (fp32 bits as uint32, ``mask`` _ABS; bf16 bits as
+    uint16, _ABS16): for finite values the order of |x|, inf or NaN above every finite value
+    (an integer max vectorises; numba computes it in uint64 for both widths)."""
+    m = np.uint64(0)
     for i in range(lo, hi):
-        m = max(m, xu[i] & _ABS)
+        m = max(m, xu[i] & mask)
     return m
 
 
 @_jit
-def _quantize_block(x, lo, hi, s, q):
-    for i in range(lo, hi):
-        v = np.rint(x[i] / s)
-        q[i] = np.int8(min(max(v, np.float32(-127.0)), np.float32(127.0)))
+def _widest(edges):
+    """The most elements in one block (at least 1): the size of a block's scratch buffer."""
+    width = 1
+    for b in range(edges.shape[0] - 1):
+        width = max(width, np.int64(edges[b + 1] - edges[b]))
+    return width
+
+
+@_jit
+def _quantize_block(x, at, top, bits, q, lo, hi):
+    """int8 of the block x[at:at + hi - lo] into q[lo:hi], given the fp32 bits ``top`` of its
+    max |x| (``bits``: a one-element uint32 scratch); return its scale (NaN: inf or NaN there;
+    0: all zero; q zeros for both)."""
+    if top >= _INF:
+        q[lo:hi] = 0
+        return np.float32(np.nan)
+    bits[0] = top
+    s = bits.view(np.float32)[0] / np.float32(127.0)
+    if s == 0.0:
+        q[lo:hi] = 0
+        return s
+    for i in range(hi - lo):
+        v = np.rint(x[at + i] / s)
+        q[lo + i] = np.int8(min(max(v, np.float32(-127.0)), np.float32(127.0)))
+    return s
 
 
 @_jit
 def quantize(x, edges, scale, q, skip):
     """Rows of fp32 ``x`` into fp32 ``scale`` (rows, blocks) and int8 ``q`` (rows, n); row
     ``skip`` is left unwritten (-1: none)."""
-    nb = edges.shape[0] - 1
     bits = np.empty(1, np.uint32)
-    amax = bits.view(np.float32)
     for r in range(x.shape[0]):
         if r == skip:
             continue
         xr, qr, sr = x[r], q[r], scale[r]
         xu = xr.view(np.uint32)
-        for b in range(nb):
+        for b in range(edges.shape[0] - 1):
             lo, hi = edges[b], edges[b + 1]
-            bits[0] = _abs_bits_max(xu, lo, hi)
-            if bits[0] >= _INF:
-                sr[b] = np.float32(np.nan)
-                qr[lo:hi] = 0
-                continue
-            s = amax[0] / np.float32(127.0)
-            sr[b] = s
-            if s == 0.0:
-                qr[lo:hi] = 0
-            else:
-                _quantize_block(xr, lo, hi, s, qr)
-
-
-_ABS16 = np.uint16(0x7FFF)
-_INF16 = np.uint16(0x7F80)
-
-
-@_jit
-def _abs_bits_max16(xu, lo, hi):
-    m = np.uint16(0)
-    for i in range(lo, hi):
-        m = max(m, xu[i] & _ABS16)
-    return m
+            sr[b] = _quantize_block(xr, lo, _abs_bits_max(xu, lo, hi, _ABS), bits, qr, lo, hi)
 
 
 @_jit
 def quantize_bf16(x, edges, scale, q, skip):
-    """``quantize`` for bf16 rows given as their uint16 bits (widened to fp32 exactly)."""
-    nb = edges.shape[0] - 1
-    width = 1
-    for b in range(nb):
-        width = max(width, np.int64(edges[b + 1] - edges[b]))
-    wide = np.empty(width, np.uint32)
+    """``quantize`` for bf16 rows given as their uint16 bits (each block widened to fp32
+    exactly in a block-sized buffer)."""
+    bits = np.empty(1, np.uint32)
+    wide = np.empty(_widest(edges), np.uint32)
     values = wide.view(np.float32)
     for r in range(x.shape[0]):
         if r == skip:
             continue
         xr, qr, sr = x[r], q[r], scale[r]
-        for b in range(nb):
+        for b in range(edges.shape[0] - 1):
             lo, hi = edges[b], edges[b + 1]
-            top = _abs_bits_max16(xr, lo, hi)
-            if top >= _INF16:
-                sr[b] = np.float32(np.nan)
-                qr[lo:hi] = 0
-                continue
-            wide[0] = np.uint32(top) << np.uint32(16)
-            s = values[0] / np.float32(127.0)
-            sr[b] = s
-            if s == 0.0:
-                qr[lo:hi] = 0
-                continue
+            top = _abs_bits_max(xr, lo, hi, _ABS16) << np.uint64(16)
             for i in range(lo, hi):
                 wide[i - lo] = np.uint32(xr[i]) << np.uint32(16)
-            for i in range(lo, hi):
-                v = np.rint(values[i - lo] / s)
-                qr[i] = np.int8(min(max(v, np.float32(-127.0)), np.float32(127.0)))
+            sr[b] = _quantize_block(values, np.uint64(0), top, bits, qr, lo, hi)
 
 
 @_jit
@@ -127,14 +114,18 @@ def dequantize(scale, q, edges, out, skip):
 
 
 @_jit
+def _to_bf16(u):
+    """The bf16 bits of fp32 bits ``u`` rounded to nearest even (finite values)."""
+    up = u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))
+    return np.uint16(up >> np.uint32(16))
+
+
+@_jit
 def dequantize_bf16(scale, q, edges, out, skip):
     """bf16 ``out`` (rows, n; its uint16 bits) = q * scale rounded to nearest even, but ``skip``."""
     rows = q.shape[0]
     nb = edges.shape[0] - 1
-    width = 0
-    for b in range(nb):
-        width = max(width, np.int64(edges[b + 1] - edges[b]))
-    tmp = np.empty(width, np.float32)
+    tmp = np.empty(_widest(edges), np.float32)
     bits = tmp.view(np.uint32)
     for r in range(rows):
         if r == skip:
@@ -149,9 +140,7 @@ def dequantize_bf16(scale, q, edges, out, skip):
                     out[r, i] = np.uint16(0x7FC0)
                 continue
             for i in range(lo, hi):
-                u = bits[i - lo]
-                up = u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))
-                out[r, i] = np.uint16(up >> np.uint32(16))
+                out[r, i] = _to_bf16(bits[i - lo])
 
 
 @_jit
@@ -163,9 +152,7 @@ def reduce_into(scale, q, edges, own, own_bits, rank, factor, out, out_bits):
     One block at a time through a block-sized fp32 sum (every element's adds in row order), so
     each row and ``own`` are read once and ``out`` written once, with no row-sized temporaries."""
     nb = edges.shape[0] - 1
-    width = 1
-    for b in range(nb):
-        width = max(width, np.int64(edges[b + 1] - edges[b]))
+    width = _widest(edges)
     total = np.empty(width, np.float32)
     wide = total.view(np.uint32)
     ownw = np.empty(width, np.uint32)
@@ -203,8 +190,7 @@ def reduce_into(scale, q, edges, own, own_bits, rank, factor, out, out_bits):
                 if (u & _ABS) > _INF:
                     dst[i] = np.uint16(0x7FC0)
                 else:
-                    up = u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))
-                    dst[i] = np.uint16(up >> np.uint32(16))
+                    dst[i] = _to_bf16(u)
         else:
             for i in range(k):
                 dst[i] = total[i]
