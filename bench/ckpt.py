@@ -364,6 +364,23 @@ def _rss_rows(run: _Run, rss: list) -> None:
                  wrong=over)
 
 
+def _fits(world: MPI.Comm, n_params: int, nbytes: int) -> bool:
+    """Collective: whether the least this run holds fits in rank 0's MemAvailable (1.5x margin):
+    each rank's fp32 weights and gradients, and the ranks' Adam partitions twice (the state and
+    async save's snapshot); if not, rank 0 says so and every rank gets False."""
+    from bench.memory import gib, memory_fit
+
+    note = None
+    if world.rank == 0:
+        fit = memory_fit(2 * nbytes / 1024, n_params * 8 / 1024, world.size)
+        if not fit.fits:
+            note = (f"bench ckpt: not run: {world.size} ranks of --layers/--hidden's {n_params / 1e6:.0f}M "
+                    f"parameters would hold at least {gib(fit.need_kib)} (x1.5 margin) where "
+                    f"{gib(fit.available_kib)} is available; pass a smaller --hidden or --layers")
+            print(note, file=sys.stderr, flush=True)
+    return world.bcast(note, root=0) is None
+
+
 def _start(args, world: MPI.Comm) -> _Run | None:
     """Collective: the ranks checked, the directory, the header; a ``_Run`` (None: too few ranks)."""
     import torch
@@ -379,13 +396,15 @@ def _start(args, world: MPI.Comm) -> _Run | None:
                   f"--load-ranks {args.load_ranks}, --fsdp2-ranks {args.fsdp2_ranks}), got {world.size}",
                   file=sys.stderr)
         return None
+    n_params = args.layers * (args.hidden * args.hidden + args.hidden)
+    nbytes = n_params * 4 * 3  # fp32 masters (= the fp32 weights) + exp_avg + exp_avg_sq
+    if not _fits(world, n_params, nbytes):
+        return None
     torch.set_num_threads(1)
     base = args.dir
     if world.rank == 0:
         base = tempfile.mkdtemp(prefix="bench-ckpt-", dir=args.dir)
     base = world.bcast(base, root=0)
-    n_params = args.layers * (args.hidden * args.hidden + args.hidden)
-    nbytes = n_params * 4 * 3  # fp32 masters (= the fp32 weights) + exp_avg + exp_avg_sq
     rep = Reporter("ckpt", world, args, _columns())
     rep.start(dtype="float32 weights, fp32 Adam (ZeRO-%d)" % args.stage,
               iterations="1 (each operation once, in this order)",

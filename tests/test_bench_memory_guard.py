@@ -5,6 +5,9 @@ its own planning still runs and prints."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -13,6 +16,7 @@ from bench import ckpt_simulate as cs
 from bench import memory
 
 TINY = "layers=2,hidden=24,heads=4,kv_heads=2,ffn=40,vocab=11"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _largest_by_counting(fixed: float, per: float, avail: int, safety: float) -> int:
@@ -82,3 +86,18 @@ def test_simulate_runs_dcp_where_it_fits(capsys):
     text = capsys.readouterr().out
     assert "DCP save: local plan" in text and "create_global_plan over 40 ranks" in text and "DCP load:" in text
     assert "not run" not in text
+
+
+def test_bench_ckpt_declines_a_model_that_cannot_fit(tmp_path):
+    """1,000 layers of Linear(10^6, 10^6): 10^15 parameters, no machine's memory; refused before
+    any directory or tensor is made."""
+    proc = subprocess.run([sys.executable, "-m", "bench", "ckpt", "--layers", "1000", "--hidden", "1000000",
+                           "--save-ranks", "1", "--load-ranks", "1", "--deepspeed", "no", "--dir", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    n_params = 1000 * (10 ** 12 + 10 ** 6)
+    need = 1.5 * n_params * (8 + 2 * 12) / 2 ** 30  # weights + gradients, and the fp32 Adam state twice
+    assert (f"bench ckpt: not run: 1 ranks of --layers/--hidden's {n_params // 10 ** 6}M parameters would hold "
+            f"at least {need:.1f} GiB") in proc.stderr, proc.stderr
+    assert "pass a smaller --hidden or --layers" in proc.stderr
+    assert list(tmp_path.iterdir()) == []
