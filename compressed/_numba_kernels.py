@@ -15,6 +15,7 @@ import threading
 
 import numba
 import numpy as np
+from numba.extending import overload
 
 from ._numba_intrinsics import can_stream as _can_stream
 from ._numba_intrinsics import nt_copy8 as _nt_copy8
@@ -32,6 +33,47 @@ _jitv = numba.njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
 _TILE = 4096  # elements per tile: flags stay in L1, float32 partial sums stay accurate
 
 
+_inline = numba.njit(inline="always")  # a loop body shared by kernels, inlined into each
+
+
+@_inline
+def _shrink(v, s):
+    """v - s * sign(v) (sign(0) = +1): what error feedback keeps of v once s * sign(v) is sent."""
+    return v - (s if v >= np.float32(0.0) else -s)
+
+
+@_inline
+def _pack_flags(words, packed, b0, nq):
+    """packed[b0:b0 + nq] = the 0/1 flag bytes seen as ``nq`` uint64 ``words``, 8 per byte."""
+    for q in range(nq):
+        packed[b0 + q] = np.uint8((words[q] * _MAGIC) >> np.uint64(56))
+
+
+@_inline
+def _signs_tile(gt, et, flags):
+    """x = gt + et over a tile: its sign flags; return sum x^2 (float32, vectorised)."""
+    part = np.float32(0.0)
+    for k in range(_TILE):
+        x = gt[k] + et[k]
+        part += x * x
+        flags[k] = x >= np.float32(0.0)
+    return part
+
+
+@_jit
+def _signs_tail(x, packed, c0, ss):
+    """Pack the signs of ``x`` (a multiple of 8 long) into packed[c0:]; return ss + sum x^2
+    (added one element at a time, in order)."""
+    for c in range(x.shape[0] // 8):
+        byte = 0
+        for k in range(8):
+            v = x[c * 8 + k]
+            ss += v * v
+            byte = (byte << 1) | (1 if v >= 0 else 0)
+        packed[c0 + c] = byte
+    return ss
+
+
 @_jitv
 def _encode_flat(g, e, packed):
     """Pack the signs of x = (g zero-padded) + e into contiguous ``packed``; return sum x^2."""
@@ -41,25 +83,13 @@ def _encode_flat(g, e, packed):
     words = flags.view(np.uint64)
     full = m - m % _TILE
     ss = 0.0
-    for o in range(0, full, _TILE):
-        part = np.float32(0.0)
-        for k in range(_TILE):  # vectorised: x, x^2 and one 0/1 byte per element
-            x = g[o + k] + e[o + k]
-            part += x * x
-            flags[k] = x >= np.float32(0.0)
-        ss += part
-        b0 = o // 8
-        for q in range(_TILE // 8):  # 8 flag bytes -> one MSB-first byte
-            packed[b0 + q] = np.uint8((words[q] * _MAGIC) >> np.uint64(56))
-    for c in range(full // 8, n // 8):
-        byte = 0
-        for k in range(8):
-            i = c * 8 + k
-            x = e[i] + g[i] if i < m else e[i]
-            ss += x * x
-            byte = (byte << 1) | (1 if x >= 0 else 0)
-        packed[c] = byte
-    return ss
+    for o in range(0, full, _TILE):  # x, x^2 and one 0/1 byte per element, then 8 bytes -> 1
+        ss += _signs_tile(g[o:o + _TILE], e[o:o + _TILE], flags)
+        _pack_flags(words, packed, o // 8, _TILE // 8)
+    tail = e[full:n].copy()
+    for i in range(full, m):
+        tail[i - full] = e[i] + g[i]
+    return _signs_tail(tail, packed, full // 8, ss)
 
 
 @_jitv
@@ -71,89 +101,41 @@ def _encode_bf16_flat(gb, e, packed):
     flags = np.empty(_TILE, np.uint8)
     words = flags.view(np.uint64)
     wide = np.empty(_TILE, np.uint32)
-    gw = wide.view(np.float32)
     full = m - m % _TILE
     ss = 0.0
     for o in range(0, full, _TILE):
         for k in range(_TILE):  # vectorised: bf16 bits -> float32 bits
             wide[k] = np.uint32(gb[o + k]) << np.uint32(16)
-        part = np.float32(0.0)
-        for k in range(_TILE):  # as _encode_flat
-            x = gw[k] + e[o + k]
-            part += x * x
-            flags[k] = x >= np.float32(0.0)
-        ss += part
-        b0 = o // 8
-        for q in range(_TILE // 8):
-            packed[b0 + q] = np.uint8((words[q] * _MAGIC) >> np.uint64(56))
-    for c in range(full // 8, n // 8):
-        byte = 0
-        for k in range(8):
-            i = c * 8 + k
-            if i < m:
-                wide[0] = np.uint32(gb[i]) << np.uint32(16)
-                x = e[i] + gw[0]
-            else:
-                x = e[i]
-            ss += x * x
-            byte = (byte << 1) | (1 if x >= 0 else 0)
-        packed[c] = byte
-    return ss
+        ss += _signs_tile(wide.view(np.float32), e[o:o + _TILE], flags)
+        _pack_flags(words, packed, o // 8, _TILE // 8)
+    tail = e[full:n].copy()
+    for i in range(full, m):
+        wide[0] = np.uint32(gb[i]) << np.uint32(16)
+        tail[i - full] = e[i] + wide.view(np.float32)[0]
+    return _signs_tail(tail, packed, full // 8, ss)
+
+
+def _g(src, i, d):
+    """Element i of the gradient: src[0][i] when ``src`` is (g,), (a[i] + b[i]) / d when it is
+    (a, b) (the node mean, rounded as ``add_mean``); numba picks one when it compiles."""
+
+
+@overload(_g, inline="always")
+def _g_numba(src, i, d):
+    if len(src) == 1:
+        return lambda src, i, d: src[0][i]
+    return lambda src, i, d: (src[0][i] + src[1][i]) / d
 
 
 @_jitv
-def _encode_into_flat(g, e, pend, xout, packed, stream):
-    """x = (g zero-padded) + (e - pend * sign(e)) into ``xout`` (may be ``e``); pack x's signs
-    into contiguous ``packed``; return sum x^2. One pass: the previous call's error update fused
-    with this call's encode. ``stream``: store whole tiles of x with non-temporal stores."""
-    m = g.shape[0]
-    n = e.shape[0]
-    s = np.float32(pend)
-    flags = np.empty(_TILE, np.uint8)
-    words = flags.view(np.uint64)
-    full = m - m % _TILE
-    ss = 0.0
-    for o in range(0, full, _TILE):
-        gt = g[o:o + _TILE]
-        et = e[o:o + _TILE]
-        xt = xout[o:o + _TILE]
-        part = np.float32(0.0)
-        for k in range(_TILE):  # vectorised: correction, x, x^2, one 0/1 byte per element
-            v = et[k]
-            x = gt[k] + (v - (s if v >= np.float32(0.0) else -s))
-            if stream:
-                _nt_store(xt, k, x)
-            else:
-                xt[k] = x
-            part += x * x
-            flags[k] = x >= np.float32(0.0)
-        ss += part
-        b0 = o // 8
-        for q in range(_TILE // 8):
-            packed[b0 + q] = np.uint8((words[q] * _MAGIC) >> np.uint64(56))
-    for c in range(full // 8, n // 8):
-        byte = 0
-        for k in range(8):
-            i = c * 8 + k
-            v = e[i]
-            corr = v - (s if v >= np.float32(0.0) else -s)
-            x = g[i] + corr if i < m else corr
-            xout[i] = x
-            ss += x * x
-            byte = (byte << 1) | (1 if x >= 0 else 0)
-        packed[c] = byte
-    if stream:
-        _sfence()
-    return ss
-
-
-@_jitv
-def _encode_mean_into_flat(a, b, parts, e, pend, xout, packed, stream):
-    """``_encode_into_flat`` with g = (a + b) / parts computed on the fly (rounded as
-    ``add_mean``): the node mean of a hierarchical call never goes through memory. A near-copy
-    of ``_encode_into_flat`` on purpose: one kernel with a flag for both ran this one about 20%
-    slower (64 MiB, one core)."""
-    m = a.shape[0]
+def _encode_into_flat(src, parts, e, pend, xout, packed, stream):
+    """x = (g zero-padded) + (e - pend * sign(e)) into ``xout`` (may be ``e``), g given by
+    ``src``: (g,), or (a, b) for g = (a + b) / parts computed on the fly (the node mean of a
+    hierarchical call never goes through memory); pack x's signs into contiguous ``packed``;
+    return sum x^2. One pass: the previous call's error update fused with this call's encode.
+    ``stream``: store whole tiles of x with non-temporal stores. Compiled once per kind of
+    ``src`` (a runtime flag for the mean ran 20% slower, 64 MiB, one core)."""
+    m = src[0].shape[0]
     n = e.shape[0]
     s = np.float32(pend)
     d = np.float32(parts)
@@ -162,14 +144,11 @@ def _encode_mean_into_flat(a, b, parts, e, pend, xout, packed, stream):
     full = m - m % _TILE
     ss = 0.0
     for o in range(0, full, _TILE):
-        at = a[o:o + _TILE]
-        bt = b[o:o + _TILE]
         et = e[o:o + _TILE]
         xt = xout[o:o + _TILE]
         part = np.float32(0.0)
-        for k in range(_TILE):  # vectorised: mean, correction, x, x^2, one 0/1 byte per element
-            v = et[k]
-            x = (at[k] + bt[k]) / d + (v - (s if v >= np.float32(0.0) else -s))
+        for k in range(_TILE):  # vectorised: g, correction, x, x^2, one 0/1 byte per element
+            x = _g(src, o + k, d) + _shrink(et[k], s)
             if stream:
                 _nt_store(xt, k, x)
             else:
@@ -177,23 +156,13 @@ def _encode_mean_into_flat(a, b, parts, e, pend, xout, packed, stream):
             part += x * x
             flags[k] = x >= np.float32(0.0)
         ss += part
-        b0 = o // 8
-        for q in range(_TILE // 8):
-            packed[b0 + q] = np.uint8((words[q] * _MAGIC) >> np.uint64(56))
-    for c in range(full // 8, n // 8):
-        byte = 0
-        for k in range(8):
-            i = c * 8 + k
-            v = e[i]
-            corr = v - (s if v >= np.float32(0.0) else -s)
-            x = (a[i] + b[i]) / d + corr if i < m else corr
-            xout[i] = x
-            ss += x * x
-            byte = (byte << 1) | (1 if x >= 0 else 0)
-        packed[c] = byte
+        _pack_flags(words, packed, o // 8, _TILE // 8)
+    for i in range(full, n):
+        corr = _shrink(e[i], s)
+        xout[i] = _g(src, i, d) + corr if i < m else corr
     if stream:
         _sfence()
-    return ss
+    return _signs_tail(xout[full:n], packed, full // 8, ss)
 
 
 @_jit
@@ -254,7 +223,7 @@ def encode_into(g, e, pend, xout, rows):
     return sum x^2."""
     packed = _packed_scratch(e.shape[0] // 8)
     stream = _can_stream(xout)
-    ss = _encode_into_flat(g, e, pend, xout, packed, stream)
+    ss = _encode_into_flat((g,), 1, e, pend, xout, packed, stream)
     rows[...] = packed.reshape(rows.shape)
     return ss
 
@@ -263,7 +232,7 @@ def encode_mean_into(a, b, parts, e, pend, xout, rows):
     """``encode_into`` with g = (a + b) / parts (float32, rounded as ``add_mean``)."""
     packed = _packed_scratch(e.shape[0] // 8)
     stream = _can_stream(xout)
-    ss = _encode_mean_into_flat(a, b, parts, e, pend, xout, packed, stream)
+    ss = _encode_into_flat((a, b), parts, e, pend, xout, packed, stream)
     rows[...] = packed.reshape(rows.shape)
     return ss
 
@@ -274,11 +243,9 @@ def worker_residual(g, e, scale):
     m = g.shape[0]
     s = np.float32(scale)
     for i in range(m):
-        x = g[i] + e[i]
-        e[i] = x - s if x >= 0 else x + s
+        e[i] = _shrink(g[i] + e[i], s)
     for i in range(m, e.shape[0]):
-        x = e[i]
-        e[i] = x - s if x >= 0 else x + s
+        e[i] = _shrink(e[i], s)
 
 
 @_jitv
@@ -294,15 +261,13 @@ def worker_residual_bf16(gb, e, scale):
         for k in range(_TILE):  # vectorised: bf16 bits -> float32 bits
             wide[k] = np.uint32(gb[o + k]) << np.uint32(16)
         for k in range(_TILE):
-            x = gw[k] + et[k]
-            et[k] = x - s if x >= np.float32(0.0) else x + s
+            et[k] = _shrink(gw[k] + et[k], s)
     for i in range(full, e.shape[0]):
         if i < m:
             wide[0] = np.uint32(gb[i]) << np.uint32(16)
-            x = e[i] + gw[0]
+            e[i] = _shrink(e[i] + gw[0], s)
         else:
-            x = e[i]
-        e[i] = x - s if x >= 0 else x + s
+            e[i] = _shrink(e[i], s)
 
 
 @_jit
@@ -366,22 +331,19 @@ def server_accumulate(rows, coef, se, out, pend):
         o = blk * _SBLK
         part = np.float32(0.0)
         for k in range(_SBLK):
-            v = se[o + k]
-            s = acc[k] + (v - (sp if v >= np.float32(0.0) else -sp))
+            s = acc[k] + _shrink(se[o + k], sp)
             se[o + k] = s
             part += s * s
             flags[k] = s >= np.float32(0.0)
         ss += part
-        for q in range(qb):
-            out[blk * qb + q] = np.uint8((words[q] * _MAGIC) >> np.uint64(56))
+        _pack_flags(words, out, blk * qb, qb)
     for c in range(nblk * qb, cb):
         byte = 0
         for k in range(8):
             s = np.float32(0.0)
             for i in range(p):
                 s += coef[i] if (rows[i, c] >> (7 - k)) & 1 else -coef[i]
-            v = se[c * 8 + k]
-            s += v - (sp if v >= np.float32(0.0) else -sp)
+            s += _shrink(se[c * 8 + k], sp)
             se[c * 8 + k] = s
             ss += s * s
             byte = (byte << 1) | (1 if s >= 0 else 0)
@@ -394,43 +356,15 @@ def server_residual(se, scale):
     """Set se = se - scale * sign(se)."""
     s = np.float32(scale)
     for i in range(se.shape[0]):
-        x = se[i]
-        se[i] = x - s if x >= 0 else x + s
+        se[i] = _shrink(se[i], s)
 
 
 @_jit
-def _decode_stream(rows, scales, out):
-    """``decode`` with non-temporal stores: the output is not read again in this call, and a
-    plain store first reads each line it writes (64 MiB: 8.2 ms -> 3.4 ms, memcpy 9.4 ms)."""
-    m = out.shape[0]
-    p, cb = rows.shape
-    lut = _luts(scales)
-    for r in range(p):
-        for c in range(cb):
-            base = (r * cb + c) * 8
-            if base + 8 <= m:
-                _nt_copy8(lut, r, np.intp(rows[r, c]), out, base)
-            else:
-                v = rows[r, c]
-                for k in range(8):
-                    if base + k < m:
-                        out[base + k] = lut[r, v, k]
-                _sfence()
-                return
-    _sfence()
-
-
-def decode(rows, scales, out):
-    """Write scales[r] * sign (from row r's bits) into ``out``, cut at out's length."""
-    if _can_stream(out, 16):
-        _decode_stream(rows, scales, out)
-    else:
-        _decode_plain(rows, scales, out)
-
-
-@_jit
-def _decode_plain(rows, scales, out):
-    """Write scales[r] * sign (from row r's bits) into ``out``, cut at out's length."""
+def _decode_flat(rows, scales, out, stream):
+    """Write scales[r] * sign (from row r's bits) into ``out``, cut at out's length;
+    ``stream``: each whole byte's 8 values with non-temporal stores (the output is not read
+    again in this call, and a plain store first reads each line it writes: 64 MiB, 8.2 ms ->
+    3.4 ms, memcpy 9.4 ms)."""
     m = out.shape[0]
     p, cb = rows.shape
     lut = _luts(scales)
@@ -438,11 +372,19 @@ def _decode_plain(rows, scales, out):
         for c in range(cb):
             base = (r * cb + c) * 8
             v = rows[r, c]
-            if base + 8 <= m:
-                for k in range(8):
-                    out[base + k] = lut[r, v, k]
-            else:
+            if base + 8 > m:  # past out's end: the values that still fit
                 for k in range(8):
                     if base + k < m:
                         out[base + k] = lut[r, v, k]
-                return
+            elif stream:
+                _nt_copy8(lut, r, np.intp(v), out, base)
+            else:
+                for k in range(8):
+                    out[base + k] = lut[r, v, k]
+    if stream:
+        _sfence()
+
+
+def decode(rows, scales, out):
+    """Write scales[r] * sign (from row r's bits) into ``out``, cut at out's length."""
+    _decode_flat(rows, scales, out, _can_stream(out, 16))
