@@ -14,15 +14,14 @@ import torch
 import torch.nn.functional as F
 
 import mpicomm.horovod as hvd
-from horovod_synthetic_benchmark import make_model
+from horovod_synthetic_benchmark import add_arguments, make_model
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--batch-size", type=int, default=16)
+    add_arguments(p)  # the synthetic benchmark's options, shorter runs by default
+    p.set_defaults(num_iters=4, num_batches_per_iter=3)
     p.add_argument("--num-batches-per-commit", type=int, default=1)
-    p.add_argument("--num-iters", type=int, default=4)
-    p.add_argument("--num-batches-per-iter", type=int, default=3)
     args = p.parse_args(argv)
 
     hvd.init()
@@ -30,8 +29,10 @@ def main(argv=None) -> None:
     model = make_model()
     lr_scaler = hvd.size()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * lr_scaler)
-    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
-    data = torch.randn(args.batch_size, 3, 32, 32)
+    compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                         compression=compression)
+    data = torch.randn(args.batch_size, 3, args.image_size, args.image_size)
     target = torch.randint(0, 100, (args.batch_size,))
 
     def on_state_reset():

@@ -27,14 +27,19 @@ def make_model(width: int = 32, classes: int = 100) -> torch.nn.Module:
     return torch.nn.Sequential(*layers)
 
 
-def main(argv=None) -> float:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The benchmark's options (its elastic variant takes them too)."""
     p.add_argument("--fp16-allreduce", action="store_true")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--image-size", type=int, default=32)
-    p.add_argument("--num-warmup-batches", type=int, default=2)
     p.add_argument("--num-batches-per-iter", type=int, default=5)
     p.add_argument("--num-iters", type=int, default=5)
+
+
+def main(argv=None) -> float:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(p)
+    p.add_argument("--num-warmup-batches", type=int, default=2)
     args = p.parse_args(argv)
 
     hvd.init()
