@@ -1,4 +1,4 @@
-"""The agreement a ZeroOptimizer's commit makes under ULFM, matched by the recovery.
+"""The agreements a commit and the end of ``train`` make under ULFM, matched by the recovery.
 
 ULFM promises a uniform outcome only for ``agree``: a collective can complete on some survivors
 and fail on others. A commit that must happen on every survivor or on none (one that replays
@@ -7,7 +7,9 @@ optimizer's communicator first. Every rank then owes that communicator one agree
 a recovery that starts before it joins it with False (``close``), so a survivor waiting inside
 a commit's agreement is let out, and every rank makes the same agreements in the same order:
 the epoch opens again only where every survivor knows the same (after an agreement that said
-True, or at the end of a recovery)."""
+True, or at the end of a recovery). Leaving ``train`` is agreed the same way (``leave``), over the
+ZeroOptimizer's communicator or the state's: ``train`` returns on every survivor or on none, so a
+survivor still inside the last commit when a rank fails is never left to recover alone."""
 from __future__ import annotations
 
 from typing import Any
@@ -20,8 +22,9 @@ class CommitAborted(RankFailedError):
 
 
 def open(state: Any) -> None:  # noqa: A001 - the epoch opens and closes
-    """Let the next commit agree over the ZeroOptimizer's communicator (under ULFM)."""
-    comm = state.optimizer.comm if state.sharded else None
+    """Let the next commit (a ZeroOptimizer's) or the end of ``train`` agree over the
+    ZeroOptimizer's communicator, or else the state's (under ULFM)."""
+    comm = state.optimizer.comm if state.sharded else state.comm
     state._epoch = comm if getattr(comm, "fault_tolerant", False) else None
 
 
@@ -44,3 +47,18 @@ def agree(state: Any, comm: Any, ok: bool, gen: int) -> bool:
                             f"rolling back to commit {state.generation}")
     state._epoch = comm
     return True
+
+
+def leave(state: Any) -> None:
+    """The end of ``train`` (collective): returns where every survivor got there and none knows of
+    a failed rank; else raises ``CommitAborted`` (the survivors go through a recovery together,
+    and ``train`` runs again from the newest commit they all hold)."""
+    comm = state._epoch
+    if comm is None:
+        return
+    state._epoch = None
+    # first: every survivor got here (one inside a recovery says False); then: none knows of a
+    # failure (one that the first agreement met is known to every survivor after it)
+    if not (comm.agree(True) and comm.agree(not comm.failed_ranks())):
+        raise CommitAborted(f"elastic: a rank failed as train() ended; rolling back to commit {state.generation}")
+    state._epoch = comm

@@ -104,6 +104,7 @@ def run(func: F | None = None, *, min_world_size: int = 1, max_world_size: int |
                     grow.grow(state, max_world_size)
                 out = func(state, *args, **kwargs)
                 state.wait_checkpoint()
+                epoch.leave(state)                  # train returns on every survivor or on none
                 return out
             except ElasticError:
                 raise

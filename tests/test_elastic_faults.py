@@ -71,6 +71,10 @@ CASES = [
     (4, "zero2", "gather", 3, 3, 1, ()),
     # a second rank dies in the recovery after its optimizer was rebound to the first survivors
     (4, "zero2", "between", 1, 2, 1, ("second=3",)),
+    # right after the last commit: the survivors leave train() together only after a recovery
+    # (the job's closing barrier over state.comm would meet the dead rank)
+    (3, "ddp", "between", 1, STEPS - 1, 1, ()),
+    (3, "zero2", "between", 2, STEPS - 1, 1, ()),
     # the job grows back to 4 ranks: a replacement is spawned and joins at the recovery's commit
     (4, "zero1", "between", 1, 2, 1, ("grow=4",)),
     (4, "ddp", "backward", 2, 2, 1, ("grow=4",)),
