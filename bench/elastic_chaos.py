@@ -14,7 +14,8 @@ second victim SIGKILLed inside the recovery. Each trial is classified:
     equal       every survivor finished with the weights of a single-process plain torch run on
                 the same global batches (tests/elastic_job_lib.py) and of every other survivor
     lost-ok     an elastic.ElasticError on every survivor where the state was truly gone (a
-                sharded mode, a rank and its buddy both dead, no checkpoint_dir)
+                sharded mode, a rank and its buddy both dead, no checkpoint_dir; or an FSDP2
+                rank dead before the first commit)
     ended       the job ended although the state was recoverable (or ended untyped where not)
     wrong       survivors finished with other weights, or some finished and others failed
     hang        the job passed its timeout (its processes are then killed)
@@ -166,7 +167,12 @@ def state_gone(p: dict[str, Any], victims: dict[int, dict]) -> bool:
     victims that are buddies in the 4-rank ring (replicas one rank on, all ranks on one host),
     the second dead before its recovery returned (after it, the recovery's own commit on the
     survivors holds every shard again and one death loses nothing). Lenient: a second death late
-    in the recovery, after that commit, is counted as losing the state too."""
+    in the recovery, after that commit, is counted as losing the state too. FSDP2 alone: a rank
+    dead in setup (before ``train``'s body first ran) may have died before elastic.run's first
+    commit gave its shard of the initial model a replica, so that is counted as lost too (no
+    checkpoint exists yet either); DDP and ZeroOptimizer ranks all hold the whole initial model."""
+    if p["mode"] == "fsdp2" and any(v["phase"] == "setup" for v in victims.values()):
+        return True
     if p["mode"] == "ddp" or p["ckpt"] or len(victims) < 2:
         return False
     a, b = sorted(victims)

@@ -3,7 +3,8 @@
 # Any failing rank aborts its job (python -m mpi4py + an abort-on-failure hook); every launch
 # carries a timeout. Extra arguments go to every pytest run. MPICOMM_MPI picks the MPI (and the
 # venv, see bootstrap.sh); jobs start through scripts/mpirun.sh (Open MPI as root, oversubscription).
-# MPICOMM_TEST_RANKS="2 4" sets the multi-rank passes; MPICOMM_TEST_SLOW=0 deselects tests marked slow.
+# MPICOMM_TEST_RANKS="2 4" sets the multi-rank passes; MPICOMM_TEST_SLOW=0 deselects tests marked slow,
+# MPICOMM_TEST_ONCE=0 those marked once (the same on any MPI: a second MPI's run leaves them out).
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -42,8 +43,11 @@ run() {
         [ "$counted_failures" -eq 0 ] && failed=$((failed + 1))
     fi
 }
-one_mark=(); multi_mark="mpi"
-if [ "${MPICOMM_TEST_SLOW:-1}" = 0 ]; then one_mark=(-m "not slow"); multi_mark="mpi and not slow"; fi
+leave_out=""
+[ "${MPICOMM_TEST_SLOW:-1}" = 0 ] && leave_out+=" and not slow"
+[ "${MPICOMM_TEST_ONCE:-1}" = 0 ] && leave_out+=" and not once"
+one_mark=(); multi_mark="mpi$leave_out"
+[ -n "$leave_out" ] && one_mark=(-m "${leave_out# and }")
 label="1 process"
 run python -m pytest --with-mpi "${one_mark[@]+"${one_mark[@]}"}" "$@"
 for n in ${MPICOMM_TEST_RANKS:-2 4}; do

@@ -6,9 +6,9 @@ runs ``test/parallel/test_torch.py`` of Horovod 0.28.1 (as Horovod's CI runs it:
 ``mpirun -np N python -m pytest``) with ``import horovod.torch as hvd`` resolved to
 ``mpicomm.horovod`` by a pytest plugin (``tests/horovod_conformance_plugin.py``). Horovod's
 files are never part of this repository: they are looked for in ``$MPICOMM_HOROVOD_TESTS``, then
-in the cache ``<venv>/horovod-tests/`` (ignored by git), else fetched into the cache (the PyPI
-sdist if it carries them, else GitHub's tagged file); when that is impossible the job says so
-and exits 3. Tests listed in :data:`EXCLUDED` are not run, each with its reason. A test that
+in the cache ``<venv>/horovod-tests/`` (ignored by git), else fetched into the cache (from a local
+git clone or mirror of Horovod named by ``$MPICOMM_HOROVOD_GIT``, the PyPI sdist if it carries
+them, else GitHub's tagged file); when that is impossible the job says so and exits 3. Tests listed in :data:`EXCLUDED` are not run, each with its reason. A test that
 hangs past ``--timeout`` or takes the job down is killed and reported by name, and the job starts
 again at the next test. Exits 1 when a test that is not excluded fails (a skip is not a failure:
 the suite skips GPU tests itself on a machine without one).
@@ -47,6 +47,13 @@ def suite_dir() -> tuple[str | None, str]:
         if all(os.path.exists(os.path.join(d, f)) for f in FILES):
             return d, f"Horovod {VERSION} tests in {d}"
     notes = []
+    repo = os.environ.get("MPICOMM_HOROVOD_GIT")
+    if repo:
+        try:
+            _from_git(repo, CACHE)
+            return CACHE, f"Horovod {VERSION} tests from the git repository {repo} (tag v{VERSION}), cached in {CACHE}"
+        except Exception as exc:  # noqa: BLE001 - reported
+            notes.append(f"MPICOMM_HOROVOD_GIT={repo}: {exc}")
     try:
         if _from_sdist(CACHE):
             return CACHE, f"Horovod {VERSION} tests from the PyPI sdist, cached in {CACHE}"
@@ -60,7 +67,8 @@ def suite_dir() -> tuple[str | None, str]:
         notes.append(f"raw.githubusercontent.com unreachable ({exc})")
     return None, ("Horovod's test suite is not available: " + "; ".join(notes) +
                   f". Put {', '.join(FILES)} of Horovod v{VERSION} under a directory and set "
-                  f"MPICOMM_HOROVOD_TESTS to it (or into {CACHE}).")
+                  f"MPICOMM_HOROVOD_TESTS to it (or into {CACHE}), or name a git clone of Horovod "
+                  f"in MPICOMM_HOROVOD_GIT.")
 
 
 def _from_sdist(dest: str) -> bool:
@@ -76,6 +84,22 @@ def _from_sdist(dest: str) -> bool:
             for f in FILES:
                 _save(dest, f, tar.extractfile(members[f]).read())
     return True
+
+
+def _from_git(repo: str, dest: str) -> None:
+    """The files at tag v{VERSION} of a local git clone or mirror (``git show``, nothing checked out)."""
+    for f in FILES:
+        proc = subprocess.run(["git", "--git-dir", _git_dir(repo), "show", f"v{VERSION}:{f}"],
+                              capture_output=True, timeout=60)
+        if proc.returncode:
+            raise RuntimeError(f"git show v{VERSION}:{f} failed: {proc.stderr.decode(errors='replace').strip()}")
+        _save(dest, f, proc.stdout)
+
+
+def _git_dir(repo: str) -> str:
+    """A clone's .git, or the repository itself when it is bare (a mirror)."""
+    dot = os.path.join(repo, ".git")
+    return dot if os.path.isdir(dot) else repo
 
 
 def _from_github(dest: str) -> None:

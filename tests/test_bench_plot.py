@@ -11,6 +11,8 @@ import pytest
 from bench import plot, records
 from mpitest import mpiexec_cmd
 
+pytestmark = pytest.mark.once    # the same on any MPI: CI runs it on MPICH only
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HIDE = "import sys; sys.modules['matplotlib'] = None; "
 

@@ -27,6 +27,8 @@ from ckpt.deepspeed import read_deepspeed
 from ckpt.manifest import MANIFEST_CRC_FIELD, manifest_crc
 from conftest import single_process
 
+pytestmark = pytest.mark.once    # the same on any MPI: CI runs it on MPICH only
+
 SEED = 20261130
 BLOCK = 256
 

@@ -15,6 +15,8 @@ import torch
 from bench import ckpt_simulate as cs
 from mpitest import mpiexec_cmd
 
+pytestmark = pytest.mark.once    # the same on any MPI: CI runs it on MPICH only
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB = os.path.join(ROOT, "tests", "ckpt_simulate_job.py")
 TINY = "layers=2,hidden=24,heads=4,kv_heads=2,ffn=40,vocab=11"

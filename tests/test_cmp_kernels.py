@@ -10,6 +10,8 @@ from compressed import kernels as K
 from compressed import torch_kernels as TK
 from compressed.wire_format import Layout
 
+pytestmark = pytest.mark.once    # the same on any MPI: CI runs it on MPICH only
+
 HEADER_BYTES = 4  # bytes kept in front of each row: the kernels must work on strided rows
 
 IMPLS = ["numpy"]

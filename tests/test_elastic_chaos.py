@@ -47,3 +47,7 @@ def test_the_classification_counts_buddies_and_the_disk():
     assert not state_gone(base | {"ckpt": True}, {1: first, 2: rec})            # the disk holds it
     assert not state_gone(base | {"mode": "ddp"}, {1: first, 2: rec})           # replicated everywhere
     assert not state_gone(base, {1: first})
+    setup = {"phase": "setup", "what": "first:start"}
+    assert state_gone(base | {"mode": "fsdp2"}, {1: setup})     # an FSDP2 shard with no commit yet
+    assert not state_gone(base | {"mode": "fsdp2"}, {1: first})
+    assert not state_gone(base, {1: setup})                     # ZeroOptimizer: every rank has the model

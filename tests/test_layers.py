@@ -11,6 +11,8 @@ import pathlib
 
 import pytest
 
+pytestmark = pytest.mark.once    # the same on any MPI: CI runs it on MPICH only
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ALLOWED = {
     "accelerators": set(),
