@@ -19,6 +19,7 @@ class Commit:
     world: int = 1                        # ranks of the communicator it was made over (the old layout)
     model: Any = None                     # model.state_dict() copy (replicated)
     optimizer: Any = None                 # plain optimizer: state_dict() copy (replicated)
+    hyper: Any = None                     # ZeroOptimizer: its param_groups' hyperparameters (replicated)
     attrs: dict[str, Any] = field(default_factory=dict)
     rng: Any = None                       # the global torch / numpy / random generators' states
     own: list[torch.Tensor] = field(default_factory=list)      # ZeroOptimizer: this rank's shard pieces

@@ -154,7 +154,7 @@ def _header(state: Any, old_world: int) -> dict[str, Any]:
 
     c = state._commits[-1]
     head: dict[str, Any] = {"gen": c.gen, "count": c.count, "stride": c.stride, "world": old_world,
-                            "attrs": c.attrs, "model": c.model, "optimizer": c.optimizer, "rng": c.rng,
+                            "attrs": c.attrs, "model": c.model, "optimizer": c.optimizer, "hyper": c.hyper, "rng": c.rng,
                             "keys": c.keys, "other": c.other, "trained": state._trained,
                             "dist": bool(dist.is_available() and dist.is_initialized())}
     if c.fsdp is not None:
@@ -166,8 +166,8 @@ def _header(state: Any, old_world: int) -> dict[str, Any]:
 
 def _newcomer_commit(state: Any, head: dict[str, Any]) -> Commit:
     c = Commit(head["gen"], head["count"], stride=head["stride"], world=head["world"], model=head["model"],
-               optimizer=head["optimizer"], attrs=head["attrs"], rng=head["rng"], keys=head["keys"],
-               other=head["other"])
+               optimizer=head["optimizer"], hyper=head["hyper"], attrs=head["attrs"], rng=head["rng"],
+               keys=head["keys"], other=head["other"])
     if state.sharded:    # dtype and device templates of the pieces (the newcomer holds none)
         for g, names in zip(state.optimizer.groups, c.keys):
             c.own.extend(torch.empty(0, dtype=torch.float32, device=g.master.device) for _ in range(1 + len(names)))

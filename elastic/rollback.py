@@ -88,10 +88,16 @@ def restore(state: Any, gen: int, new_comm: Any, survivors: Sequence[int], old_w
 
 
 def restore_replicated(state: Any, c: Commit) -> None:
-    """Set the attributes, the model's replicated entries and the global generators back to ``c``."""
+    """Set the attributes, the model's replicated entries, a ZeroOptimizer's hyperparameters and
+    the global generators back to ``c``."""
     for name, saved in c.attrs.items():
         state._attrs[name] = values.restore(state._attrs.get(name), saved)
     if state.model is not None and not state._fsdp:
         state.model.load_state_dict(values.tree_copy(c.model), strict=not state.sharded)
+    if state.sharded and c.hyper is not None:
+        # a scheduler restored above does not set the learning rate back: the rate it set after
+        # the commit, on some survivors only where a failure cut the step short, would stay
+        for group, hp in zip(state.optimizer.param_groups, c.hyper):
+            group.update(values.tree_copy(hp))
     if c.rng is not None:
         values.set_global_rng(c.rng)

@@ -330,6 +330,9 @@ class TorchState:
             c.attrs[name] = values.save(value, old.attrs.get(name) if old is not None else None)
         if self.model is not None and not self._fsdp:
             c.model = values.tree_copy(self._model_entries(), old.model if old is not None else None)
+        if self.sharded:    # what an LR scheduler set (a plain optimizer's are in its state_dict)
+            c.hyper = values.tree_copy([{k: v for k, v in g.items() if k != "params"}
+                                        for g in self.optimizer.param_groups])
         c.rng = values.get_global_rng()
 
     def _model_entries(self) -> dict[str, Any]:

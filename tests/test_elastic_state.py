@@ -223,6 +223,37 @@ def test_commit_and_rollback_replicated_state():
         torch.testing.assert_close(p.detach(), r, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("replicate", ["state", "gradient"])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_rollback_sets_a_zero_optimizers_learning_rate_back(stage, replicate):
+    """A failure seen in the commit, after the scheduler stepped: the rolled-back scheduler and
+    the ZeroOptimizer's learning rate are the commit's again, so the step replayed sets the rate
+    an uninterrupted run has (not one more decay)."""
+    comm = mpicomm.Communicator(MPI.COMM_SELF)
+    model = make_model()
+    opt = ZeroOptimizer(torch.optim.AdamW, model.parameters(), stage=stage, comm=comm.dup(), lr=LR)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    state = elastic.TorchState(model=model, optimizer=opt, step=0, sched=sched, replicate=replicate)
+
+    def step() -> None:
+        opt.zero_grad()
+        local_loss(model, state.step, 0, 1).backward()
+        opt.step()
+        sched.step()
+        state.step += 1
+
+    step()
+    state.commit()
+    step()                                                  # the failure comes in the next commit
+    assert opt.param_groups[0]["lr"] == LR / 4
+    opt.param_groups[0]["weight_decay"] = 0.5               # changed by hand after the commit too
+    state._rollback(state.generation, state.comm, [0], 1)
+    assert state.step == 1 and state.sched.last_epoch == 1
+    assert opt.param_groups[0]["lr"] == LR / 2 and opt.param_groups[0]["weight_decay"] == 0.01
+    step()
+    assert opt.param_groups[0]["lr"] == LR / 4 and state.sched.get_last_lr() == [LR / 4]
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 def test_rebind_one_process(stage):
     """Rebinding to the same one-rank world from the joined state changes nothing."""
