@@ -42,7 +42,9 @@ public classes), ``errors``.
 """
 from __future__ import annotations
 
-from . import fsdp
+import importlib
+from typing import Any
+
 from .adam import OnebitAdam
 from .allreduce import OnebitAllreduce
 from .compressor import Compressor
@@ -57,3 +59,11 @@ from .zoadam import ZeroOneAdam
 __all__ = ["Compressor", "MpiBackend", "CompressedBackend", "GroupTransport", "OnebitAllreduce",
            "OnebitAdam", "ZeroOneAdam", "OnebitLamb", "OnebitDDPState", "onebit_ddp_hook",
            "NonFiniteError", "SizeMismatchError", "padded_size", "fsdp"]
+
+
+def __getattr__(name: str) -> Any:
+    """``compressed.fsdp`` on first use: it imports torch's FSDP2 (about 0.6 s), which a job
+    without FSDP2 (and a replacement elastic spawns into one) need not wait for."""
+    if name == "fsdp":
+        return importlib.import_module(".fsdp", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
