@@ -14,11 +14,15 @@ second victim SIGKILLed inside the recovery. Each trial is classified:
     equal       every survivor finished with the weights of a single-process plain torch run on
                 the same global batches (tests/elastic_job_lib.py) and of every other survivor
     lost-ok     an elastic.ElasticError on every survivor where the state was truly gone (a
-                sharded mode, a rank and its buddy both dead, no checkpoint_dir; or an FSDP2
-                rank dead before the first commit)
+                sharded mode, a rank and its buddy both dead, no checkpoint published in the
+                checkpoint_dir; or an FSDP2 rank dead before the first commit)
     ended       the job ended although the state was recoverable (or ended untyped where not)
     wrong       survivors finished with other weights, or some finished and others failed
     hang        the job passed its timeout (its processes are then killed)
+
+A rank that crashed inside the MPI library (a signal with a backtrace through libmpi in its log,
+as Open MPI's ULFM failure handling sometimes does) is counted as one more dead rank, named
+``crash`` in the trial's line: the survivors must handle it as they handle any death.
 """
 from __future__ import annotations
 
@@ -162,18 +166,29 @@ def _buddies(a: int, b: int, ring: list[int]) -> bool:
     return (i - j) % len(ring) in (1, len(ring) - 1)
 
 
-def state_gone(p: dict[str, Any], victims: dict[int, dict]) -> bool:
+def crashed_in_mpi(log: str) -> bool:
+    """Whether a rank's log shows it died of a signal inside the MPI library."""
+    try:
+        with open(log, "rb") as f:
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return False
+    return "*** Process received signal ***" in text and "libmpi" in text
+
+
+def state_gone(p: dict[str, Any], victims: dict[int, dict], published: bool = False) -> bool:
     """Whether the dead held a shard and its only replica: a sharded mode, no checkpoint_dir, two
     victims that are buddies in the 4-rank ring (replicas one rank on, all ranks on one host),
     the second dead before its recovery returned (after it, the recovery's own commit on the
     survivors holds every shard again and one death loses nothing). Lenient: a second death late
-    in the recovery, after that commit, is counted as losing the state too. FSDP2 alone: a rank
+    in the recovery, after that commit, is counted as losing the state too. ``published``: the
+    checkpoint_dir holds a published checkpoint (its ``latest``), which keeps any state. FSDP2 alone: a rank
     dead in setup (before ``train``'s body first ran) may have died before elastic.run's first
     commit gave its shard of the initial model a replica, so that is counted as lost too (no
     checkpoint exists yet either); DDP and ZeroOptimizer ranks all hold the whole initial model."""
     if p["mode"] == "fsdp2" and any(v["phase"] == "setup" for v in victims.values()):
         return True
-    if p["mode"] == "ddp" or p["ckpt"] or len(victims) < 2:
+    if p["mode"] == "ddp" or (p["ckpt"] and published) or len(victims) < 2:
         return False
     a, b = sorted(victims)
     late = [v for v in victims.values() if v["phase"] != "recovery" and v["what"].startswith("second")]
@@ -196,8 +211,12 @@ def classify(p: dict[str, Any], out: str, rc: int | None) -> tuple[str, str]:
         if r not in victims and os.path.exists(path):
             with open(path) as f:
                 status[r] = json.load(f)
+    for r in range(RANKS):
+        if r not in victims and crashed_in_mpi(os.path.join(out, f"rank{r}.log")):
+            victims[r] = {"what": "crash", "phase": "mpi"}
+            status.pop(r, None)
     survivors = [r for r in range(RANKS) if r not in victims]
-    gone = state_gone(p, victims)
+    gone = state_gone(p, victims, os.path.exists(os.path.join(out, "ck", "latest")))
     dead = ",".join(f"{r}({v['what']}@{v['phase']})" for r, v in sorted(victims.items())) or "none"
     missing = [r for r in survivors if r not in status]
     done = [r for r in survivors if status.get(r, {}).get("status") == "done"]

@@ -33,6 +33,17 @@ def test_a_chaos_trial_ends_equal_or_with_a_typed_error_where_the_state_is_gone(
     assert res["outcome"] in ("equal", "lost-ok"), f"{res['outcome']}: {res['why']}\nrerun: {res['rerun']}"
 
 
+def test_a_crash_inside_the_mpi_library_is_told_apart(tmp_path):
+    from bench.elastic_chaos import crashed_in_mpi
+
+    log = tmp_path / "rank2.log"
+    log.write_text("[vm:1] *** Process received signal ***\n[vm:1] Signal: Segmentation fault (11)\n"
+                   "[vm:1] [ 1] /x/lib/libmpi.so.40(ompi_comm_revoke_local+0x3f)[0x7f]\n")
+    assert crashed_in_mpi(str(log))
+    log.write_text("Traceback (most recent call last):\nRankFailedError: rank 1 failed\n")
+    assert not crashed_in_mpi(str(log)) and not crashed_in_mpi(str(tmp_path / "none.log"))
+
+
 def test_the_classification_counts_buddies_and_the_disk():
     """The pure part: which deaths lose a state (independent of elastic)."""
     from bench.elastic_chaos import state_gone
@@ -44,7 +55,8 @@ def test_the_classification_counts_buddies_and_the_disk():
     assert state_gone(base | {"victim": 3, "second": {"rank": 0}}, {3: first, 0: rec})    # the ring wraps
     assert not state_gone(base | {"second": {"rank": 3}}, {1: first, 3: rec})   # 1 and 3: not buddies
     assert not state_gone(base, {1: first, 2: after})       # after the recovery: its commit holds all shards
-    assert not state_gone(base | {"ckpt": True}, {1: first, 2: rec})            # the disk holds it
+    assert not state_gone(base | {"ckpt": True}, {1: first, 2: rec}, published=True)    # the disk holds it
+    assert state_gone(base | {"ckpt": True}, {1: first, 2: rec})    # a checkpoint_dir with nothing published yet
     assert not state_gone(base | {"mode": "ddp"}, {1: first, 2: rec})           # replicated everywhere
     assert not state_gone(base, {1: first})
     setup = {"phase": "setup", "what": "first:start"}
