@@ -78,22 +78,11 @@ def reference(steps: int, sched: bool) -> list[np.ndarray]:
     StepLR when ``sched``)."""
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from elastic_chaos_job import SCHED_GAMMA, SCHED_STEP
-    from elastic_job_lib import BATCH, LR, data, make_model, sampler
+    from elastic_job_lib import reference as plain_run
 
-    model = make_model()
-    opt = torch.optim.Adam(model.parameters(), lr=LR)
-    lr_sched = torch.optim.lr_scheduler.StepLR(opt, step_size=SCHED_STEP, gamma=SCHED_GAMMA) if sched else None
-    x, y = data()
-    s = sampler()
-    for step in range(steps):
-        idx = s.global_indices(step)
-        loss = ((model(x[idx]) - y[idx]) ** 2).sum() / BATCH
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if lr_sched is not None:
-            lr_sched.step()
-    return [p.detach().numpy().copy() for p in model.parameters()]
+    def step_lr(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.StepLR:
+        return torch.optim.lr_scheduler.StepLR(opt, step_size=SCHED_STEP, gamma=SCHED_GAMMA)
+    return [w.numpy().copy() for w in plain_run(steps, scheduler=step_lr if sched else None)]
 
 
 def ulfm_missing(mpiexec: str) -> str | None:

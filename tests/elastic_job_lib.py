@@ -32,12 +32,13 @@ def local_loss(model: torch.nn.Module, step: int, rank: int, world: int) -> torc
     return s.loss_scale(world) * ((model(x[idx]) - y[idx]) ** 2).sum()
 
 
-def reference(steps: int, optimizer=lambda params: torch.optim.Adam(params, lr=LR)
+def reference(steps: int, optimizer=lambda params: torch.optim.Adam(params, lr=LR), scheduler=None
               ) -> list[torch.Tensor]:
     """Final weights after ``steps`` steps of ``optimizer`` (default: Adam) on the global
-    batches, one process."""
+    batches, one process; ``scheduler(opt)``: an LR scheduler stepped after each step."""
     model = make_model()
     opt = optimizer(model.parameters())
+    lr_sched = scheduler(opt) if scheduler is not None else None
     x, y = data()
     s = sampler()
     for step in range(steps):
@@ -46,4 +47,6 @@ def reference(steps: int, optimizer=lambda params: torch.optim.Adam(params, lr=L
         opt.zero_grad()
         loss.backward()
         opt.step()
+        if lr_sched is not None:
+            lr_sched.step()
     return [p.detach().clone() for p in model.parameters()]
