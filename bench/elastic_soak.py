@@ -6,8 +6,9 @@ training losing nothing, in one run.
 Run as one process: two ``mpirun --with-ft ulfm -n 4`` jobs of bench/elastic_soak_job.py, the one
 without failures first. Prints, per run: the ranks at the start and the end, the steps done in the
 training time, steps per second and their ratio to the run without failures, the recoveries and
-their mean time in ``elastic.recover``, the newcomers that joined (growth), and the largest difference of every survivor's final
-weights from one plain torch process on the same global batches (the run without failures
+their mean time in ``elastic.recover``, the newcomers that joined (growth) and the mean time of a
+growth (the spawn to the grown world's first commit, ``state.growths``), and the largest
+difference of every survivor's final weights from one plain torch process on the same global batches (the run without failures
 shows the rounding this length of training gives). Without growth (``elastic.run`` taking no
 ``max_world_size``) the job only shrinks: nobody is killed below 2 ranks.
 """
@@ -57,9 +58,11 @@ def _row(name: str, cfg: dict[str, Any], res: dict[str, Any], base_rate: float |
     same = all(r["steps"] == steps for r in res["ranks"].values())
     recs = first["recoveries"]
     rec_s = sum(r["recover_s"] for r in recs) / len(recs) if recs else 0.0
+    grows = [g["grow_s"] for g in first.get("growths", []) if g.get("note") is None]
+    grow_s = f"{sum(grows) / len(grows):.2f}" if grows else "-"
     ratio = "" if base_rate is None else f"{rate / base_rate:.1%}"
     line = (f"{name:<12}{'4->' + str(first['world_size']):>8}{steps:>8}{secs:>9.1f}{rate:>10.2f}{ratio:>8}"
-            f"{len(recs):>6}{sum(r.get('newcomer', False) for r in res['ranks'].values()):>5}{rec_s:>10.3f}{diff:>12.2e}{'' if same else '  (survivors differ in steps!)':>4}")
+            f"{len(recs):>6}{sum(r.get('newcomer', False) for r in res['ranks'].values()):>5}{rec_s:>10.3f}{grow_s:>8}{diff:>12.2e}{'' if same else '  (survivors differ in steps!)':>4}")
     return line, rate
 
 
@@ -81,8 +84,8 @@ def main(args: Any) -> int:
           + ("growth: elastic.run(max_world_size=4)" if grows else
              "no growth (--soak-no-grow, or elastic.run takes no max_world_size): shrinks, nobody killed below 2 ranks"))
     print("# max |w - ref|: every survivor's final weights against one plain torch process, same steps")
-    print(f"{'run':<12}{'ranks':>8}{'steps':>8}{'train s':>9}{'steps/s':>10}{'ratio':>8}{'recov':>6}"
-          f"{'recover s':>10}{'max |w-ref|':>12}")
+    print(f"{'run':<12}{'ranks':>8}{'steps':>8}{'train s':>9}{'steps/s':>10}{'ratio':>8}{'recov':>6}{'new':>5}"
+          f"{'recover s':>10}{'grow s':>8}{'max |w-ref|':>12}")
     timeout = args.soak + 240
     base = soak_run(cfg | {"kill_every": 0}, timeout)
     line, rate = _row("no failures", cfg, base, None)

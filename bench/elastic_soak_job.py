@@ -94,7 +94,6 @@ def main() -> None:
     s = sampler(cfg["batch"])
     kw = {"max_world_size": 4} if grows else {}
     seen: list[int | None] = [None]     # the last kill this rank saw come due (a newcomer: the current one)
-    marks: dict[str, float] = {}
 
     @elastic.run(**kw)
     def train(state: elastic.TorchState) -> None:
@@ -129,7 +128,7 @@ def main() -> None:
     np.savez(os.path.join(out, f"rank{me}.npz"), **{f"p{i}": p.detach().numpy() for i, p in enumerate(model.parameters())})
     with open(os.path.join(out, f"rank{me}.json"), "w") as f:
         json.dump({"steps": int(state.step), "seconds": seconds, "world_size": state.world_size, "growth": grows, "newcomer": newcomer,
-                   "recoveries": state.recoveries}, f, default=repr)
+                   "recoveries": state.recoveries, "growths": state.growths}, f, default=repr)
     torch.distributed.destroy_process_group()
     state.comm.barrier()
     sys.stdout.flush(), sys.stderr.flush()
