@@ -93,7 +93,7 @@ def run(func: F | None = None, *, min_world_size: int = 1, max_world_size: int |
         while True:
             try:
                 if joining:
-                    joining = False
+                    joining = start = False         # (after a later failure it recovers as the others do)
                     grow.join(state)                # a replacement: the state comes from live ranks
                 elif start:
                     start = False

@@ -1,6 +1,6 @@
 """Fault-injection job for tests/test_elastic_faults.py: train under elastic.run, one rank dies.
 
-    mpirun --with-ft ulfm -n N python tests/elastic_job.py OPT WHERE RANK STEP STEPS OUT [EVERY] [grow=N] [second=R]
+    mpirun --with-ft ulfm -n N python tests/elastic_job.py OPT WHERE RANK STEP STEPS OUT [EVERY] [grow=N] [second=R] [again=R:S]
 
 OPT: ddp | zero1 | zero2 (ZeroOptimizer stage) | zero1g | zero2g (the same, replicate="gradient") | onebit (ZeroOptimizer stage 2 of 1-bit Adam, in its
 warm-up: Adam exactly); WHERE: none | between (after the commit of step
@@ -16,7 +16,8 @@ weights returned on the victim: on the survivors it may have completed or not); 
 EVERY: commit every EVERY steps (default 1; a commit after more than one update sends the full
 state). grow=N: elastic.run(max_world_size=N), replacements spawned after the loss join the
 job (Open MPI, ULFM); second=R: world rank R dies too, in the recovery, right after its
-ZeroOptimizer was rebound to the survivors. Every rank writes its final weights
+ZeroOptimizer was rebound to the survivors; again=R:S: world rank R dies too, later, after the
+commit of step S (after the job grew back: a second recovery with a replacement training). Every rank writes its final weights
 (OUT.rank<R>.npz, a replacement OUT.new<rank>.npz); the new rank 0 writes the final weights (OUT.npz) and what happened (OUT.json: with the
 kind of each commit) for the test to compare with the single-process reference.
 """
@@ -49,6 +50,7 @@ def main() -> None:
     opts = dict(a.split("=", 1) for a in sys.argv[8:])
     grow_to = int(opts["grow"]) if "grow" in opts else None      # elastic.run(max_world_size=...)
     second = int(opts.get("second", -1))        # a rank that dies in the recovery, after its rebind
+    again, again_step = (int(x) for x in opts.get("again", "-1:-1").split(":"))   # a later death
     inside = [False]                     # inside state.commit()
     kinds: list[str] = []
     torch.set_num_threads(1)
@@ -146,6 +148,9 @@ def main() -> None:
                 inside[0] = False
                 kinds.append(state.commit_kind)
             die("between" if state.step == kill_step + 1 else "")
+            if me == again and state.step == again_step + 1:
+                sys.stdout.flush(), sys.stderr.flush()
+                os.kill(os.getpid(), signal.SIGKILL)   # (a second os._exit(9) makes the launcher end the job)
 
     train(state)
     weights = {f"p{i}": p.detach().numpy() for i, p in enumerate(model.parameters())}
