@@ -232,18 +232,19 @@ def commit(state: Any, old: Any, stride: int = 1) -> tuple[dict[str, Any], list[
 def rollback(state: Any, c: dict[str, Any], count: int, new_comm: Any, survivors: Sequence[int],
              stride: int = 1) -> None:
     """Re-partition commit ``c`` (of the old world; the ``count``-th user commit) over ``new_comm``
-    (old ranks ``survivors``): each survivor receives the pieces of its new local shards from the
-    owners or buddies of the old ones; they wait in the state for ``RebuildFSDP`` to load them
-    into the rebuilt model."""
+    (old ranks ``survivors``; -1: a rank that joined, which holds nothing): each rank receives the
+    pieces of its new local shards from the owners or buddies of the old ones; they wait in the
+    state for ``RebuildFSDP`` to load them into the rebuilt model."""
     from . import replicas
 
     world = c["world"]
-    held = replicas.holders(world, survivors, stride)
+    olds = [s for s in survivors if s >= 0]
+    held = replicas.holders(world, olds, stride)
     lost = [s for s, h in enumerate(held) if h is None]
     if lost:
         raise ShardsLostError(
             f"elastic: the FSDP2 shards of old ranks {lost} are lost (each rank and its buddy, {stride} on, "
-            f"both failed; survivors: old ranks {list(survivors)})", lost)
+            f"both failed; survivors: old ranks {olds})", lost)
     if not any(isinstance(fn, RebuildFSDP) for fn in state._callbacks):
         raise ElasticError("elastic: an FSDP2 model must be rebuilt on the survivors: register "
                            "elastic.RebuildFSDP(state, build) with state.register_reset_callbacks")
@@ -325,7 +326,7 @@ class RebuildFSDP:
 
 def shard_dim(placement: Any) -> int:
     """The dimension a ``Shard`` placement splits (the only placement elastic re-partitions)."""
-    kind, dim = dl.placement_kind(placement)
+    kind, dim, _ = dl.placement_kind(placement)
     if kind != "shard":
         raise ValueError(f"elastic: expected a Shard placement, got {placement!r}")
     return int(dim)

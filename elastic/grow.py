@@ -216,6 +216,8 @@ def _join(state: Any, merged_mpi: Any, old: Any, t0: float) -> str | None:
         error = state._run_callbacks()
     except Exception as e:  # noqa: BLE001 - decided on every rank below
         error = f"{type(e).__name__}: {e}"
+        if merged is not None and merged.fault_tolerant:
+            merged.revoke()     # the others may wait in a call this rank left (the header's broadcast)
     ok = False
     try:
         if merged is not None:

@@ -1,13 +1,14 @@
 """Fault-injection job for tests/test_elastic_fsdp_faults.py: an FSDP2 model (``fully_shard``
 per layer and at the root) with AdamW trains under elastic.run; one rank dies.
 
-    mpirun --with-ft ulfm -n N python tests/elastic_fsdp_job.py WHERE RANK STEP STEPS OUT
+    mpirun --with-ft ulfm -n N python tests/elastic_fsdp_job.py WHERE RANK STEP STEPS OUT [grow=N]
 
 WHERE: none | between (after the commit of step STEP) | backward (inside backward, after the
 last layer's gradient reduce-scatter was issued, before the first layer's) | ostep (inside
 optimizer.step, in its pre-hook: gradients reduced, no weight updated yet) | commit (inside
 commit(), right after the packed shards' send to the buddy was issued); RANK: the world rank
-that os._exit(9)s at step STEP. The new rank 0 writes the final full weights (OUT.npz) and what
+that os._exit(9)s at step STEP. grow=N: elastic.run(max_world_size=N): a replacement is spawned
+after the loss, gets its FSDP2 shards from the live ranks and trains. The new rank 0 writes the final full weights (OUT.npz) and what
 happened (OUT.json) for the test to compare with a single-process reference.
 """
 from __future__ import annotations
@@ -43,9 +44,12 @@ def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 def main() -> None:
     where, victim, kill_step, steps, out = sys.argv[1:6]
     victim, kill_step, steps = int(victim), int(kill_step), int(steps)
+    opts = dict(a.split("=", 1) for a in sys.argv[6:])
+    grow_to = int(opts["grow"]) if "grow" in opts else None
     torch.set_num_threads(1)
     world = mpicomm.init()
-    me = world.rank                      # the original rank: the victim is named by it
+    joined = elastic.grow.joining()      # a replacement spawned by the growing job
+    me = world.rank if not joined else -1    # the original rank: the victim is named by it
 
     def die(at: str) -> None:
         if where == at and me == victim:
@@ -69,7 +73,7 @@ def main() -> None:
             return work
         world.isend = isend_then_die     # state.comm until the recovery
 
-    @elastic.run
+    @elastic.run(max_world_size=grow_to)
     def train(state: elastic.TorchState) -> None:
         net, optim = state.model, state.optimizer
         while state.step < steps:
@@ -87,7 +91,7 @@ def main() -> None:
         with open(out + ".json", "w") as f:
             json.dump({"world_size": state.world_size, "dist_world_size": dist.get_world_size(),
                        "mesh_size": next(state.model.parameters()).device_mesh.size(),
-                       "recoveries": state.recoveries}, f)
+                       "recoveries": state.recoveries, "growths": state.growths}, f)
     dist.destroy_process_group()
     state.comm.barrier()
     # as tests/elastic_job.py: after a rank failure MPI_Finalize sometimes hung (Open MPI 5.0.11, ULFM)

@@ -52,6 +52,25 @@ def test_fsdp2_survivors_end_with_the_reference_weights(tmp_path, n, where, vict
         np.testing.assert_allclose(got[f"p{i}"], ref.numpy(), rtol=1e-5, atol=1e-6, err_msg=f"param {i}\n{log}")
 
 
+def test_fsdp2_grows_back_with_a_replacement(tmp_path):
+    """4 ranks, rank 1 killed between steps, elastic.run(max_world_size=4): a replacement joins
+    with its FSDP2 shards from the live ranks, and the 4-rank model ends with the reference weights."""
+    _ulfm()
+    out = str(tmp_path / "run")
+    proc = _launch(4, [os.path.join(HERE, "elastic_fsdp_job.py"), "between", "1", "2", str(STEPS), out, "grow=4"],
+                   timeout=180)
+    log = f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert os.path.exists(out + ".json"), log
+    with open(out + ".json") as f:
+        info = json.load(f)
+    assert info["world_size"] == info["dist_world_size"] == info["mesh_size"] == 4, (info, log)
+    assert [r["lost"] for r in info["recoveries"]] == [[1]], (info, log)
+    assert [g["spawned"] for g in info["growths"]] == [1], (info, log)
+    got = np.load(out + ".npz")
+    for i, ref in enumerate(reference(STEPS)):
+        np.testing.assert_allclose(got[f"p{i}"], ref.numpy(), rtol=1e-5, atol=1e-6, err_msg=f"param {i}\n{log}")
+
+
 def test_fsdp2_shard_lost_with_its_replica_falls_back_to_the_disk_checkpoint(tmp_path):
     """4 ranks, FSDP2 with Adam, a checkpoint every 2 commits (tests/elastic_disk_job.py): ranks 1
     and 2 are SIGKILLed together at step 5, so rank 1's local shards and their replica (on rank 2)
