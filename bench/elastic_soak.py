@@ -50,7 +50,9 @@ def _row(name: str, cfg: dict[str, Any], res: dict[str, Any], base_rate: float |
     if not res["ranks"]:
         tail = res["output"][-1500:]
         return f"{name:<12} no survivor finished (exit status {res['rc']}; None: timed out)\n{tail}", None
-    first = max(res["ranks"].values(), key=lambda r: r["seconds"])     # an original rank, not a newcomer
+    # the longest-lived rank (every rank's seconds are the common window; a newcomer saw only
+    # the recoveries and growths after its join)
+    first = max(res["ranks"].values(), key=lambda r: (not r.get("newcomer", False), len(r["recoveries"]) + len(r.get("growths", []))))
     steps, secs = first["steps"], first["seconds"]
     rate = steps / secs
     want = reference(cfg, steps)

@@ -121,9 +121,8 @@ def main() -> None:
 
     while time.time() < start:
         time.sleep(0.01)
-    t0 = time.perf_counter()
     train(state)
-    seconds = time.perf_counter() - t0
+    seconds = time.time() - state.start     # the common window (a newcomer has state.start from its commit)
     me = state.rank      # (a newcomer's world rank is 0 of its own world)
     np.savez(os.path.join(out, f"rank{me}.npz"), **{f"p{i}": p.detach().numpy() for i, p in enumerate(model.parameters())})
     with open(os.path.join(out, f"rank{me}.json"), "w") as f:
