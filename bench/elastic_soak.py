@@ -52,7 +52,9 @@ def _row(name: str, cfg: dict[str, Any], res: dict[str, Any], base_rate: float |
         return f"{name:<12} no survivor finished (exit status {res['rc']}; None: timed out)\n{tail}", None
     # the longest-lived rank (every rank's seconds are the common window; a newcomer saw only
     # the recoveries and growths after its join)
-    first = max(res["ranks"].values(), key=lambda r: (not r.get("newcomer", False), len(r["recoveries"]) + len(r.get("growths", []))))
+    def lived(r: dict[str, Any]) -> tuple[bool, int]:
+        return not r.get("newcomer", False), len(r["recoveries"]) + len(r.get("growths", []))
+    first = max(res["ranks"].values(), key=lived)
     steps, secs = first["steps"], first["seconds"]
     rate = steps / secs
     want = reference(cfg, steps)

@@ -217,7 +217,10 @@ def _join(state: Any, merged_mpi: Any, old: Any, t0: float) -> str | None:
     except Exception as e:  # noqa: BLE001 - decided on every rank below
         error = f"{type(e).__name__}: {e}"
         if merged is not None and merged.fault_tolerant:
-            merged.revoke()     # the others may wait in a call this rank left (the header's broadcast)
+            try:            # the others may wait in a call this rank left (the header's broadcast)
+                merged.revoke()
+            except Exception as r:  # noqa: BLE001 - revoked already, or freed: the agreement still decides
+                log.debug("elastic: revoke of the merged communicator failed: %s", r)
     ok = False
     try:
         if merged is not None:
