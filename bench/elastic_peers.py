@@ -51,6 +51,10 @@ def _env() -> dict[str, str]:
     return env | LOOPBACK
 
 
+def run_ours_growing(cfg: dict, out: str, timeout: float) -> str | None:
+    return run_ours(cfg | {"grow": True}, out, timeout)
+
+
 def run_ours(cfg: dict, out: str, timeout: float) -> str | None:
     rc, output, _ = elastic_chaos.launch([JOB, "ours", json.dumps(cfg), out], WORKERS, timeout, tag=out)
     return None if rc is not None else f"timed out: {output[-800:]}"     # (the victim's exit makes rc non-zero)
@@ -102,10 +106,11 @@ def measure(evs: list[dict[str, Any]], kill_step: int) -> dict[str, float]:
     # (torchft: a victim dead between steps is left out of the next quorum; no step fails, detect is nan)
     after = [e for e in evs if e["ev"] == "step" and e["counted"] and e["t0"] > death and (not seen or e["t0"] >= detect)]
     first = min(e["t1"] for e in after) if after else float("nan")
+    full = [e["t1"] for e in after if e["world"] == WORKERS]
     compute = statistics.median(e["t1"] - e["t0"] - e["ft_s"] for e in steady)
     ft = statistics.median(e["ft_s"] for e in steady)
     return {"detect_s": detect - death, "recover_s": first - death, "step_s": compute, "ft_s": ft,
-            "world_after": after[0]["world"] if after else 0}
+            "world_after": after[0]["world"] if after else 0, "full_s": min(full) - death if full else float("nan")}
 
 
 def main(args: Any) -> int:
@@ -122,11 +127,13 @@ def main(args: Any) -> int:
           f"per worker, worker 1 killed at step {args.kill_step} of {args.peers_steps}; loopback only")
     print("# detect s: the death to the survivors seeing it; recover s: the death to the end of the first step "
           "that counted after it; step s: a steady step without the FT part; FT part: per step (elastic: "
-          "commit; torchft: quorum + should_commit; torchrun: DCP save), its share of a step")
-    print(f"{'system':<22}{'detect s':>10}{'recover s':>11}{'step s':>9}{'FT part s':>11}{'FT/step':>9}"
-          f"{'workers after':>15}")
+          "commit; torchft: quorum + should_commit; torchrun: DCP save), its share of a step; "
+          f"{WORKERS} again s: the death to the end of the first step at {WORKERS} workers")
+    print(f"{'system':<30}{'detect s':>10}{'recover s':>11}{'step s':>9}{'FT part s':>11}{'FT/step':>9}"
+          f"{'workers after':>15}{f'{WORKERS} again s':>12}")
     why = elastic_chaos.ulfm_missing(elastic_chaos.mpiexec())
     systems = [(f"elastic ({args.peers_ours})", run_ours if why is None else None),
+               (f"elastic ({args.peers_ours}, grows back)", run_ours_growing if why is None else None),
                ("torchft 0.2", run_torchft), ("torchrun + DCP", run_torchrun)]
     for name, fn in systems:
         out = tempfile.mkdtemp(prefix="peers-")
@@ -136,11 +143,12 @@ def main(args: Any) -> int:
             if err is None or any(e["ev"] == "death" for e in evs) and any(e["ev"] == "step" and e["t0"] > next(
                     x["t"] for x in evs if x["ev"] == "death") for e in evs):
                 m = measure(evs, args.kill_step)
-                print(f"{name:<22}{m['detect_s']:>10.3f}{m['recover_s']:>11.3f}{m['step_s']:>9.3f}{m['ft_s']:>11.3f}"
-                      f"{m['ft_s'] / m['step_s']:>9.1%}{m['world_after']:>15}" + (f"   ({err})" if err else ""),
+                again = "-" if m["full_s"] != m["full_s"] else f"{m['full_s']:.3f}"
+                print(f"{name:<30}{m['detect_s']:>10.3f}{m['recover_s']:>11.3f}{m['step_s']:>9.3f}{m['ft_s']:>11.3f}"
+                      f"{m['ft_s'] / m['step_s']:>9.1%}{m['world_after']:>15}{again:>12}" + (f"   ({err})" if err else ""),
                       flush=True)
             else:
-                print(f"{name:<22} {err}", flush=True)
+                print(f"{name:<30} {err}", flush=True)
         finally:
             shutil.rmtree(out, ignore_errors=True)
     return 0

@@ -3,7 +3,8 @@
 
     ours      mpirun --with-ft ulfm -n 4 python -m mpi4py bench/elastic_peers_job.py ours CONFIG OUT
               elastic.run, committing every step (``ours`` in CONFIG: ddp, or zero2: a
-              ZeroOptimizer stage 2 replicated by state, through shared memory on one host)
+              ZeroOptimizer stage 2 replicated by state, through shared memory on one host;
+              ``grow`` in CONFIG: elastic.run(max_world_size=4), a replacement spawned)
     torchft   python bench/elastic_peers_job.py torchft CONFIG OUT REPLICA LIGHTHOUSE
               one torchft 0.2 replica group of one process (Manager, its DDP and Optimizer
               wrappers, ProcessGroupGloo), all on loopback
@@ -54,7 +55,9 @@ def ours(cfg: dict, out: str) -> None:
 
     world = mpicomm.init()
     mdist.init_process_group()
-    me, ev = world.rank, Events(out, world.rank)
+    joined = elastic.grow.joining()     # a replacement spawned by the job growing back (cfg "grow")
+    me = world.rank if not joined else -1
+    ev = Events(out, world.rank if not joined else 1000 + os.getpid())
     model = make_model(cfg["params"], cfg["width"])
     if cfg["ours"] == "ddp":
         opt: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
@@ -62,15 +65,18 @@ def ours(cfg: dict, out: str) -> None:
     else:
         opt = ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=2, comm=world.dup(), lr=1e-4)
         state = elastic.TorchState(model=model, optimizer=opt, step=0)
-    seen = [0]
+    seen = [0, 0]
 
-    @elastic.run
+    @elastic.run(max_world_size=cfg["workers"] if cfg.get("grow") else None)
     def train(state: elastic.TorchState) -> None:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         if len(state.recoveries) > seen[0]:
             seen[0] = len(state.recoveries)
             ev.put("failed", at=state.recoveries[-1]["started_at"], recover_s=state.recoveries[-1]["recover_s"])
+        if len(state.growths) > seen[1]:
+            seen[1] = len(state.growths)
+            ev.put("grown", **{k: v for k, v in state.growths[-1].items() if k != "note"})
         net = DDP(model) if cfg["ours"] == "ddp" else model
         while state.step < cfg["steps"]:
             if me == 1 and state.step == cfg["kill_step"]:

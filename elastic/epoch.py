@@ -49,6 +49,26 @@ def agree(state: Any, comm: Any, ok: bool, gen: int) -> bool:
     return True
 
 
+#: The bits of a growth's agreement at a commit (``poll``) besides "got here" (1).
+_READY, _KEEP = 2, 4
+
+
+def poll(state: Any, ready: bool, keep: bool) -> tuple[bool, bool]:
+    """One more agreement at a commit while replacements start (``elastic.grow.poll``): rank 0's
+    ``ready`` (every replacement said so) and ``keep`` (none failed), the same on every survivor.
+    Raises ``CommitAborted`` where a survivor did not get here (it is recovering)."""
+    comm = state._epoch
+    if comm is None:
+        return False, True
+    state._epoch = None
+    bits = comm.agree_bits(1 | (_READY if ready else 0) | (_KEEP if keep else 0))
+    if not bits & 1:
+        raise CommitAborted(f"elastic: a rank failed while replacements started; rolling back to commit "
+                            f"{state.generation}")
+    state._epoch = comm
+    return bool(bits & _READY), bool(bits & _KEEP)
+
+
 def leave(state: Any) -> None:
     """The end of ``train`` (collective): returns where every survivor got there and none knows of
     a failed rank; else raises ``CommitAborted`` (the survivors go through a recovery together,

@@ -5,6 +5,7 @@ uses), with no disk. A join that fails (a newcomer or the spawn itself) leaves t
 at their size, with a note; a replacement that cannot join leaves."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import subprocess
@@ -14,7 +15,9 @@ from typing import Any
 
 import torch
 
-from . import epoch, fsdp, repartition, rollback, wire
+from mpicomm import faults
+
+from . import epoch, fsdp, newcomer, repartition, rollback, wire
 from .commit import Commit
 from .errors import HostsUpdatedInterrupt
 
@@ -23,6 +26,8 @@ log = logging.getLogger("elastic")
 HOSTS_ENV = "MPICOMM_ELASTIC_HOSTS"
 #: How often (seconds) ``check_host_updates`` runs the discovery at most.
 INTERVAL_ENV = "MPICOMM_ELASTIC_HOSTS_INTERVAL"
+#: The tag of a replacement's "ready" message to the job's rank 0 over the merged communicator.
+READY_TAG = 7461
 _joined = False
 _last_check = [0.0, 0]     # when the discovery last ran, the slots it found
 
@@ -79,7 +84,7 @@ def check_host_updates(state: Any) -> None:
     """``state.check_host_updates()``: raise HostsUpdatedInterrupt on every rank when the discovery
     lists more slots than ranks train and ``elastic.run(max_world_size=...)`` allows more."""
     most = getattr(state, "_max_world_size", None)
-    if most is None or not os.environ.get(HOSTS_ENV) or state.world_size >= most:
+    if most is None or not os.environ.get(HOSTS_ENV) or state.world_size >= most or state._growing is not None:
         return
     slots, _ = _slots(state, force=False)
     if min(slots, most) > state.world_size:
@@ -87,18 +92,42 @@ def check_host_updates(state: Any) -> None:
                                     f"to {min(slots, most)}")
 
 
-def _argv() -> tuple[str, list[str]]:
-    """The command that started this process (interpreter options and ``-m mpi4py`` included)."""
+def _command() -> tuple[str, list[str]]:
+    """What a replacement runs: this program, through ``elastic/newcomer.py`` (MPI first), or as
+    it was started where its command line cannot be split (then the spawn waits for its imports)."""
     orig = list(getattr(sys, "orig_argv", []) or [sys.executable, *sys.argv])
-    return sys.executable, orig[1:]
+    split = newcomer.split_argv(orig[1:])
+    if split is None:
+        return sys.executable, orig[1:]
+    opts, program = split
+    return sys.executable, [*opts, os.path.abspath(newcomer.__file__), *program]
 
 
-def grow(state: Any, max_world_size: int | None) -> dict[str, Any] | None:
-    """Spawn replacements up to ``max_world_size`` ranks and let them join at this commit
-    (collective over ``state.comm``); returns what happened, or None when nothing was tried."""
+class Regrouped(Exception):  # noqa: N818 - a signal to elastic.run, not an error
+    """Raised by ``state.commit()`` after replacements joined (or failed to) at that commit:
+    ``elastic.run`` calls ``train`` again on the world as it is now."""
+
+
+@dataclasses.dataclass
+class Pending:
+    """A growth under way: the replacements are starting; they join at a commit once all are ready."""
+    merged: Any             # the MPI intra-communicator of the live ranks (low) and the replacements
+    old_world: int
+    k: int
+    t0: float
+    spawn_s: float
+    ready: set[int] = dataclasses.field(default_factory=set)   # (rank 0) replacements that said so
+    commits: int = 0        # commits seen while waiting
+
+
+def grow(state: Any, max_world_size: int | None, wait: bool = False) -> dict[str, Any] | None:
+    """Spawn replacements up to ``max_world_size`` ranks (collective over ``state.comm``); they
+    join at the first commit after all of them are ready (``poll``), while the job trains on, or,
+    with ``wait``, here at the newest commit (raising ``Regrouped``). Returns what happened, or
+    None when nothing was tried."""
     from mpi4py import MPI
 
-    if max_world_size is None or not getattr(state.comm, "fault_tolerant", False):
+    if max_world_size is None or not getattr(state.comm, "fault_tolerant", False) or state._growing is not None:
         return None
     slots, hosts = _slots(state, force=True)
     room = max_world_size if slots < 0 else min(slots, max_world_size)
@@ -107,41 +136,116 @@ def grow(state: Any, max_world_size: int | None) -> dict[str, Any] | None:
         return None
     t0 = time.monotonic()
     old = state.comm
-    command, args = _argv()
+    command, args = _command()
     info = MPI.Info.Create()
     info.Set("wdir", os.getcwd())
     if hosts:
         info.Set("add-host", ",".join(hosts))
-    note = None
     try:
         inter = old.mpi_comm.Spawn(command, args=args, maxprocs=k, info=info, root=0)
     except MPI.Exception as e:
-        note = f"the spawn of {k} ranks failed ({e})"
+        return _record(state, {"spawned": 0, "world": state.world_size, "note": f"the spawn of {k} ranks failed ({e})",
+                               "grow_s": time.monotonic() - t0})
     finally:
         info.Free()
-    if note is None:
-        merged = inter.Merge(high=False)
-        note = _join(state, merged, old, t0)
-    done = {"spawned": k if note is None else 0, "world": state.world_size, "note": note,
-            "grow_s": time.monotonic() - t0}
+    spawn_s = time.monotonic() - t0
+    merged = inter.Merge(high=False)   # (an mpicomm.Communicator is collective: made at the join)
+    inter.Free()
+    state._growing = Pending(merged, int(old.size), k, t0, spawn_s)
+    if wait:
+        poll(state, block=True)
+    return {"pending": k, "spawn_s": spawn_s}
+
+
+def _record(state: Any, done: dict[str, Any]) -> dict[str, Any]:
     state.growths.append(done)
     if state.rank == 0:
-        if note is None:
+        if done["note"] is None:
             log.warning("elastic: grew to %d ranks in %.2f s", state.world_size, done["grow_s"])
         else:
-            log.warning("elastic: %s; going on with %d ranks", note, state.world_size)
+            log.warning("elastic: %s; going on with %d ranks", done["note"], state.world_size)
     return done
 
 
+def poll(state: Any, block: bool = False) -> None:
+    """At a commit, with a growth under way (collective): when every replacement is ready (with
+    ``block``, once it is), they join now and ``Regrouped`` is raised; a replacement that died
+    gives the growth up."""
+    from mpi4py import MPI
+
+    p = state._growing
+    ready = keep = True
+    if state.rank == 0:
+        try:
+            failed = faults.failed_ranks(p.merged)
+            if failed:
+                raise RuntimeError(f"ranks {list(failed)} of the grown world failed")
+            for r in range(p.old_world, p.old_world + p.k):
+                if r not in p.ready and (block or p.merged.Iprobe(source=r, tag=READY_TAG)):
+                    p.merged.Recv(bytearray(1), source=r, tag=READY_TAG)
+                    p.ready.add(r)
+        except (MPI.Exception, RuntimeError) as e:     # a replacement failed while starting
+            log.warning("elastic: a replacement failed before it joined (%s)", e)
+            keep = False
+        ready = len(p.ready) == p.k
+    p.commits += 0 if block else 1
+    ready, keep = epoch.poll(state, ready, keep)
+    if not keep:
+        abandon(state, "a replacement failed before it joined")
+        raise Regrouped()
+    if not ready:
+        return
+    state._growing = None
+    state.wait_checkpoint()
+    ready_s = time.monotonic() - p.t0
+    try:
+        go = bool(faults.agree(p.merged, 1) & 1)    # the replacements wait in this agreement (join)
+    except Exception as e:  # noqa: BLE001 - decided alike on every live rank: the join fails below
+        log.debug("elastic: the agreement with the replacements failed: %s", e)
+        go = False
+    note = _join(state, p.merged, state.comm, p.t0) if go else "the replacements could not join"
+    _record(state, {"spawned": p.k if note is None else 0, "world": state.world_size, "note": note,
+                    "grow_s": time.monotonic() - p.t0, "spawn_s": p.spawn_s, "ready_s": ready_s,
+                    "commits_waited": p.commits})
+    raise Regrouped()
+
+
+def abandon(state: Any, why: str) -> None:
+    """Give up the growth under way, if any (collective over the live ranks): the replacements
+    are told so in the agreement they wait in, and leave."""
+    p, state._growing = state._growing, None
+    if p is None:
+        return
+    try:
+        faults.agree(p.merged, 0)
+    except Exception as e:  # noqa: BLE001 - the replacements leave on their own then
+        log.debug("elastic: the agreement with the replacements failed: %s", e)
+    _record(state, {"spawned": 0, "world": state.world_size, "note": f"the growth was given up ({why})",
+                    "grow_s": time.monotonic() - p.t0, "spawn_s": p.spawn_s})
+
+
 def join(state: Any) -> None:
-    """A replacement's side of ``grow``: merge with the job that spawned this process and take
-    the state from it (collective over the grown world)."""
+    """A replacement's side of ``grow``: say so to the job, wait for it at a commit, then take the
+    state from it (collective over the grown world)."""
     global _joined
     from mpi4py import MPI
 
     _joined = True
-    merged = MPI.Comm.Get_parent().Merge(high=True)
-    note = _join(state, merged, None, time.monotonic())
+    t0 = time.monotonic()
+    early = newcomer.merged
+    merged = early if early is not None else MPI.Comm.Get_parent().Merge(high=True)
+    try:
+        merged.Send(bytearray(1), dest=0, tag=READY_TAG)
+    except MPI.Exception as e:      # the job's rank 0 failed: the agreement below says no
+        log.debug("elastic: could not tell the job that this replacement is ready: %s", e)
+    try:
+        go = bool(faults.agree(merged, 1) & 1)
+    except Exception as e:  # noqa: BLE001
+        go, note = False, f"{type(e).__name__}: {e}"
+    else:
+        note = None if go else "the job gave the growth up"
+    if go:
+        note = _join(state, merged, None, t0)
     if note is not None:    # the job goes on without it: leave quietly (an error would abort the job)
         print(f"elastic: this replacement could not join the job ({note}); it leaves", file=sys.stderr, flush=True)
         sys.stdout.flush()
@@ -180,24 +284,25 @@ def _newcomer_commit(state: Any, head: dict[str, Any]) -> Commit:
 
 
 def _join(state: Any, merged_mpi: Any, old: Any, t0: float) -> str | None:
-    """Both sides of a join over the merged communicator; None when it succeeded on every rank,
-    else what failed (every rank agrees; the live ranks then go on over ``old``)."""
-    import mpicomm
+    """Both sides of a join over the merged MPI communicator; None when it succeeded on every
+    rank, else what failed (every rank agrees; the live ranks then go on over ``old``)."""
     import torch.distributed as dist
+
+    import mpicomm
     from mpicomm import distributed as mdist
 
     error: str | None = None
-    newcomer = old is None
-    merged = None
+    is_new = old is None
     held = list(state._commits)
+    merged = None
     try:
         merged = mpicomm.Communicator(merged_mpi)
-        sizes = wire.broadcast(merged, None if newcomer else int(old.size), root=0)
+        sizes = wire.broadcast(merged, None if is_new else int(old.size), root=0)
         old_world = int(sizes)
         survivors = list(range(old_world)) + [-1] * (int(merged.size) - old_world)
         head = wire.broadcast(merged, None if int(merged.rank) else _header(state, old_world), root=0)
-        c = _newcomer_commit(state, head) if newcomer else state._commits[-1]
-        if newcomer:
+        c = _newcomer_commit(state, head) if is_new else state._commits[-1]
+        if is_new:
             rollback.restore_replicated(state, c)
             if state.optimizer is not None and not state.sharded and not state._fsdp:
                 state.optimizer.load_state_dict(c.optimizer)
@@ -223,14 +328,14 @@ def _join(state: Any, merged_mpi: Any, old: Any, t0: float) -> str | None:
                 log.debug("elastic: revoke of the merged communicator failed: %s", r)
     ok = False
     try:
-        if merged is not None:
-            ok = merged.agree(error is None) if merged.fault_tolerant else error is None
+        ok = bool(faults.agree(merged_mpi, 1 if error is None else 0) & 1) if faults.fault_tolerant() \
+            else error is None
     except Exception as e:  # noqa: BLE001
         error = error or f"{type(e).__name__}: {e}"
     if ok:
         epoch.open(state)
         return None
-    if not newcomer:            # back to the ranks that trained, at the commit they hold
+    if not is_new:            # back to the ranks that trained, at the commit they hold
         state._comm = old
         state._commits[:] = held
         rollback.restore(state, state._commits[-1].gen, old, list(range(int(old.size))), int(old.size))

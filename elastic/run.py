@@ -66,18 +66,23 @@ def is_failure(state: TorchState, err: BaseException) -> bool:
     return False
 
 
-def run(func: F | None = None, *, min_world_size: int = 1, max_world_size: int | None = None) -> Any:
+def run(func: F | None = None, *, min_world_size: int = 1, max_world_size: int | None = None,
+        wait_for_replacements: bool = False) -> Any:
     """Decorate ``train(state, ...)`` so a rank failure rolls ``state`` back to its last commit
     on the survivors and calls ``train`` again; ``min_world_size``: fewer survivors end the job;
     ``max_world_size``: after a loss (or ``state.check_host_updates()`` finding new slots) the
-    job spawns replacements up to that many ranks, which join at the commit (Open MPI, ULFM)."""
+    job spawns replacements up to that many ranks (Open MPI, ULFM). They join at the first
+    ``state.commit()`` after all of them started, while the job trains on at its size (``train``
+    is then called again on the grown world), or, with ``wait_for_replacements``, at once, at
+    the recovery's commit. Replacements not started when ``train`` returns leave."""
     if int(min_world_size) < 1:
         raise ValueError(f"elastic.run: expected min_world_size >= 1, got {min_world_size!r}")
     if max_world_size is not None and int(max_world_size) < int(min_world_size):
         raise ValueError(f"elastic.run: expected max_world_size >= min_world_size={min_world_size}, got "
                          f"{max_world_size!r}")
     if func is None:
-        return functools.partial(run, min_world_size=min_world_size, max_world_size=max_world_size)
+        return functools.partial(run, min_world_size=min_world_size, max_world_size=max_world_size,
+                                 wait_for_replacements=wait_for_replacements)
 
     @functools.wraps(func)
     def wrapper(state: TorchState, *args: Any, **kwargs: Any) -> Any:
@@ -101,13 +106,17 @@ def run(func: F | None = None, *, min_world_size: int = 1, max_world_size: int |
                     state._commit(state.commits)
                 if growing:
                     growing = False
-                    grow.grow(state, max_world_size)
+                    grow.grow(state, max_world_size, wait=wait_for_replacements)
                 out = func(state, *args, **kwargs)
                 state.wait_checkpoint()
                 epoch.leave(state)                  # train returns on every survivor or on none
+                grow.abandon(state, "train() returned")
                 return out
             except ElasticError:
+                grow.abandon(state, "the job ends")
                 raise
+            except grow.Regrouped:
+                pass                                # replacements joined at a commit: train again
             except HostsUpdatedInterrupt:
                 growing = True                      # at the commit check_host_updates followed
             except Exception as err:  # noqa: BLE001 - a failure shows as any error (DDP wraps it)
@@ -144,6 +153,7 @@ def recover(state: TorchState, err: BaseException, min_world_size: int = 1) -> d
         _revoke(_comms_of(state, comm))
         if attempts == 1:
             epoch.close(state)              # survivors inside a commit's agreement are let out of it
+            grow.abandon(state, "a rank failed")   # replacements starting leave; new ones are spawned
         saving, state._saving = state._saving, None
         settled = disk.settle(saving)       # revoked with the rest: it ends (or had committed)
         outcome = settled if outcome == "none" else outcome

@@ -102,6 +102,7 @@ class TorchState:
         self._count = 0                         # user commits so far (restored by a resume)
         self._saving: Any = None                # the ckpt.SaveHandle in flight
         self._epoch: Any = None                 # the communicator the next commit agrees over (ULFM)
+        self._growing: Any = None               # elastic.grow.Pending: replacements starting
         self._callbacks: list[Callable[[], Any]] = []
         self._commits: list[Commit] = []        # oldest first, at most two
         self.model = model
@@ -189,6 +190,11 @@ class TorchState:
         grow.check_host_updates(self)
 
     @property
+    def growing(self) -> bool:
+        """Whether replacements are starting: they join at a coming ``commit()``."""
+        return self._growing is not None
+
+    @property
     def sharded(self) -> bool:
         """Whether the optimizer is a ZeroOptimizer (its state is replicated to a buddy rank)."""
         return _is_zero(self.optimizer)
@@ -249,13 +255,19 @@ class TorchState:
     @torch.no_grad()
     def commit(self) -> None:
         """Keep the current state as what a recovery rolls back to (collective with a ZeroOptimizer);
-        with ``checkpoint_dir``, every ``checkpoint_every``-th commit also starts an async ckpt save."""
+        with ``checkpoint_dir``, every ``checkpoint_every``-th commit also starts an async ckpt save.
+        Replacements spawned by ``elastic.run(max_world_size=...)`` join at a commit: it then
+        raises ``elastic.grow.Regrouped``, which ``elastic.run`` catches to call ``train`` again."""
         self._commit(self._count + 1)
         if self.checkpoint_dir is not None and self._count % self.checkpoint_every == 0:
             from . import disk
 
             self.wait_checkpoint()      # (ckpt.save would wait for it too) and the leftovers go
             self._saving = disk.save(self, self._count)
+        if self._growing is not None:   # replacements join here once all are ready
+            from . import grow
+
+            grow.poll(self)
 
     def wait_checkpoint(self) -> None:
         """Wait for the checkpoint save in flight, if any (raises its failure on every rank); once

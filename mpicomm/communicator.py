@@ -236,17 +236,12 @@ class Communicator(Reductions, Moves, PointToPoint):
     def agree(self, flag: bool) -> bool:
         """The AND of ``flag`` over the surviving ranks, the same on every survivor, even when
         ranks fail during the call (ULFM's MPI_Comm_agree; collective over the survivors)."""
+        return bool(self.agree_bits(1 if flag else 0) & 1)
+
+    def agree_bits(self, bits: int) -> int:
+        """The bitwise AND of the non-negative int ``bits`` over the surviving ranks, as ``agree``."""
         faults.require("Communicator.agree()")
-        for _ in range(self.size + 1):
-            self.mpi_comm.Ack_failed()  # failures known here do not fail the agreement
-            try:
-                return bool(self.mpi_comm.Agree(1 if flag else 0) & 1)
-            except MPI.Exception as exc:
-                if exc.Get_error_class() != MPI.ERR_PROC_FAILED:
-                    raise RuntimeError(f"mpicomm: agree() on {self!r} failed: {exc}") from exc
-                # a rank failed during the agreement: every survivor sees it, acknowledges it
-                # and agrees again
-        raise RuntimeError(f"mpicomm: agree() on {self!r} did not settle after {self.size + 1} tries")
+        return faults.agree(self.mpi_comm, bits, repr(self))
 
     def free(self) -> None:
         """Release the MPI communicator (not for the world communicator)."""

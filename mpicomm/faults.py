@@ -124,6 +124,23 @@ EXIT_GRACE_S = 20
 _exit_guarded = False
 
 
+def agree(mpi_comm: MPI.Comm, bits: int, name: str = "a communicator") -> int:
+    """ULFM's MPI_Comm_agree on ``mpi_comm``: the bitwise AND of the non-negative int ``bits``
+    over the surviving ranks, the same on every survivor even when ranks fail during the call."""
+    if not 0 <= int(bits) < 2**31:
+        raise ValueError(f"mpicomm: agree() expected an int in [0, 2**31), got {bits!r}")
+    for _ in range(mpi_comm.Get_size() + 1):
+        mpi_comm.Ack_failed()       # failures known here do not fail the agreement
+        try:
+            return int(mpi_comm.Agree(int(bits)))
+        except MPI.Exception as exc:
+            if exc.Get_error_class() != MPI.ERR_PROC_FAILED:
+                raise RuntimeError(f"mpicomm: agree() on {name} failed: {exc}") from exc
+            # a rank failed during the agreement: every survivor sees it, acknowledges it and
+            # agrees again
+    raise RuntimeError(f"mpicomm: agree() on {name} did not settle after {mpi_comm.Get_size() + 1} tries")
+
+
 def _guard_exit() -> None:
     """After a failure: bound the exit (``EXIT_GRACE_S``), once per process."""
     global _exit_guarded

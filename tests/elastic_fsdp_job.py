@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import numpy as np
 import torch
@@ -83,6 +84,9 @@ def main() -> None:
             state.step += 1
             state.commit()
             die("between" if state.step == kill_step + 1 else "")
+        while state.growing:        # replacements start while the job trains: commits until they joined
+            time.sleep(0.05)
+            state.commit()
 
     train(state)
     weights = {f"p{i}": p.full_tensor().detach().numpy() for i, p in enumerate(state.model.parameters())}

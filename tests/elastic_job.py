@@ -27,6 +27,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 import numpy as np
 import torch
@@ -51,6 +52,7 @@ def main() -> None:
     grow_to = int(opts["grow"]) if "grow" in opts else None      # elastic.run(max_world_size=...)
     second = int(opts.get("second", -1))        # a rank that dies in the recovery, after its rebind
     again, again_step = (int(x) for x in opts.get("again", "-1:-1").split(":"))   # a later death
+    pending = int(opts.get("pending", -1))      # dies while the replacements start
     inside = [False]                     # inside state.commit()
     kinds: list[str] = []
     torch.set_num_threads(1)
@@ -132,7 +134,7 @@ def main() -> None:
         list(model.parameters())[0].register_post_accumulate_grad_hook(
             lambda p: die("backward" if state.step == kill_step else ""))
 
-    @elastic.run(max_world_size=grow_to)
+    @elastic.run(max_world_size=grow_to, wait_for_replacements=opts.get("join") == "wait")
     def train(state: elastic.TorchState) -> None:
         net = model
         if opt_kind == "ddp":
@@ -148,10 +150,15 @@ def main() -> None:
                 inside[0] = False
                 kinds.append(state.commit_kind)
             die("between" if state.step == kill_step + 1 else "")
-            if me == again and state.step == again_step + 1:
+            if me == again and state.step == again_step + 1 or me == pending and state.growing:
                 sys.stdout.flush(), sys.stderr.flush()
                 os.kill(os.getpid(), signal.SIGKILL)   # (a second os._exit(9) makes the launcher end the job)
+        while state.growing:        # replacements start while the job trains: commits until they joined
+            time.sleep(0.05)
+            state.commit()
 
+    if joined and opts.get("newcomer") == "dies":   # a replacement that dies while it starts
+        os.kill(os.getpid(), signal.SIGKILL)
     train(state)
     weights = {f"p{i}": p.detach().numpy() for i, p in enumerate(model.parameters())}
     np.savez(f"{out}.{'rank' + str(me) if me >= 0 else 'new' + str(state.rank)}.npz", **weights)   # every rank's

@@ -76,11 +76,16 @@ CASES = [
     (3, "ddp", "between", 1, STEPS - 1, 1, ()),
     (3, "zero2", "between", 2, STEPS - 1, 1, ()),
     # the job grows back to 4 ranks: a replacement is spawned and joins at the recovery's commit
+    # (while the job trains on at 3 ranks; or, with join=wait, at once)
     (4, "zero1", "between", 1, 2, 1, ("grow=4",)),
-    (4, "ddp", "backward", 2, 2, 1, ("grow=4",)),
+    (4, "ddp", "backward", 2, 2, 1, ("grow=4", "join=wait")),
     # and again: a second death after the growth, the replacement training (it recovers and the
     # job grows again, as the others do)
-    (4, "zero1", "between", 1, 1, 1, ("grow=4", "again=2:3")),
+    (4, "zero1", "between", 1, 1, 1, ("grow=4", "again=2:3", "join=wait")),
+    # a survivor dies while the replacement starts: that growth is given up, two are spawned
+    (4, "zero1", "between", 1, 1, 1, ("grow=4", "pending=2")),
+    # the replacement dies while it starts: the job trains on at 3 ranks
+    (4, "zero1", "between", 1, 1, 1, ("grow=4", "newcomer=dies")),
 ]
 
 
@@ -100,15 +105,24 @@ def test_survivors_end_with_the_reference_weights(tmp_path, n, opt, where, victi
         info = json.load(f)
     opts = dict(x.split("=") for x in extra)
     lost = sorted([victim] + ([int(opts["second"])] if "second" in opts else []))
-    again = [int(opts["again"].split(":")[0])] if "again" in opts else []
-    world = int(opts.get("grow", n - len(lost)))
+    again = [int(opts["again"].split(":")[0])] if "again" in opts else [int(opts["pending"])] if "pending" in opts else []
+    world = int(opts["grow"]) if "grow" in opts and "newcomer" not in opts else n - len(lost)
     assert info["world_size"] == world and info["dist_world_size"] == world, (info, log)
     if again:       # ranks renumbered by the first recovery: only the counts say the same on every run
         assert [len(r["lost"]) for r in info["recoveries"]] == [len(lost), 1], (info, log)
     else:
         assert [r["lost"] for r in info["recoveries"]] == [lost], (info, log)
-    if "grow" in opts:
+    if "newcomer" in opts:
+        assert [(g["spawned"], g["note"]) for g in info["growths"]] == [
+            (0, "the growth was given up (a replacement failed before it joined)")], (info, log)
+    elif "pending" in opts:
+        assert [(g["spawned"], g["note"]) for g in info["growths"]] == [
+            (0, "the growth was given up (a rank failed)"), (2, None)], (info, log)
+    elif "grow" in opts:
         assert [g["spawned"] for g in info["growths"]] == [len(lost)] + [1] * len(again), (info, log)
+        # joined at the recovery's commit, or at a later one (the job trained on meanwhile)
+        waited = [g["commits_waited"] for g in info["growths"]]
+        assert waited == [0] * len(waited) if opts.get("join") == "wait" else min(waited) >= 1, (info, log)
     if opt != "ddp":
         assert info["zero_world"] == world, info
     if where in ("agree", "agreed"):   # the commit the victim died in went through on the survivors

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import copy
-import os
 from typing import Any, Callable
 
 import torch
@@ -99,11 +98,7 @@ class TorchState(_elastic.TorchState):
     def check_host_updates(self) -> None:
         """Raise ``HostsUpdatedInterrupt`` on every rank when hosts were added (elastic's
         discovery, ``MPICOMM_ELASTIC_HOSTS``); nothing to check when it is unset."""
-        check = getattr(super(), "check_host_updates", None)
-        if check is not None:
-            check()
-        elif os.environ.get("MPICOMM_ELASTIC_HOSTS"):
-            raise NotImplementedError("check_host_updates: this elastic package cannot grow a job")
+        super().check_host_updates()
 
     # -- after a recovery ---------------------------------------------------------------------
 
