@@ -235,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--peers", action="store_true", help="torchft 0.2 and torchrun + DCP beside elastic")
     q.add_argument("--peers-steps", type=int, default=8, help="steps of each peer run")
     q.add_argument("--peers-ours", choices=("ddp", "zero2"), default="zero2", help="elastic's training in --peers")
+    q.add_argument("--peers-kill-at", choices=("start", "backward"), default="start",
+                   help="where in its step worker 1 dies: before it (torchft: before the step's quorum) or in "
+                        "backward (the step's gradient reductions under way)")
     args = p.parse_args(argv)
     if args.peers:
         from . import elastic_peers

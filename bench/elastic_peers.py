@@ -1,8 +1,12 @@
 """Peers beside elastic, one run: the same MLP, Adam, 4 workers, worker 1 killed at step
 ``--kill-step``, in torchft 0.2 (optional: skipped with a note where it is not installed),
-torchrun ``--max-restarts 1`` with a DCP checkpoint after every step, and elastic under ULFM.
+torchrun ``--max-restarts 1`` with a DCP checkpoint after every step, and elastic under ULFM,
+once as it only shrinks and once growing back (``max_world_size=4``).
 
-    python -m bench elastic --peers --params 20M --kill-step 3
+    python -m bench elastic --peers --params 20M --kill-step 3 [--peers-kill-at backward]
+
+``--peers-kill-at``: worker 1 dies at the start of its step (torchft: before it joins the step's
+quorum) or in its backward (the other workers' gradient reductions under way).
 
 Run as one process; everything on loopback. Per system: detection (the death to the survivors
 seeing the failure: elastic's recovery starting; torchft's step not committed; torchrun's agent
@@ -10,8 +14,8 @@ stopping the survivors), recovery (the death to the end of the first step that c
 it: elastic's first committed step, torchft's first committed step on 3 replicas, torchrun's
 first step after every worker restarted and loaded the checkpoint), the steady step (steps 1
 to kill-step - 1, medians, without the fault-tolerance part) and that part per step (elastic's
-commit; torchft's quorum and should_commit; torchrun's DCP save). The workers are
-bench/elastic_peers_job.py.
+commit; torchft's quorum and should_commit; torchrun's DCP save), and the death to the end of
+the first step at 4 workers again. The workers are bench/elastic_peers_job.py.
 """
 from __future__ import annotations
 
@@ -116,7 +120,7 @@ def measure(evs: list[dict[str, Any]], kill_step: int) -> dict[str, float]:
 def main(args: Any) -> int:
     """``bench elastic --peers``."""
     cfg = {"params": args.params, "width": args.width, "batch": args.batch, "steps": args.peers_steps,
-           "kill_step": args.kill_step, "workers": WORKERS, "ours": args.peers_ours}
+           "kill_step": args.kill_step, "workers": WORKERS, "ours": args.peers_ours, "kill_at": args.peers_kill_at}
     if not 2 <= args.kill_step < args.peers_steps - 1:
         print(f"bench elastic --peers: expected 2 <= --kill-step < --peers-steps - 1, got {args.kill_step}",
               file=sys.stderr)
@@ -124,7 +128,8 @@ def main(args: Any) -> int:
     n = sum(p.numel() for p in __import__("bench.elastic", fromlist=["make_model"]).make_model(
         args.params, args.width).parameters())
     print(f"# bench elastic --peers: {WORKERS} workers, {n / 1e6:.1f}M-parameter MLP, Adam, batch {args.batch} "
-          f"per worker, worker 1 killed at step {args.kill_step} of {args.peers_steps}; loopback only")
+          f"per worker, worker 1 killed at the {args.peers_kill_at} of step {args.kill_step} of {args.peers_steps}; "
+          "loopback only")
     print("# detect s: the death to the survivors seeing it; recover s: the death to the end of the first step "
           "that counted after it; step s: a steady step without the FT part; FT part: per step (elastic: "
           "commit; torchft: quorum + should_commit; torchrun: DCP save), its share of a step; "

@@ -1,5 +1,6 @@
 """Workers of ``python -m bench elastic --peers`` (bench/elastic_peers.py): the same MLP, Adam,
-4 workers, worker 1 ``os._exit(9)``s at the start of step ``kill_step``, in one of three systems:
+4 workers, worker 1 ``os._exit(9)``s at the start of step ``kill_step`` (or in its backward:
+``kill_at`` in CONFIG), in one of three systems:
 
     ours      mpirun --with-ft ulfm -n 4 python -m mpi4py bench/elastic_peers_job.py ours CONFIG OUT
               elastic.run, committing every step (``ours`` in CONFIG: ddp, or zero2: a
@@ -41,6 +42,22 @@ class Events:
             f.write(json.dumps({"ev": ev, "t": time.time(), **kw}) + "\n")
 
 
+def _dies(cfg: dict, where: str) -> bool:
+    """Whether the victim dies ``where`` ("start" of its step, or in "backward"): cfg "kill_at"."""
+    return cfg.get("kill_at", "start") == where
+
+
+def _die_in_backward(cfg: dict, model: torch.nn.Module, ev: Events, now) -> None:
+    """With kill_at "backward": ``os._exit(9)`` when the first weight's gradient is ready (it
+    comes last in backward: the other gradients' reductions are under way) and ``now()``."""
+    def hook(_p: torch.Tensor) -> None:
+        if now():
+            ev.put("death")
+            os._exit(9)
+    if _dies(cfg, "backward"):
+        list(model.parameters())[0].register_post_accumulate_grad_hook(hook)
+
+
 def _batch(cfg: dict, rank: int, step: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 * step + rank)
     return torch.randn(cfg["batch"], cfg["width"], generator=g)
@@ -66,6 +83,7 @@ def ours(cfg: dict, out: str) -> None:
         opt = ZeroOptimizer(torch.optim.Adam, model.parameters(), stage=2, comm=world.dup(), lr=1e-4)
         state = elastic.TorchState(model=model, optimizer=opt, step=0)
     seen = [0, 0]
+    _die_in_backward(cfg, model, ev, lambda: me == 1 and state.step == cfg["kill_step"])
 
     @elastic.run(max_world_size=cfg["workers"] if cfg.get("grow") else None)
     def train(state: elastic.TorchState) -> None:
@@ -79,7 +97,7 @@ def ours(cfg: dict, out: str) -> None:
             ev.put("grown", **{k: v for k, v in state.growths[-1].items() if k != "note"})
         net = DDP(model) if cfg["ours"] == "ddp" else model
         while state.step < cfg["steps"]:
-            if me == 1 and state.step == cfg["kill_step"]:
+            if me == 1 and state.step == cfg["kill_step"] and _dies(cfg, "start"):
                 ev.put("death")
                 os._exit(9)
             t0 = time.time()
@@ -138,10 +156,13 @@ def torchft_worker(cfg: dict, out: str, replica: int, lighthouse: str) -> None:
         finally:
             spent[0] = time.perf_counter() - t
     inner.step = timed_update
+    # killed inside a quorum of 3 or more (the replicas join quorums one by one at the start)
+    _die_in_backward(cfg, model, ev, lambda: replica == 1 and manager.current_step() >= cfg["kill_step"]
+                     and manager.num_participants() >= cfg["workers"] - 1)
     while manager.current_step() < cfg["steps"]:
         step = manager.current_step()
-        # killed inside a quorum of 3 or more (the replicas join quorums one by one at the start)
-        if replica == 1 and step >= cfg["kill_step"] and manager.num_participants() >= cfg["workers"] - 1:
+        if replica == 1 and step >= cfg["kill_step"] and manager.num_participants() >= cfg["workers"] - 1 \
+                and _dies(cfg, "start"):
             ev.put("death")
             os._exit(9)
         t0 = time.time()
@@ -192,8 +213,11 @@ def torchrun_worker(cfg: dict, out: str) -> None:
         dcp.load(sd, checkpoint_id=os.path.join(ckdir, f"step{step}"))
         set_state_dict(net, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
         ev.put("loaded", step=step, attempt=attempt)
+    at = [step]
+    _die_in_backward(cfg, net, ev, lambda: rank == 1 and at[0] == cfg["kill_step"] and attempt == 0)
     while step < cfg["steps"]:
-        if rank == 1 and step == cfg["kill_step"] and attempt == 0:
+        at[0] = step
+        if rank == 1 and step == cfg["kill_step"] and attempt == 0 and _dies(cfg, "start"):
             ev.put("death")
             os._exit(9)
         t0 = time.time()
