@@ -177,9 +177,9 @@ def poll(state: Any, block: bool = False) -> None:
     ready = keep = True
     if state.rank == 0:
         try:
-            failed = faults.failed_ranks(p.merged)
-            if failed:
-                raise RuntimeError(f"ranks {list(failed)} of the grown world failed")
+            failed = [r for r in faults.failed_ranks(p.merged) if r >= p.old_world]
+            if failed:      # (a live rank that failed is the recovery's business)
+                raise RuntimeError(f"ranks {failed} of the grown world failed")
             for r in range(p.old_world, p.old_world + p.k):
                 if r not in p.ready and (block or p.merged.Iprobe(source=r, tag=READY_TAG)):
                     p.merged.Recv(bytearray(1), source=r, tag=READY_TAG)

@@ -1,6 +1,7 @@
 """Fault-injection job for tests/test_elastic_faults.py: train under elastic.run, one rank dies.
 
-    mpirun --with-ft ulfm -n N python tests/elastic_job.py OPT WHERE RANK STEP STEPS OUT [EVERY] [grow=N] [second=R] [again=R:S]
+    mpirun --with-ft ulfm -n N python tests/elastic_job.py OPT WHERE RANK STEP STEPS OUT [EVERY] [grow=N] [join=wait]
+        [newcomer=dies] [pending=R] [second=R] [again=R:S] [freeze=F]
 
 OPT: ddp | zero1 | zero2 (ZeroOptimizer stage) | zero1g | zero2g (the same, replicate="gradient") | onebit (ZeroOptimizer stage 2 of 1-bit Adam, in its
 warm-up: Adam exactly); WHERE: none | between (after the commit of step
@@ -17,7 +18,13 @@ EVERY: commit every EVERY steps (default 1; a commit after more than one update 
 state). grow=N: elastic.run(max_world_size=N), replacements spawned after the loss join the
 job (Open MPI, ULFM); second=R: world rank R dies too, in the recovery, right after its
 ZeroOptimizer was rebound to the survivors; again=R:S: world rank R dies too, later, after the
-commit of step S (after the job grew back: a second recovery with a replacement training). Every rank writes its final weights
+commit of step S (after the job grew back: a second recovery with a replacement training);
+join=wait: the replacements join at the recovery's commit (else at a later one, the job training
+on meanwhile); newcomer=dies: the replacement SIGKILLs itself as it starts; pending=R: world rank
+R dies while the replacements start; freeze=F: 1-bit Adam's freeze_step (compressed after it),
+and rank 0 writes what each commit past it must hold, gathered apart from elastic
+(OUT.commit<N>.npz); death=sigkill: the victim is SIGKILLed instead of exiting with status 9
+(Open MPI's launcher ends a 2-rank job when one rank exits with an error status). Every rank writes its final weights
 (OUT.rank<R>.npz, a replacement OUT.new<rank>.npz); the new rank 0 writes the final weights (OUT.npz) and what happened (OUT.json: with the
 kind of each commit) for the test to compare with the single-process reference.
 """
@@ -39,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import compressed  # noqa: E402
 import elastic  # noqa: E402
 import mpicomm  # noqa: E402
-from elastic_job_lib import LR, local_loss, make_model  # noqa: E402
+from elastic_job_lib import LR, local_loss, make_model, onebit_commit_view  # noqa: E402
 from mpicomm import distributed as mdist  # noqa: E402
 from zero import ZeroOptimizer  # noqa: E402
 
@@ -62,6 +69,9 @@ def main() -> None:
 
     def die(at: str) -> None:
         if where == at and me == victim:
+            if opts.get("death") == "sigkill":      # as an OOM kill or a crash ends a process
+                sys.stdout.flush(), sys.stderr.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
             os._exit(9)
 
     if where == "commit":
@@ -83,8 +93,9 @@ def main() -> None:
         state = elastic.TorchState(model=model, optimizer=opt, comm=world, step=0)
     else:
         inner = compressed.OnebitAdam if opt_kind == "onebit" else torch.optim.Adam
+        extra = {"freeze_step": int(opts["freeze"])} if "freeze" in opts else {}    # 1-bit Adam compresses after it
         opt = ZeroOptimizer(inner, model.parameters(), stage=2 if opt_kind == "onebit" else int(opt_kind[4]),
-                            comm=world.dup(), lr=LR, bucket_bytes=64)
+                            comm=world.dup(), lr=LR, bucket_bytes=64, **extra)
         state = elastic.TorchState(model=model, optimizer=opt, step=0,
                                    replicate="gradient" if opt_kind.endswith("g") else "state")
         if where == "zstep":
@@ -149,6 +160,10 @@ def main() -> None:
                 state.commit()
                 inside[0] = False
                 kinds.append(state.commit_kind)
+                if "freeze" in opts and opt.optimizer._local:   # compressing: what the commit must hold, gathered apart
+                    view = onebit_commit_view(opt)
+                    if state.rank == 0:
+                        np.savez(f"{out}.commit{state.commits}.npz", **{k: v.numpy() for k, v in view.items()})
             die("between" if state.step == kill_step + 1 else "")
             if me == again and state.step == again_step + 1 or me == pending and state.growing:
                 sys.stdout.flush(), sys.stderr.flush()

@@ -16,8 +16,9 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
-from elastic_job_lib import reference
+from elastic_job_lib import onebit_frozen_steps, reference
 from mpicomm import clean_env
 from mpitest import mpiexec_cmd
 from ulfm_guard import require_ulfm
@@ -142,6 +143,30 @@ def test_survivors_end_with_the_reference_weights(tmp_path, n, opt, where, victi
         for i, ref in enumerate(refs):
             np.testing.assert_allclose(got[f"p{i}"], ref.numpy(), rtol=1e-5, atol=1e-6,
                                        err_msg=f"{name} param {i}\n{log}")
+
+
+def test_onebit_adam_past_its_freeze_survives_a_real_kill(tmp_path):
+    """1-bit Adam compressing (freeze_step 2), 2 ranks, rank 1 killed after the commit of step 4:
+    the survivor rolls back to that commit (the mean of the ranks' local momenta, the frozen
+    variance, the masters) and its last step, alone, matches a float64 computation from what
+    the commit had to hold, gathered by the job apart from elastic."""
+    _ulfm()
+    out = str(tmp_path / "run")
+    # SIGKILLed: when one rank of two exits with status 9, Open MPI's launcher ends the job
+    proc = _launch(2, [os.path.join(HERE, "elastic_job.py"), "onebit", "between", "1", "3", str(STEPS), out, "1",
+                       "freeze=2", "death=sigkill"])
+    log = f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert os.path.exists(out + ".json"), log
+    with open(out + ".json") as f:
+        info = json.load(f)
+    assert info["world_size"] == 1 and [r["lost"] for r in info["recoveries"]] == [[1]], (info, log)
+    assert info["recoveries"][0]["generation"] == 5, (info, log)   # (generation 1: the commit at the start)
+    held = np.load(f"{out}.commit4.npz")
+    want = onebit_frozen_steps(*(torch.from_numpy(held[k]) for k in ("master", "exp_avg", "exp_avg_sq")),
+                               first=4, last=STEPS, freeze=2)
+    got = np.load(out + ".npz")
+    flat = np.concatenate([got[f"p{i}"].reshape(-1) for i in range(len(got.files))])
+    np.testing.assert_allclose(flat, want.numpy(), rtol=1e-5, atol=1e-7, err_msg=log)
 
 
 def test_below_min_world_size_every_survivor_fails_clearly(tmp_path):

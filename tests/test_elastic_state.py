@@ -15,7 +15,8 @@ from mpi4py import MPI
 import compressed
 import elastic
 import mpicomm
-from elastic_job_lib import LR, local_loss, make_model, reference
+from elastic_job_lib import LR, allgather_rows, join_shards, local_loss, make_model, onebit_commit_view, \
+    onebit_frozen_steps, reference
 from mpitest import assert_all, check_all
 from zero import ZeroOptimizer
 
@@ -288,18 +289,6 @@ def test_rebind_checks_sizes():
         opt.rebind(comm, [(torch.zeros(66, dtype=torch.float64), {}, {})])
 
 
-def _join(layout, rows) -> torch.Tensor:
-    """Every rank's local shard (``rows[r]``) joined into the group's flat buffer in parameter order."""
-    offsets = np.cumsum([0] + list(layout.numels))
-    index = {pid: i for i, pid in enumerate(layout.param_ids)}
-    out = torch.empty(layout.total_numel, dtype=rows[0].dtype)
-    for r, row in enumerate(rows):
-        for s in layout.segments(r):
-            lo = int(offsets[index[s.param]]) + s.start
-            out[lo:lo + s.length] = row.reshape(-1)[s.local:s.local + s.length]
-    return out
-
-
 def _drop(world: mpicomm.Communicator, dropped: list[int]):
     """The communicator of the ranks not in ``dropped`` (None on a dropped rank)."""
     color = None if world.rank in dropped else 0
@@ -402,12 +391,6 @@ def test_a_shard_and_its_buddy_lost_is_named():
     assert_all(ok, "expected ShardsLostError naming old rank 0")
 
 
-def _allgather(comm: mpicomm.Communicator, t: torch.Tensor) -> torch.Tensor:
-    out = torch.empty(comm.size * t.numel(), dtype=t.dtype)
-    comm.all_gather_into_tensor(out, t.reshape(-1).contiguous())
-    return out.view(comm.size, *t.shape)
-
-
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("drop", ["first", "last"])
 def test_onebit_after_freeze_restarts_from_the_exact_mean_momentum(drop):
@@ -424,7 +407,6 @@ def test_onebit_after_freeze_restarts_from_the_exact_mean_momentum(drop):
     betas, freeze = (0.9, 0.999), 2
     opt = ZeroOptimizer(compressed.OnebitAdam, model.parameters(), stage=2, comm=comm, lr=LR, freeze_step=freeze)
     state = elastic.TorchState(model=model, optimizer=opt, step=0)
-    g = opt.groups[0]
     while state.step < 4:
         opt.zero_grad()
         local_loss(model, state.step, state.rank, state.world_size).backward()
@@ -433,13 +415,8 @@ def test_onebit_after_freeze_restarts_from_the_exact_mean_momentum(drop):
         if state.step < 4:
             state.commit()
         if state.step == 3:        # what commit 3 holds, gathered independently of elastic
-            (loc,) = opt.optimizer._local.values()
-            L = g.layout.local_numel
-            means = _allgather(comm, loc["mom"]).double().mean(0)[:, :L]   # (owner, chunk) -> shards
-            full = lambda rows: _join(g.layout, list(rows))   # noqa: E731
-            want_m = full(means)
-            want_master = full(_allgather(comm, g.master))
-            want_v = full(_allgather(comm, opt.optimizer.state[g.master]["exp_avg_sq"]))
+            view = onebit_commit_view(opt)
+            want_m, want_master, want_v = view["exp_avg"], view["master"], view["exp_avg_sq"]
             weights = [p.detach().clone() for p in model.parameters()]
     assert opt.optimizer.frozen and opt.optimizer.global_step == 4
     new, survivors = _drop(world, [0] if drop == "first" else [n - 1])
@@ -451,7 +428,7 @@ def test_onebit_after_freeze_restarts_from_the_exact_mean_momentum(drop):
             assert inner._local == {}, "the local momenta must restart from the mean"
             gi = opt.groups[0]
             st = inner.state[gi.master]
-            got = lambda t: _join(gi.layout, list(_allgather(new, t)))   # noqa: E731
+            got = lambda t: join_shards(gi.layout, list(allgather_rows(new, t)))   # noqa: E731
             torch.testing.assert_close(got(gi.master), want_master, rtol=0, atol=0)
             torch.testing.assert_close(got(st["exp_avg_sq"]), want_v, rtol=0, atol=0)
             torch.testing.assert_close(got(st["exp_avg"]).double(), want_m, rtol=1e-6, atol=1e-9)
@@ -459,13 +436,10 @@ def test_onebit_after_freeze_restarts_from_the_exact_mean_momentum(drop):
                 torch.testing.assert_close(p.detach(), w, rtol=0, atol=0)
             opt.zero_grad()
             local_loss(model, 3, state.rank, state.world_size).backward()
-            grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double()
             opt.step()
             (loc,) = inner._local.values()
             if new.size == 1:      # the float64 step: momentum from the mean, variance frozen
-                m = betas[0] * want_m + (1 - betas[0]) * grads
-                den = (want_v.double() / (1 - betas[1] ** freeze)).sqrt() + 1e-8
-                want = want_master.double() - LR / (1 - betas[0] ** 4) * m / den
+                want = onebit_frozen_steps(want_master, want_m, want_v, 3, 4, freeze, betas)
                 torch.testing.assert_close(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double(),
                                            want, rtol=1e-5, atol=1e-7)
             else:                  # compressed: every survivor's worker error started at zero

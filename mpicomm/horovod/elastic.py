@@ -103,14 +103,16 @@ class TorchState(_elastic.TorchState):
     # -- after a recovery ---------------------------------------------------------------------
 
     def _hvd_reset(self) -> None:
-        """Horovod again on the survivors (first of the reset callbacks), then the samplers
-        re-split and the optimizer's gradient buckets emptied."""
+        """Horovod again on the ranks training now (first of the reset callbacks), then the
+        samplers re-split, the optimizer's gradient buckets emptied, and the state that the
+        recovery or the join set kept for ``restore()`` (a replacement has no other)."""
         basics.abandon()
         basics.init(comm=self.comm)
         reset = getattr(self.optimizer, "_reset_buckets", None)
         if reset is not None:
             reset()
         self._load_samplers()
+        self.save()
 
     def _load_samplers(self) -> None:
         for name, s in self._samplers.items():
