@@ -235,6 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--peers", action="store_true", help="torchft 0.2 and torchrun + DCP beside elastic")
     q.add_argument("--peers-steps", type=int, default=8, help="steps of each peer run")
     q.add_argument("--peers-ours", choices=("ddp", "zero2"), default="zero2", help="elastic's training in --peers")
+    q.add_argument("--peers-systems", default="elastic,torchft,torchrun",
+                   help="comma-separated: which of elastic, torchft, torchrun to run")
+    q.add_argument("--peers-torchft-join-ms", type=int, default=10000,
+                   help="torchft lighthouse's join_timeout_ms (its default is 60000)")
     q.add_argument("--peers-kill-at", choices=("start", "backward"), default="start",
                    help="where in its step worker 1 dies: before it (torchft: before the step's quorum) or in "
                         "backward (the step's gradient reductions under way)")

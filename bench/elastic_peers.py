@@ -70,8 +70,10 @@ def run_torchft(cfg: dict, out: str, timeout: float) -> str | None:
         from torchft.coordination import LighthouseServer
     except ImportError:
         return "skipped: torchft is not installed (pip install torchft==0.2.0 torch==2.13.0)"
-    # min_replicas 3: with 2, the replicas (arriving at different moments) trained in quorums of 2
-    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=WORKERS - 1)    # else defaults: heartbeat timeout 5 s
+    # min_replicas 3: with 2, the replicas (arriving at different moments) trained in quorums of 2;
+    # join timeout 10 s (torchft's Slurm example): at its default, 60 s, a quorum without a replica
+    # that died inside a step timed out in every survivor (the Manager's quorum timeout is 60 s too)
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=WORKERS - 1, join_timeout_ms=cfg["torchft_join_ms"])
     try:
         procs = [subprocess.Popen([sys.executable, JOB, "torchft", json.dumps(cfg), out, str(r), lighthouse.address()],
                                   env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -120,7 +122,8 @@ def measure(evs: list[dict[str, Any]], kill_step: int) -> dict[str, float]:
 def main(args: Any) -> int:
     """``bench elastic --peers``."""
     cfg = {"params": args.params, "width": args.width, "batch": args.batch, "steps": args.peers_steps,
-           "kill_step": args.kill_step, "workers": WORKERS, "ours": args.peers_ours, "kill_at": args.peers_kill_at}
+           "kill_step": args.kill_step, "workers": WORKERS, "ours": args.peers_ours, "kill_at": args.peers_kill_at,
+           "torchft_join_ms": args.peers_torchft_join_ms}
     if not 2 <= args.kill_step < args.peers_steps - 1:
         print(f"bench elastic --peers: expected 2 <= --kill-step < --peers-steps - 1, got {args.kill_step}",
               file=sys.stderr)
@@ -140,6 +143,7 @@ def main(args: Any) -> int:
     systems = [(f"elastic ({args.peers_ours})", run_ours if why is None else None),
                (f"elastic ({args.peers_ours}, grows back)", run_ours_growing if why is None else None),
                ("torchft 0.2", run_torchft), ("torchrun + DCP", run_torchrun)]
+    systems = [(n, f) for n, f in systems if any(n.startswith(w) for w in args.peers_systems.split(","))]
     for name, fn in systems:
         out = tempfile.mkdtemp(prefix="peers-")
         try:
