@@ -97,8 +97,8 @@ def _command() -> tuple[str, list[str]]:
     it was started where its command line cannot be split (then the spawn waits for its imports)."""
     orig = list(getattr(sys, "orig_argv", []) or [sys.executable, *sys.argv])
     split = newcomer.split_argv(orig[1:])
-    if split is None:
-        return sys.executable, orig[1:]
+    if split is None or os.path.abspath(split[1][0]) == os.path.abspath(newcomer.__file__):
+        return sys.executable, orig[1:]     # (a replacement itself: started through it already)
     opts, program = split
     return sys.executable, [*opts, os.path.abspath(newcomer.__file__), *program]
 

@@ -61,4 +61,13 @@ if __name__ == "__main__":
     from mpi4py import MPI
 
     merged = MPI.Comm.Get_parent().Merge(high=True)
-    run_program(sys.argv[1:])
+    try:
+        run_program(sys.argv[1:])
+    except SystemExit:
+        raise
+    except BaseException:   # noqa: BLE001 - die as a failure the job sees (MPI_Finalize with a
+        import traceback    # job waiting in an agreement with this process would leave it waiting)
+
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)

@@ -68,3 +68,17 @@ def test_code_runs_with_its_arguments(tmp_path):
     seen, direct = _as_replacement(tmp_path, ["-c", SHOW, "x", "y"])
     assert seen == direct
     assert seen["argv"] == ["-c", "x", "y"]
+
+
+def test_a_replacement_spawns_its_own_replacements_through_it_once(monkeypatch):
+    """A replacement that grows the job later (it became rank 0) spawns the same command line it
+    was started with: the program, through newcomer.py once (twice, the inner copy would merge
+    again and fail)."""
+    from elastic import grow
+
+    path = os.path.abspath(newcomer.__file__)
+    monkeypatch.setattr(sys, "orig_argv", [sys.executable, "-X", "dev", "-m", "mpi4py", "train.py", "--lr", "1"])
+    first = grow._command()
+    assert first == (sys.executable, ["-X", "dev", path, "-m", "mpi4py", "train.py", "--lr", "1"])
+    monkeypatch.setattr(sys, "orig_argv", [sys.executable, *first[1]])
+    assert grow._command() == first
