@@ -230,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--soak-layers", type=int, default=4, help="Linear layers of the soak MLP")
     k.add_argument("--soak-batch", type=int, default=64, help="global batch of the soak")
     k.add_argument("--soak-no-grow", action="store_true", help="no max_world_size: the job only shrinks")
+    k.add_argument("--soak-join-wait", action="store_true",
+                   help="wait_for_replacements=True: the survivors wait for the replacements at the recovery")
     q = p.add_argument_group("peers (run as one process: bench/elastic_peers.py; --params, --width, --batch and "
                              "--kill-step apply; worker 1 is killed)")
     q.add_argument("--peers", action="store_true", help="torchft 0.2 and torchrun + DCP beside elastic")

@@ -81,11 +81,11 @@ def main(args: Any) -> int:
         return 2
     mode = args.soak_mode
     cfg = {"mode": mode, "seconds": args.soak, "width": args.soak_width, "layers": args.soak_layers,
-           "batch": args.soak_batch, "grow": not args.soak_no_grow}
+           "batch": args.soak_batch, "grow": not args.soak_no_grow, "join_wait": args.soak_join_wait}
     grows = growth() and not args.soak_no_grow
     print(f"# bench elastic --soak {args.soak:g} --kill-every {args.kill_every:g}: 4 ranks, {mode}, MLP "
           f"{args.soak_layers}x{args.soak_width}, global batch {args.soak_batch}, Adam, commit every step; "
-          + ("growth: elastic.run(max_world_size=4)" if grows else
+          + (f"growth: elastic.run(max_world_size=4, wait_for_replacements={args.soak_join_wait})" if grows else
              "no growth (--soak-no-grow, or elastic.run takes no max_world_size): shrinks, nobody killed below 2 ranks"))
     print("# max |w - ref|: every survivor's final weights against one plain torch process, same steps")
     print(f"{'run':<12}{'ranks':>8}{'steps':>8}{'train s':>9}{'steps/s':>10}{'ratio':>8}{'recov':>6}{'new':>5}"

@@ -92,7 +92,7 @@ def main() -> None:
         state = elastic.TorchState(model=model, optimizer=opt, step=0, start=start)
     x, y = data(cfg["width"])
     s = sampler(cfg["batch"])
-    kw = {"max_world_size": 4} if grows else {}
+    kw = {"max_world_size": 4, "wait_for_replacements": bool(cfg.get("join_wait"))} if grows else {}
     seen: list[int | None] = [None]     # the last kill this rank saw come due (a newcomer: the current one)
 
     @elastic.run(**kw)
