@@ -61,12 +61,18 @@ if __name__ == "__main__":
     from mpi4py import MPI
 
     merged = MPI.Comm.Get_parent().Merge(high=True)
+    # Before it joined, the job waits for this process in an agreement: leaving through
+    # MPI_Finalize would keep it waiting; an exit without it is a failure the job sees.
     try:
         run_program(sys.argv[1:])
-    except SystemExit:
-        raise
-    except BaseException:   # noqa: BLE001 - die as a failure the job sees (MPI_Finalize with a
-        import traceback    # job waiting in an agreement with this process would leave it waiting)
+    except SystemExit as e:
+        grow = sys.modules.get("elastic.grow")
+        if grow is not None and grow._joined:
+            raise
+        print(f"elastic: this replacement exited before it joined the job ({e.code!r})", file=sys.stderr, flush=True)
+        os._exit(e.code if isinstance(e.code, int) and e.code else 1)
+    except BaseException:   # noqa: BLE001
+        import traceback
 
         traceback.print_exc()
         sys.stderr.flush()
