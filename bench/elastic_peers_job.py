@@ -7,8 +7,8 @@
               ZeroOptimizer stage 2 replicated by state, through shared memory on one host;
               ``grow`` in CONFIG: elastic.run(max_world_size=4), a replacement spawned)
     torchft   python bench/elastic_peers_job.py torchft CONFIG OUT REPLICA LIGHTHOUSE
-              one torchft 0.2 replica group of one process (Manager, its DDP and Optimizer
-              wrappers, ProcessGroupGloo), all on loopback
+              one torchft 0.2 replica group of one process (Manager, its Optimizer wrapper,
+              ProcessGroupGloo, each gradient through Manager.allreduce), all on loopback
     torchrun  torchrun --standalone --nproc-per-node 4 --max-restarts 1 bench/elastic_peers_job.py torchrun CONFIG OUT
               DDP over gloo, a torch.distributed.checkpoint (DCP) save after every step, every
               worker restarted from the newest one after the failure
@@ -121,7 +121,7 @@ def torchft_worker(cfg: dict, out: str, replica: int, lighthouse: str) -> None:
     from datetime import timedelta
 
     from torch.distributed import TCPStore
-    from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
+    from torchft import Manager, Optimizer, ProcessGroupGloo
 
     from bench.elastic import make_model
 
@@ -144,7 +144,13 @@ def torchft_worker(cfg: dict, out: str, replica: int, lighthouse: str) -> None:
                       load_state_dict=load_state_dict, state_dict=state_dict, replica_id=f"peer{replica}",
                       store_addr="127.0.0.1", store_port=store.port, rank=0, world_size=1,
                       lighthouse_addr=lighthouse, hostname="127.0.0.1", timeout=timedelta(seconds=10))
-    net = DistributedDataParallel(manager, model)
+    # torchft's own DistributedDataParallel is not used: when a peer dies during the step, its comm
+    # hook fails (`assert fut._fut`: the failed allreduce never set its future) instead of letting
+    # the step be discarded. Each gradient goes through Manager.allreduce as it is ready (its
+    # PureDistributedDataParallel), and the step waits on them all after backward.
+    works: list = []
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: works.append(manager.allreduce(p.grad)))
     opt = Optimizer(manager, inner)
     update = inner.step
     spent = [0.0]
@@ -170,7 +176,10 @@ def torchft_worker(cfg: dict, out: str, replica: int, lighthouse: str) -> None:
         a = time.perf_counter()
         opt.zero_grad()                     # starts the quorum
         z = time.perf_counter() - a
-        net(_batch(cfg, replica, step)).square().mean().backward()
+        model(_batch(cfg, replica, step)).square().mean().backward()
+        for work in works:
+            work.wait()                     # a failure is reported to the manager: the step is not committed
+        works.clear()
         a = time.perf_counter()
         opt.step()                          # should_commit, then the update where it counts
         s = time.perf_counter() - a
