@@ -8,8 +8,11 @@ without failures first. Prints, per run: the ranks at the start and the end, the
 training time, steps per second and their ratio to the run without failures, the recoveries and
 their mean time in ``elastic.recover``, the newcomers that joined (growth) and the mean time of a
 growth (the spawn to the grown world's first commit, ``state.growths``), and the largest
-difference of every survivor's final weights from one plain torch process on the same global batches (the run without failures
-shows the rounding this length of training gives). Without growth (``elastic.run`` taking no
+difference of every survivor's final weights from one plain torch process on the same global
+batches (the run without failures shows the rounding this length of training gives). Then the
+training time each run lost against the failure-free step rate, from its steps per 0.25 s: in
+the 5 s after each kill (the recovery, the replacement starting and joining), and elsewhere (in
+the run without failures: the machine's noise). Without growth (``elastic.run`` taking no
 ``max_world_size``) the job only shrinks: nobody is killed below 2 ranks.
 """
 from __future__ import annotations
@@ -26,6 +29,8 @@ import numpy as np
 from . import elastic_chaos
 from .elastic_soak_job import growth, reference
 
+#: Seconds from a kill within which lost time counts as the failure's (the recovery, the growth).
+AFTER = 5.0
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "elastic_soak_job.py")
 
 
@@ -34,6 +39,11 @@ def soak_run(cfg: dict[str, Any], timeout: float) -> dict[str, Any]:
     out = tempfile.mkdtemp(prefix="soak-")
     try:
         rc, output, wall = elastic_chaos.launch([JOB, json.dumps(cfg), out], 4, timeout, tag=out)
+        timelines = []      # every process's steps per bin: the victims' (written as they died), the survivors'
+        for name in sorted(os.listdir(out)):
+            if name.startswith("timeline-"):
+                with open(os.path.join(out, name)) as f:
+                    timelines.append(json.load(f))
         ranks = {}
         for r in range(4):
             path = os.path.join(out, f"rank{r}.json")
@@ -41,9 +51,48 @@ def soak_run(cfg: dict[str, Any], timeout: float) -> dict[str, Any]:
                 with open(path) as f:
                     ranks[r] = json.load(f)
                 ranks[r]["weights"] = dict(np.load(os.path.join(out, f"rank{r}.npz")))
-        return {"rc": rc, "ranks": ranks, "wall_s": wall, "output": output}
+                timelines.append(ranks[r]["timeline"])
+        return {"rc": rc, "ranks": ranks, "wall_s": wall, "output": output, "timeline": chain(timelines)}
     finally:
         shutil.rmtree(out, ignore_errors=True)
+
+
+def chain(timelines: list[dict[str, Any]]) -> dict[str, Any]:
+    """The job's steps per bin from its processes' timelines (each: ``bin_s`` and steps per bin
+    while it trained): in each bin, the process that started training first among those that
+    trained through it, of those the one that trained longest (the ranks step together; a
+    victim's last bin ends at its death)."""
+    spans = []
+    for t in timelines:
+        steps = {int(b): int(n) for b, n in t["steps"].items()}
+        if steps:
+            spans.append((min(steps), max(steps), steps))
+    spans.sort(key=lambda s: (s[0], -s[1]))
+    job: dict[str, int] = {}
+    for b in range(max((s[1] for s in spans), default=-1) + 1):
+        for first, last, steps in spans:
+            if first <= b <= last:
+                job[str(b)] = steps.get(b, 0)
+                break
+    return {"bin_s": timelines[0]["bin_s"] if timelines else 0.25, "steps": job}
+
+
+def lost_seconds(timeline: dict[str, Any], seconds: float, rate: float, kill_every: float,
+                 after: float) -> tuple[float, float]:
+    """Training time lost against ``rate`` steps/s, from a rank's step timeline (steps per bin of
+    ``bin_s`` seconds since the common start): in the ``after`` seconds from each kill (every
+    ``kill_every`` s), and elsewhere. A bin that stepped faster than ``rate`` makes up for nothing."""
+    width = float(timeline["bin_s"])
+    steps = {int(b): int(n) for b, n in timeline["steps"].items()}
+    near = rest = 0.0
+    for b in range(int(seconds // width)):      # whole bins of the window only
+        lost = max(0.0, width - steps.get(b, 0) / rate)
+        t = b * width
+        if kill_every > 0 and t >= kill_every and t % kill_every < after:
+            near += lost
+        else:
+            rest += lost
+    return near, rest
 
 
 def _row(name: str, cfg: dict[str, Any], res: dict[str, Any], base_rate: float | None) -> tuple[str, float | None]:
@@ -68,6 +117,19 @@ def _row(name: str, cfg: dict[str, Any], res: dict[str, Any], base_rate: float |
     line = (f"{name:<12}{'4->' + str(first['world_size']):>8}{steps:>8}{secs:>9.1f}{rate:>10.2f}{ratio:>8}"
             f"{len(recs):>6}{sum(r.get('newcomer', False) for r in res['ranks'].values()):>5}{rec_s:>10.3f}{grow_s:>8}{diff:>12.2e}{'' if same else '  (survivors differ in steps!)':>4}")
     return line, rate
+
+
+def _losses(rows: list[tuple[str, dict[str, Any], float]], rate: float) -> None:
+    """Print where each run's time went against the failure-free mean ``rate``: rows of (name,
+    ``soak_run``'s results, seconds between kills or 0)."""
+    after = min([AFTER] + [k for _, _, k in rows if k > 0])
+    print(f"# time lost against {rate:.2f} steps/s (the run without failures), from the job's "
+          f"steps per {rows[0][1]['timeline']['bin_s']:g} s (a bin above the rate makes up for nothing, so "
+          f"the run without failures shows the machine's noise): in the {after:g} s from each kill / elsewhere")
+    for name, res, kill_every in rows:
+        seconds = max(r["seconds"] for r in res["ranks"].values())
+        near, rest = lost_seconds(res["timeline"], seconds, rate, kill_every, after)
+        print(f"#   {name:<12}{near:>8.1f} s /{rest:>7.1f} s of {seconds:.0f} s")
 
 
 def main(args: Any) -> int:
@@ -95,6 +157,9 @@ def main(args: Any) -> int:
     line, rate = _row("no failures", cfg, base, None)
     print(line, flush=True)
     chaos = soak_run(cfg | {"kill_every": args.kill_every}, timeout)
-    line, _ = _row(f"kill/{args.kill_every:g}s", cfg, chaos, rate)
+    name = f"kill/{args.kill_every:g}s"
+    line, _ = _row(name, cfg, chaos, rate)
     print(line, flush=True)
+    if rate is not None and chaos["ranks"]:
+        _losses([("no failures", base, 0.0), (name, chaos, args.kill_every)], rate)
     return 0

@@ -8,7 +8,9 @@ stopping, so every rank does the same steps), ``kill_every`` (0: no kills), ``wi
 ``layers`` (the MLP), ``batch`` (the global batch). Kill k (k = seconds since the common start //
 kill_every) takes the rank whose current rank is k modulo the world size, at a step's start;
 without growth (``elastic.run`` taking no ``max_world_size``) nobody dies below 2 ranks. Every
-survivor writes OUT_DIR/rank<R>.json (steps, training seconds, recoveries) and rank<R>.npz.
+survivor writes OUT_DIR/rank<R>.json (steps, training seconds, recoveries, growths, its steps
+per 0.25 s) and rank<R>.npz; a victim writes its steps per 0.25 s to OUT_DIR/timeline-<pid>.json
+before it dies.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ import elastic  # noqa: E402
 import mpicomm  # noqa: E402
 
 SAMPLES, LR = 4096, 1e-3
+BIN = 0.25     # seconds a bin of the step timeline spans
 
 
 def make_model(width: int, layers: int) -> torch.nn.Module:
@@ -94,6 +97,7 @@ def main() -> None:
     s = sampler(cfg["batch"])
     kw = {"max_world_size": 4, "wait_for_replacements": bool(cfg.get("join_wait"))} if grows else {}
     seen: list[int | None] = [None]     # the last kill this rank saw come due (a newcomer: the current one)
+    bins: dict[int, int] = {}           # steps ended per BIN seconds of the common window
 
     @elastic.run(**kw)
     def train(state: elastic.TorchState) -> None:
@@ -106,6 +110,8 @@ def main() -> None:
             if k > seen[0]:
                 seen[0] = k
                 if (grows or state.world_size > 2) and state.rank == k % state.world_size:
+                    with open(os.path.join(out, f"timeline-{os.getpid()}.json"), "w") as f:
+                        json.dump({"bin_s": BIN, "steps": bins}, f)     # the victim's steps, for the bench
                     sys.stdout.flush(), sys.stderr.flush()
                     os.kill(os.getpid(), signal.SIGKILL)
             stop = torch.tensor([float(now >= state.start + cfg["seconds"])])
@@ -118,6 +124,8 @@ def main() -> None:
             opt.step()
             state.step += 1
             state.commit()
+            b = int((time.time() - state.start) / BIN)
+            bins[b] = bins.get(b, 0) + 1
 
     while time.time() < start:
         time.sleep(0.01)
@@ -127,7 +135,8 @@ def main() -> None:
     np.savez(os.path.join(out, f"rank{me}.npz"), **{f"p{i}": p.detach().numpy() for i, p in enumerate(model.parameters())})
     with open(os.path.join(out, f"rank{me}.json"), "w") as f:
         json.dump({"steps": int(state.step), "seconds": seconds, "world_size": state.world_size, "growth": grows, "newcomer": newcomer,
-                   "recoveries": state.recoveries, "growths": state.growths}, f, default=repr)
+                   "recoveries": state.recoveries, "growths": state.growths,
+                   "timeline": {"bin_s": BIN, "steps": bins}}, f, default=repr)
     torch.distributed.destroy_process_group()
     state.comm.barrier()
     sys.stdout.flush(), sys.stderr.flush()
