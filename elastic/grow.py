@@ -84,7 +84,7 @@ def check_host_updates(state: Any) -> None:
     """``state.check_host_updates()``: raise HostsUpdatedInterrupt on every rank when the discovery
     lists more slots than ranks train and ``elastic.run(max_world_size=...)`` allows more."""
     most = getattr(state, "_max_world_size", None)
-    if most is None or not os.environ.get(HOSTS_ENV) or state.world_size >= most or state._growing is not None:
+    if most is None or not os.environ.get(HOSTS_ENV) or state.world_size >= most or state.growing:
         return
     slots, _ = _slots(state, force=False)
     if min(slots, most) > state.world_size:
@@ -116,6 +116,7 @@ class Pending:
     k: int
     t0: float
     spawn_s: float
+    at: int                 # state.commits when they were spawned
     ready: set[int] = dataclasses.field(default_factory=set)   # (rank 0) replacements that said so
     commits: int = 0        # commits seen while waiting
 
@@ -145,13 +146,13 @@ def grow(state: Any, max_world_size: int | None, wait: bool = False) -> dict[str
         inter = old.mpi_comm.Spawn(command, args=args, maxprocs=k, info=info, root=0)
     except MPI.Exception as e:
         return _record(state, {"spawned": 0, "world": state.world_size, "note": f"the spawn of {k} ranks failed ({e})",
-                               "grow_s": time.monotonic() - t0})
+                               "grow_s": time.monotonic() - t0, "at_commit": state.commits})
     finally:
         info.Free()
     spawn_s = time.monotonic() - t0
     merged = inter.Merge(high=False)   # (an mpicomm.Communicator is collective: made at the join)
     inter.Free()
-    state._growing = Pending(merged, int(old.size), k, t0, spawn_s)
+    state._growing = Pending(merged, int(old.size), k, t0, spawn_s, state.commits)
     if wait:
         poll(state, block=True)
     return {"pending": k, "spawn_s": spawn_s}
@@ -206,7 +207,7 @@ def poll(state: Any, block: bool = False) -> None:
     note = _join(state, p.merged, state.comm, p.t0) if go else "the replacements could not join"
     _record(state, {"spawned": p.k if note is None else 0, "world": state.world_size, "note": note,
                     "grow_s": time.monotonic() - p.t0, "spawn_s": p.spawn_s, "ready_s": ready_s,
-                    "commits_waited": p.commits})
+                    "commits_waited": p.commits, "at_commit": p.at})
     raise Regrouped()
 
 
@@ -221,7 +222,7 @@ def abandon(state: Any, why: str) -> None:
     except Exception as e:  # noqa: BLE001 - the replacements leave on their own then
         log.debug("elastic: the agreement with the replacements failed: %s", e)
     _record(state, {"spawned": 0, "world": state.world_size, "note": f"the growth was given up ({why})",
-                    "grow_s": time.monotonic() - p.t0, "spawn_s": p.spawn_s})
+                    "grow_s": time.monotonic() - p.t0, "spawn_s": p.spawn_s, "at_commit": p.at})
 
 
 def join(state: Any) -> None:

@@ -71,10 +71,11 @@ def run(func: F | None = None, *, min_world_size: int = 1, max_world_size: int |
     """Decorate ``train(state, ...)`` so a rank failure rolls ``state`` back to its last commit
     on the survivors and calls ``train`` again; ``min_world_size``: fewer survivors end the job;
     ``max_world_size``: after a loss (or ``state.check_host_updates()`` finding new slots) the
-    job spawns replacements up to that many ranks (Open MPI, ULFM). They join at the first
-    ``state.commit()`` after all of them started, while the job trains on at its size (``train``
-    is then called again on the grown world), or, with ``wait_for_replacements``, at once, at
-    the recovery's commit. Replacements not started when ``train`` returns leave."""
+    job spawns replacements up to that many ranks (Open MPI, ULFM): after a recovery, at the
+    first ``state.commit()`` (the recovered step done at full speed). They join at the first
+    commit after all of them started, while the job trains on at its size (``train`` is then
+    called again on the grown world), or, with ``wait_for_replacements``, spawned and joined at
+    once, at the recovery's commit. Replacements not started when ``train`` returns leave."""
     if int(min_world_size) < 1:
         raise ValueError(f"elastic.run: expected min_world_size >= 1, got {min_world_size!r}")
     if max_world_size is not None and int(max_world_size) < int(min_world_size):
@@ -123,7 +124,11 @@ def run(func: F | None = None, *, min_world_size: int = 1, max_world_size: int |
                 if not getattr(state.comm, "fault_tolerant", False) or not is_failure(state, err):
                     raise
                 recover(state, err, min_world_size)
-                growing = max_world_size is not None and state.world_size < max_world_size
+                if max_world_size is not None and state.world_size < max_world_size:
+                    # waiting: the replacements join at once; else they start once the recovered
+                    # step committed, so their start-up does not slow that step
+                    growing = wait_for_replacements
+                    state._spawn_due = not wait_for_replacements
 
     return wrapper
 
@@ -171,7 +176,7 @@ def recover(state: TorchState, err: BaseException, min_world_size: int = 1) -> d
     epoch.open(state)                       # the next commit agrees over the survivors
     lost = sorted(set(range(old_world)) - set(survivors))
     info = {"lost": lost, "survivors": survivors, "old_world": old_world,
-            "generation": gen if resumed is None else None,
+            "generation": gen if resumed is None else None, "commits": state.commits,
             "attempts": attempts, "save_in_flight": outcome, "from_disk": resumed,
             "started_at": wall0, "shrink_s": t_shrink - t0, "recover_s": time.monotonic() - t0}
     state.recoveries.append(info)

@@ -103,6 +103,8 @@ class TorchState:
         self._saving: Any = None                # the ckpt.SaveHandle in flight
         self._epoch: Any = None                 # the communicator the next commit agrees over (ULFM)
         self._growing: Any = None               # elastic.grow.Pending: replacements starting
+        self._spawn_due = False                 # replacements start at the next commit (after a recovery)
+        self._max_world_size: int | None = None  # elastic.run's, set by it
         self._callbacks: list[Callable[[], Any]] = []
         self._commits: list[Commit] = []        # oldest first, at most two
         self.model = model
@@ -191,8 +193,9 @@ class TorchState:
 
     @property
     def growing(self) -> bool:
-        """Whether replacements are starting: they join at a coming ``commit()``."""
-        return self._growing is not None
+        """Whether the job is growing back: replacements start at the next ``commit()`` (after a
+        recovery) or are starting, and join at a coming one."""
+        return self._spawn_due or self._growing is not None
 
     @property
     def sharded(self) -> bool:
@@ -264,7 +267,12 @@ class TorchState:
 
             self.wait_checkpoint()      # (ckpt.save would wait for it too) and the leftovers go
             self._saving = disk.save(self, self._count)
-        if self._growing is not None:   # replacements join here once all are ready
+        if self._spawn_due:             # the first commit after a recovery: replacements start
+            from . import grow
+
+            self._spawn_due = False
+            grow.grow(self, self._max_world_size)
+        elif self._growing is not None:     # replacements join here once all are ready
             from . import grow
 
             grow.poll(self)

@@ -76,8 +76,9 @@ CASES = [
     # (the job's closing barrier over state.comm would meet the dead rank)
     (3, "ddp", "between", 1, STEPS - 1, 1, ()),
     (3, "zero2", "between", 2, STEPS - 1, 1, ()),
-    # the job grows back to 4 ranks: a replacement is spawned and joins at the recovery's commit
-    # (while the job trains on at 3 ranks; or, with join=wait, at once)
+    # the job grows back to 4 ranks: a replacement is spawned at the commit of the step done again
+    # and joins at a later one (the job training on at 3 ranks); or, with join=wait, both at once,
+    # at the recovery's commit
     (4, "zero1", "between", 1, 2, 1, ("grow=4",)),
     (4, "ddp", "backward", 2, 2, 1, ("grow=4", "join=wait")),
     # and again: a second death after the growth, the replacement training (it recovers and the
@@ -124,6 +125,11 @@ def test_survivors_end_with_the_reference_weights(tmp_path, n, opt, where, victi
         # joined at the recovery's commit, or at a later one (the job trained on meanwhile)
         waited = [g["commits_waited"] for g in info["growths"]]
         assert waited == [0] * len(waited) if opts.get("join") == "wait" else min(waited) >= 1, (info, log)
+        # spawned at the recovery's commit (waiting), else at the commit of the step done again
+        # (the replacement's start-up does not slow it)
+        later = 0 if opts.get("join") == "wait" else 1
+        assert [g["at_commit"] for g in info["growths"]] == [r["commits"] + later for r in info["recoveries"]], \
+            (info, log)
     if opt != "ddp":
         assert info["zero_world"] == world, info
     if where in ("agree", "agreed"):   # the commit the victim died in went through on the survivors
