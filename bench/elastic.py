@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     q = p.add_argument_group("peers (run as one process: bench/elastic_peers.py; --params, --width, --batch and "
                              "--kill-step apply; worker 1 is killed)")
     q.add_argument("--peers", action="store_true", help="torchft 0.2 and torchrun + DCP beside elastic")
-    q.add_argument("--peers-steps", type=int, default=8, help="steps of each peer run")
+    q.add_argument("--peers-steps", type=int, default=20, help="steps of each peer run (enough for a replacement to join)")
     q.add_argument("--peers-ours", choices=("ddp", "zero2"), default="zero2", help="elastic's training in --peers")
     q.add_argument("--peers-systems", default="elastic,torchft,torchrun",
                    help="comma-separated: which of elastic, torchft, torchrun to run")
