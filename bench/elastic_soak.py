@@ -79,7 +79,7 @@ def chain(timelines: list[dict[str, Any]]) -> dict[str, Any]:
 
 def lost_seconds(timeline: dict[str, Any], seconds: float, rate: float, kill_every: float,
                  after: float) -> tuple[float, float]:
-    """Training time lost against ``rate`` steps/s, from a rank's step timeline (steps per bin of
+    """Training time lost against ``rate`` steps/s, from a step timeline (``chain``'s: steps per bin of
     ``bin_s`` seconds since the common start): in the ``after`` seconds from each kill (every
     ``kill_every`` s), and elsewhere. A bin that stepped faster than ``rate`` makes up for nothing."""
     width = float(timeline["bin_s"])
