@@ -83,7 +83,7 @@ def _slots(state: Any, force: bool) -> tuple[int, list[str]]:
 def check_host_updates(state: Any) -> None:
     """``state.check_host_updates()``: raise HostsUpdatedInterrupt on every rank when the discovery
     lists more slots than ranks train and ``elastic.run(max_world_size=...)`` allows more."""
-    most = getattr(state, "_max_world_size", None)
+    most = state._max_world_size
     if most is None or not os.environ.get(HOSTS_ENV) or state.world_size >= most or state.growing:
         return
     slots, _ = _slots(state, force=False)

@@ -267,15 +267,14 @@ class TorchState:
 
             self.wait_checkpoint()      # (ckpt.save would wait for it too) and the leftovers go
             self._saving = disk.save(self, self._count)
-        if self._spawn_due:             # the first commit after a recovery: replacements start
+        if self.growing:
             from . import grow
 
-            self._spawn_due = False
-            grow.grow(self, self._max_world_size)
-        elif self._growing is not None:     # replacements join here once all are ready
-            from . import grow
-
-            grow.poll(self)
+            if self._spawn_due:         # the first commit after a recovery: replacements start
+                self._spawn_due = False
+                grow.grow(self, self._max_world_size)
+            else:                       # replacements join here once all are ready
+                grow.poll(self)
 
     def wait_checkpoint(self) -> None:
         """Wait for the checkpoint save in flight, if any (raises its failure on every rank); once

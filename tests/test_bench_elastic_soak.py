@@ -1,4 +1,5 @@
-"""bench elastic --soak: the time lost to failures, read from a rank's step timeline (no MPI)."""
+"""bench elastic --soak: the job's step timeline chained from its processes', and the time lost
+to failures read from it (no MPI)."""
 from __future__ import annotations
 
 import pytest
