@@ -13,15 +13,20 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ckpt import dtensor_layout as dl
-
 from . import repartition, reshard
 from .errors import ElasticError, ShardsLostError
 
 
+def _dl() -> Any:
+    """``ckpt.dtensor_layout``, imported on first use (importing ckpt costs a replacement's start-up 0.3 s)."""
+    from ckpt import dtensor_layout
+
+    return dtensor_layout
+
+
 def local_shape(shape: Sequence[int], world: int, rank: int, placements: Sequence[Any]) -> tuple[int, ...]:
     """The local shard shape of ``rank`` of a tensor of global ``shape`` on a 1-D mesh of ``world``."""
-    return dl.local_shape(dl.layout(shape, (world,), (rank,), placements))
+    return _dl().local_shape(_dl().layout(shape, (world,), (rank,), placements))
 
 
 # -- commit, rollback and rebuild of an FSDP2 model in a TorchState ------------------------------
@@ -32,6 +37,8 @@ _HEAD = 8       # a packed buffer starts with the digest of its entries (int64)
 
 
 def _is_dtensor(t: Any) -> bool:
+    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter or not isinstance(t, torch.Tensor):
+        return False        # (without importing ckpt)
     from ckpt.dtensor import is_dtensor
 
     return is_dtensor(t)
@@ -47,7 +54,7 @@ def uses_dtensors(model: Any) -> bool:
         if not _is_dtensor(p):
             continue
         found = True
-        if p.device_mesh.ndim != 1 or any(dl.placement_kind(q)[0] != "shard" for q in p.placements):
+        if p.device_mesh.ndim != 1 or any(_dl().placement_kind(q)[0] != "shard" for q in p.placements):
             raise NotImplementedError(
                 f"elastic.TorchState: parameter {name!r} is a DTensor on a {p.device_mesh.ndim}-D mesh with "
                 f"placements {tuple(p.placements)}; elastic re-partitions FSDP2 parameters on a 1-D mesh "
@@ -88,13 +95,13 @@ def _offsets(entries: Sequence[Entry], world: int, rank: int) -> list[int]:
 
 def _rows(e: Entry, world: int, rank: int) -> tuple[int, int]:
     """The rows of ``e``'s sharded dimension that ``rank`` holds on a 1-D mesh of ``world`` (torch.chunk's)."""
-    dim = dl.placement_kind(e.placements[0])[1]
-    return dl.chunk(e.shape[dim], world, rank)
+    dim = _dl().placement_kind(e.placements[0])[1]
+    return _dl().chunk(e.shape[dim], world, rank)
 
 
 def _touching(e: Entry, world: int, lo: int, hi: int) -> range:
     """The ranks of a 1-D mesh of ``world`` whose shard of ``e`` holds some of rows [lo, hi)."""
-    dim = dl.placement_kind(e.placements[0])[1]
+    dim = _dl().placement_kind(e.placements[0])[1]
     full = -(-e.shape[dim] // world) if e.shape[dim] else 0
     return range(lo // full, min(world, (hi - 1) // full + 1)) if hi > lo and full else range(0)
 
@@ -127,7 +134,7 @@ def plan(entries: Sequence[Entry], old_world: int, new_world: int, *, dst: int |
             olds, news = range(old_world), range(new_world)
         for world, ranks, runs in ((old_world, olds, old), (new_world, news, new)):
             for r in ranks:
-                for full, local, n in dl.runs(e.shape, dl.layout(e.shape, (world,), (r,), e.placements)):
+                for full, local, n in _dl().runs(e.shape, _dl().layout(e.shape, (world,), (r,), e.placements)):
                     runs.append((base + full * size, n * size, r, at(world, r, i) + local * size))
         base += math.prod(e.shape) * size
     return reshard.overlaps(old, new)
@@ -326,7 +333,7 @@ class RebuildFSDP:
 
 def shard_dim(placement: Any) -> int:
     """The dimension a ``Shard`` placement splits (the only placement elastic re-partitions)."""
-    kind, dim, _ = dl.placement_kind(placement)
+    kind, dim, _ = _dl().placement_kind(placement)
     if kind != "shard":
         raise ValueError(f"elastic: expected a Shard placement, got {placement!r}")
     return int(dim)
