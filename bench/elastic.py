@@ -5,6 +5,7 @@ training that lost nothing.
     python -m bench elastic --chaos 20      # one process: 20 ULFM jobs, ranks killed at random (elastic_chaos)
     python -m bench elastic --soak 120 --kill-every 30      # one process: with and without kills (elastic_soak)
     python -m bench elastic --peers --params 20M            # one process: torchft, torchrun beside (elastic_peers)
+    python -m bench elastic --growth 3      # one process: a growth's parts beside torch's own start-up (elastic_growth)
 
 Part 1, at the full world, no failure: per mode (DDP + Adam; ZeroOptimizer stage 2 + Adam with
 ``replicate="state"``, "zero" (on one host the buddy maps the rank's copy in shared memory:
@@ -232,6 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--soak-no-grow", action="store_true", help="no max_world_size: the job only shrinks")
     k.add_argument("--soak-join-wait", action="store_true",
                    help="wait_for_replacements=True: the survivors wait for the replacements at the recovery")
+    k.add_argument("--growth", type=int, metavar="N", help="N rounds of one growth, split into elastic's part and "
+                   "the replacement's start-up, beside a bare torch process's start-up (bench/elastic_growth.py; "
+                   "--soak-width, --soak-layers and --soak-batch apply)")
     q = p.add_argument_group("peers (run as one process: bench/elastic_peers.py; --params, --width, --batch and "
                              "--kill-step apply; worker 1 is killed)")
     q.add_argument("--peers", action="store_true", help="torchft 0.2 and torchrun + DCP beside elastic")
@@ -248,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.peers:
         from . import elastic_peers
         return elastic_peers.main(args)
+    if args.growth is not None:
+        from . import elastic_growth
+        return elastic_growth.main(args)
     if args.soak is not None:
         from . import elastic_soak
         return elastic_soak.main(args)
