@@ -4,10 +4,11 @@ training losing nothing, in one run.
     python -m bench elastic --soak 120 --kill-every 30
 
 Run as one process: two ``mpirun --with-ft ulfm -n 4`` jobs of bench/elastic_soak_job.py, the one
-without failures first. Prints, per run: the ranks at the start and the end, the steps done in the
-training time, steps per second and their ratio to the run without failures, the recoveries and
-their mean time in ``elastic.recover``, the newcomers that joined (growth) and the mean time of a
-growth (the spawn to the grown world's first commit, ``state.growths``), and the largest
+without failures first. Prints, per run: the ranks at the start and the end, the ranks killed,
+the steps done in the training time, steps per second and their ratio to the run without
+failures, the recoveries and their mean time in ``elastic.recover``, the newcomers that joined
+(growth) and the mean time of a growth (the spawn to the grown world's first commit,
+``state.growths``), and the largest
 difference of every survivor's final weights from one plain torch process on the same global
 batches (the run without failures shows the rounding this length of training gives). Then the
 training time each run lost against the failure-free step rate, from its steps per 0.25 s: in
@@ -52,7 +53,8 @@ def soak_run(cfg: dict[str, Any], timeout: float) -> dict[str, Any]:
                     ranks[r] = json.load(f)
                 ranks[r]["weights"] = dict(np.load(os.path.join(out, f"rank{r}.npz")))
                 timelines.append(ranks[r]["timeline"])
-        return {"rc": rc, "ranks": ranks, "wall_s": wall, "output": output, "timeline": chain(timelines)}
+        kills = sum(name.startswith("timeline-") for name in os.listdir(out))     # a victim writes one as it dies
+        return {"rc": rc, "ranks": ranks, "wall_s": wall, "output": output, "timeline": chain(timelines), "kills": kills}
     finally:
         shutil.rmtree(out, ignore_errors=True)
 
@@ -114,7 +116,7 @@ def _row(name: str, cfg: dict[str, Any], res: dict[str, Any], base_rate: float |
     grows = [g["grow_s"] for g in first.get("growths", []) if g.get("note") is None]
     grow_s = f"{sum(grows) / len(grows):.2f}" if grows else "-"
     ratio = "" if base_rate is None else f"{rate / base_rate:.1%}"
-    line = (f"{name:<12}{'4->' + str(first['world_size']):>8}{steps:>8}{secs:>9.1f}{rate:>10.2f}{ratio:>8}"
+    line = (f"{name:<12}{'4->' + str(first['world_size']):>8}{res['kills']:>6}{steps:>8}{secs:>9.1f}{rate:>10.2f}{ratio:>8}"
             f"{len(recs):>6}{sum(r.get('newcomer', False) for r in res['ranks'].values()):>5}{rec_s:>10.3f}{grow_s:>8}{diff:>12.2e}{'' if same else '  (survivors differ in steps!)':>4}")
     return line, rate
 
@@ -150,7 +152,7 @@ def main(args: Any) -> int:
           + (f"growth: elastic.run(max_world_size=4, wait_for_replacements={args.soak_join_wait})" if grows else
              "no growth (--soak-no-grow, or elastic.run takes no max_world_size): shrinks, nobody killed below 2 ranks"))
     print("# max |w - ref|: every survivor's final weights against one plain torch process, same steps")
-    print(f"{'run':<12}{'ranks':>8}{'steps':>8}{'train s':>9}{'steps/s':>10}{'ratio':>8}{'recov':>6}{'new':>5}"
+    print(f"{'run':<12}{'ranks':>8}{'kills':>6}{'steps':>8}{'train s':>9}{'steps/s':>10}{'ratio':>8}{'recov':>6}{'new':>5}"
           f"{'recover s':>10}{'grow s':>8}{'max |w-ref|':>12}")
     timeout = args.soak + 240
     base = soak_run(cfg | {"kill_every": 0}, timeout)

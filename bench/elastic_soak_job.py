@@ -6,7 +6,8 @@ elastic.run, a rank SIGKILLed every ``kill_every`` seconds.
 CONFIG: ``mode`` (ddp | zero2 | zero2-mpi), ``seconds`` (training time; every step agrees on
 stopping, so every rank does the same steps), ``kill_every`` (0: no kills), ``width`` and
 ``layers`` (the MLP), ``batch`` (the global batch). Kill k (k = seconds since the common start //
-kill_every) takes the rank whose current rank is k modulo the world size, at a step's start;
+kill_every, by the latest clock of the ranks, agreed at every step's start) takes the rank whose
+current rank is k modulo the world size, at that step's start: one rank per kill;
 without growth (``elastic.run`` taking no ``max_world_size``) nobody dies below 2 ranks. Every
 survivor writes OUT_DIR/rank<R>.json (steps, training seconds, recoveries, growths, its steps
 per 0.25 s) and rank<R>.npz; a victim writes its steps per 0.25 s to OUT_DIR/timeline-<pid>.json
@@ -103,8 +104,13 @@ def main() -> None:
     def train(state: elastic.TorchState) -> None:
         net = DDP(model) if cfg["mode"] == "ddp" else model
         while True:
-            now = time.time()
-            k = int((now - state.start) // cfg["kill_every"]) if cfg["kill_every"] > 0 else 0
+            # every rank reads the same clock at the same step (the latest of theirs), so kill k comes
+            # due at one step everywhere: a rank that saw it only after the recovery would kill again
+            now = torch.tensor([time.time() - state.start], dtype=torch.float64)
+            state.comm.all_reduce(now, op=mpicomm.ReduceOp.MAX)
+            if now.item() >= cfg["seconds"]:
+                return
+            k = int(now.item() // cfg["kill_every"]) if cfg["kill_every"] > 0 else 0
             if seen[0] is None:
                 seen[0] = k
             if k > seen[0]:
@@ -114,10 +120,6 @@ def main() -> None:
                         json.dump({"bin_s": BIN, "steps": bins}, f)     # the victim's steps, for the bench
                     sys.stdout.flush(), sys.stderr.flush()
                     os.kill(os.getpid(), signal.SIGKILL)
-            stop = torch.tensor([float(now >= state.start + cfg["seconds"])])
-            state.comm.all_reduce(stop, op=mpicomm.ReduceOp.MAX)
-            if stop.item() > 0:
-                return
             idx = s.local_indices(state.step, state.rank, state.world_size)
             opt.zero_grad()
             (s.loss_scale(state.world_size) * ((net(x[idx]) - y[idx]) ** 2).sum()).backward()
