@@ -82,3 +82,12 @@ def test_a_replacement_spawns_its_own_replacements_through_it_once(monkeypatch):
     assert first == (sys.executable, ["-X", "dev", path, "-m", "mpi4py", "train.py", "--lr", "1"])
     monkeypatch.setattr(sys, "orig_argv", [sys.executable, *first[1]])
     assert grow._command() == first
+
+
+def test_importing_elastic_leaves_ckpt_unloaded():
+    # a replacement imports elastic on its way to joining: ckpt (0.3 s of imports) waits for first use
+    code = "import sys, elastic, mpicomm, zero; print(sorted(m for m in sys.modules if m.split('.')[0] == 'ckpt'))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": ROOT})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
