@@ -168,6 +168,9 @@ def test_one_async_profiler_event_per_call_with_torch_names(plain, world):
 @pytest.mark.timeout(2400)
 @pytest.mark.parametrize("ranks", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_torch_suite_passes_on_mpicomm_wherever_it_passes_on_gloo(ranks, tmp_path):
+    if ranks == 2 and MPI.Get_library_version().startswith("MPICH") and os.environ.get("MPICOMM_TEST_SLOW", "1") != "0":
+        pytest.skip("on MPICH the suite runs at 4 ranks where slow tests run (CI: 2 ranks on Open MPI); "
+                    "MPICOMM_TEST_SLOW=0 runs it at 2 ranks here")
     pytest.importorskip("expecttest", reason="torch's distributed test base imports expecttest")
     out = tmp_path / "suite.json"
     proc = subprocess.run([sys.executable, os.path.join(HERE, "conformance.py"), "--ranks",
