@@ -74,20 +74,28 @@ _FAKE_MPIEXEC = """#!/bin/sh
 if [ "$1" = "--version" ]; then echo '{banner}'; exit 0; fi
 echo "args: $*"
 echo "root-vars: ${{OMPI_ALLOW_RUN_AS_ROOT:-unset}} ${{OMPI_ALLOW_RUN_AS_ROOT_CONFIRM:-unset}}"
+echo "btl: ${{OMPI_MCA_btl:-unset}}"
 """
 
 
-def _fake_launch(tmp_path, banner, n):
+_BATCH = ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "FLUX_JOB_ID")
+
+
+def _fake_launch(tmp_path, banner, n, opts=(), env_extra=None, btl=False):
     fake = tmp_path / "mpiexec"
     fake.write_text(_FAKE_MPIEXEC.format(banner=banner))
     fake.chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OMPI_ALLOW_RUN_AS_ROOT")}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_MCA_btl")) and k not in _BATCH}
+    env.update(env_extra or {})
     proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "mpirun.sh"), "--mpiexec",
-                           str(fake), "-n", str(n), "prog", "-n", "99"], env=env,
+                           str(fake), "-n", str(n), *opts, "prog", "-n", "99"], env=env,
                           capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stderr
     args = proc.stdout.split("args: ")[1].splitlines()[0].split()
     root_vars = proc.stdout.split("root-vars: ")[1].splitlines()[0].split()
+    if btl:
+        return proc.stdout.split("btl: ")[1].splitlines()[0]
     return args, root_vars
 
 
@@ -107,6 +115,21 @@ def test_mpirun_sh_open_mpi_root_variables_and_oversubscription(tmp_path):
     args, root_vars = _fake_launch(tmp_path, "mpiexec (Open MPI) 5.0.11", cores + 1)
     assert args == ["--oversubscribe", "-n", str(cores + 1), "prog", "-n", "99"], args
     assert root_vars == (["1", "1"] if root else ["unset", "unset"])
+
+
+def test_mpirun_sh_leaves_out_open_mpis_libfabric_transport_on_one_host_only(tmp_path):
+    """btl ofi added 1 s to every MPI_Init here; left out on one host, kept wherever the user or
+    a multi-host launch decides, and never set under --with-ft (mpicomm's ULFM defaults set
+    btl tcp,self only where the variable is unset: over shared memory survivors hang)."""
+    ompi = "mpiexec (Open MPI) 5.0.11"
+    assert _fake_launch(tmp_path, ompi, 1, btl=True) == "^ofi"
+    for opts in (["--with-ft", "ulfm"], ["--host", "a,b"], ["--hostfile", "hosts"], ["-H", "a:2"],
+                 ["--mca", "btl", "self,tcp"]):
+        assert _fake_launch(tmp_path, ompi, 1, opts, btl=True) == "unset", opts
+    for var in _BATCH:
+        assert _fake_launch(tmp_path, ompi, 1, env_extra={var: "7"}, btl=True) == "unset", var
+    assert _fake_launch(tmp_path, ompi, 1, env_extra={"OMPI_MCA_btl": "self,sm"}, btl=True) == "self,sm"
+    assert _fake_launch(tmp_path, "HYDRA build details:", 1, btl=True) == "unset"
 
 
 def test_mpirun_sh_mpich_gets_no_extra_flags_or_variables(tmp_path):
