@@ -64,14 +64,15 @@ if [ "$flavour" = openmpi ]; then
     fi
     # on one host the libfabric transport (btl ofi) adds 1.0 s to every MPI_Init here and carries
     # nothing (sm and tcp do); left out unless the user chose transports, named hosts or runs under
-    # a batch allocation. Not under --with-ft: mpicomm then sets btl tcp,self (mpicomm.ft_env)
+    # a batch allocation. Not with fault tolerance (--with-ft, mpi_ft_enable): mpicomm then sets
+    # btl tcp,self where the variable is unset (mpicomm.ft_env)
     local_only=1
     for arg in "$@"; do
         case "$arg" in
-            -H|-H=*|--host|--host=*|-host|--hostfile|--hostfile=*|-hostfile|--machinefile|--machinefile=*|-machinefile|--default-hostfile|--default-hostfile=*|--with-ft|--with-ft=*|btl) local_only=0 ;;
+            -H|-H=*|--host|--host=*|-host|--hostfile|--hostfile=*|-hostfile|--machinefile|--machinefile=*|-machinefile|--default-hostfile|--default-hostfile=*|--with-ft|--with-ft=*|btl|mpi_ft_enable) local_only=0 ;;
         esac
     done
-    if [ "$local_only" = 1 ] && [ -z "${OMPI_MCA_btl:-}" ] && [ -z "${SLURM_JOB_ID:-}${PBS_JOBID:-}${LSB_JOBID:-}${FLUX_JOB_ID:-}" ]; then
+    if [ "$local_only" = 1 ] && [ -z "${OMPI_MCA_btl:-}${OMPI_MCA_mpi_ft_enable:-}" ] && [ -z "${SLURM_JOB_ID:-}${PBS_JOBID:-}${LSB_JOBID:-}${FLUX_JOB_ID:-}" ]; then
         export OMPI_MCA_btl="^ofi"
         notes+=("one host: OMPI_MCA_btl=^ofi (libfabric's transport added 1 s to each MPI_Init)")
     fi

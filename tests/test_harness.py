@@ -86,7 +86,7 @@ def _fake_launch(tmp_path, banner, n, opts=(), env_extra=None, btl=False):
     fake.write_text(_FAKE_MPIEXEC.format(banner=banner))
     fake.chmod(0o755)
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_MCA_btl")) and k not in _BATCH}
+           if not k.startswith(("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_MCA_btl", "OMPI_MCA_mpi_ft")) and k not in _BATCH}
     env.update(env_extra or {})
     proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "mpirun.sh"), "--mpiexec",
                            str(fake), "-n", str(n), *opts, "prog", "-n", "99"], env=env,
@@ -124,9 +124,9 @@ def test_mpirun_sh_leaves_out_open_mpis_libfabric_transport_on_one_host_only(tmp
     ompi = "mpiexec (Open MPI) 5.0.11"
     assert _fake_launch(tmp_path, ompi, 1, btl=True) == "^ofi"
     for opts in (["--with-ft", "ulfm"], ["--host", "a,b"], ["--hostfile", "hosts"], ["-H", "a:2"],
-                 ["--mca", "btl", "self,tcp"]):
+                 ["--mca", "btl", "self,tcp"], ["--mca", "mpi_ft_enable", "1"]):
         assert _fake_launch(tmp_path, ompi, 1, opts, btl=True) == "unset", opts
-    for var in _BATCH:
+    for var in (*_BATCH, "OMPI_MCA_mpi_ft_enable"):
         assert _fake_launch(tmp_path, ompi, 1, env_extra={var: "7"}, btl=True) == "unset", var
     assert _fake_launch(tmp_path, ompi, 1, env_extra={"OMPI_MCA_btl": "self,sm"}, btl=True) == "self,sm"
     assert _fake_launch(tmp_path, "HYDRA build details:", 1, btl=True) == "unset"
