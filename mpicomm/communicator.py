@@ -83,6 +83,7 @@ class Communicator(Reductions, Moves, PointToPoint):
     def __init__(self, mpi_comm: MPI.Comm = MPI.COMM_WORLD, check: bool | None = None) -> None:
         check_type("Communicator", "mpi_comm", mpi_comm, "an mpi4py intracommunicator",
                    ok=isinstance(mpi_comm, MPI.Intracomm) and mpi_comm != MPI.COMM_NULL)
+        faults.fault_tolerant()    # raises where a death could hang this job (mpicomm.ft_env.too_late)
         self.mpi_comm = mpi_comm
         mpi_comm.Set_errhandler(MPI.ERRORS_RETURN)  # failures come back as errors, never abort
         self.rank: int = mpi_comm.Get_rank()

@@ -24,6 +24,7 @@ import time
 
 from mpi4py import MPI
 
+from . import ft_env
 from .ft_env import FT_VAR, launched_with_ft
 
 try:
@@ -66,6 +67,8 @@ def fault_tolerant() -> bool:
     if _state is None:
         _state = (MPI.Get_library_version().startswith("Open MPI") and bool(_FAILURE_CLASSES)
                   and hasattr(MPI.Comm, "Revoke") and launched_with_ft())
+    if _state and ft_env.too_late:
+        raise RuntimeError(f"mpicomm: {ft_env.too_late}")
     return _state
 
 

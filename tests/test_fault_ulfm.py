@@ -103,3 +103,26 @@ def test_a_stalled_rank_times_out_the_call_and_the_revoke_ends_it_everywhere(tmp
     group works on every rank."""
     out = _run_case(tmp_path, "stalled", victim=-1)
     assert "timeout" in out and "revoked" in out, out
+
+
+def test_mpi_started_before_mpicomm_is_a_clear_error_not_a_hang(tmp_path):
+    """``from mpi4py import MPI`` before ``import mpicomm`` under ``--with-ft ulfm``: mpicomm's TCP
+    default comes too late (over shared memory a death hangs the survivors), so every rank raises
+    at its first Communicator; with the transport chosen at launch the same script runs."""
+    _ulfm_mpiexec()
+    env = clean_env()
+    for k in ("OMPI_MCA_btl", "OMPI_MCA_mpi_ft_enable"):
+        env.pop(k, None)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    code = ("from mpi4py import MPI\nimport mpicomm\nc = mpicomm.Communicator()\n"
+            "c.mpi_comm.Barrier()\nprint('ran', c.rank, flush=True)")
+    outs = []
+    for extra in ([], ["--mca", "btl", "tcp,self"]):
+        cmd = [*mpiexec_cmd(2)]
+        cmd[cmd.index("-n"):cmd.index("-n")] = ["--with-ft", "ulfm", *extra]
+        proc = subprocess.run([*cmd, sys.executable, "-m", "mpi4py", "-c", code], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=120)
+        outs.append((proc.returncode, proc.stdout, proc.stderr))
+    (rc, out, err), (rc2, out2, err2) = outs
+    assert rc != 0 and "came too late" in err and "ran" not in out, (rc, out, err[-3000:])
+    assert rc2 == 0 and sorted(out2.split()) == sorted("ran 0 ran 1".split()), (rc2, out2, err2[-3000:])
