@@ -19,6 +19,9 @@ PROGRAMS = {
     "netsim": ("bench.netsim", "run a benchmark on simulated hosts with a rate-limited network"),
 }
 
+#: Programs that start no MPI in this process (netsim launches jobs; plot reads files).
+NO_MPI = ("netsim", "plot")
+
 
 def usage() -> str:
     lines = ["usage: python -m bench PROGRAM [args]   (under mpiexec, except netsim)", "",
@@ -38,6 +41,8 @@ def main(argv=None) -> int:
         print(f"bench: unknown program {name!r}; expected one of: {', '.join(PROGRAMS)}",
               file=sys.stderr)
         return 2
+    if name not in NO_MPI:   # mpicomm's Open MPI defaults apply only if it comes before MPI starts
+        import mpicomm  # noqa: F401
     module = importlib.import_module(PROGRAMS[name][0])
     return int(module.main(rest) or 0)
 
