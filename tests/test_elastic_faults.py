@@ -207,7 +207,10 @@ def test_a_reset_callback_that_raises_ends_the_job_on_every_survivor(tmp_path):
     out, ckdir = str(tmp_path / "run"), str(tmp_path / "ck")
     proc = _launch(3, [os.path.join(HERE, "elastic_disk_job.py"), "ddp", ckdir, "5", "1", "3", out, "badreset"],
                    timeout=120)
-    assert proc.returncode != 0 and not os.path.exists(out + ".json")
+    # the job ends through MPI_Abort; prterun (--with-ft) once exited 0 after it here (1 run in 5,
+    # the machine loaded), so an abort seen in its output counts as the job's end too
+    aborted = proc.returncode != 0 or "MPI_ABORT was invoked" in proc.stderr
+    assert aborted and not os.path.exists(out + ".json"), (proc.returncode, proc.stderr[-4000:])
     assert proc.stderr.count("ResetCallbackError") >= 2, proc.stderr[-4000:]
     assert "rebuild_data_loader: OSError: no data shard for the new world size" in proc.stderr, proc.stderr[-4000:]
 
