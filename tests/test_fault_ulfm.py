@@ -38,16 +38,29 @@ def _ulfm_mpiexec() -> str:
     return mpiexec
 
 
-def _run_case(tmp_path, case: str, victim: int, n: int = 3, **extra_env) -> str:
-    _ulfm_mpiexec()
+def _job_env(**extra_env) -> dict:
+    """A fresh job's environment: no launcher or torch.distributed variables, no transport or
+    fault-tolerance setting (the launch decides), this checkout on the path."""
     env = clean_env()
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "OMPI_MCA_btl",
               "OMPI_MCA_mpi_ft_enable"):
         env.pop(k, None)
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra_env)
+    return env
+
+
+def _ulfm_cmd(n: int, *options: str) -> list[str]:
+    """The launch of ``n`` ranks under ``--with-ft ulfm`` (and ``options``)."""
     cmd = [*mpiexec_cmd(n)]
-    cmd[cmd.index("-n"):cmd.index("-n")] = ["--with-ft", "ulfm"]
+    cmd[cmd.index("-n"):cmd.index("-n")] = ["--with-ft", "ulfm", *options]
+    return cmd
+
+
+def _run_case(tmp_path, case: str, victim: int, n: int = 3, **extra_env) -> str:
+    _ulfm_mpiexec()
+    env = _job_env(**extra_env)
+    cmd = _ulfm_cmd(n)
     try:
         proc = subprocess.run([*cmd, sys.executable, "-m", "mpi4py", JOB, case, str(victim),
                                str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
@@ -110,17 +123,12 @@ def test_mpi_started_before_mpicomm_is_a_clear_error_not_a_hang(tmp_path):
     default comes too late (over shared memory a death hangs the survivors), so every rank raises
     at its first Communicator; with the transport chosen at launch the same script runs."""
     _ulfm_mpiexec()
-    env = clean_env()
-    for k in ("OMPI_MCA_btl", "OMPI_MCA_mpi_ft_enable"):
-        env.pop(k, None)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env = _job_env()
     code = ("from mpi4py import MPI\nimport mpicomm\nc = mpicomm.Communicator()\n"
             "c.mpi_comm.Barrier()\nprint('ran', c.rank, flush=True)")
     outs = []
     for extra in ([], ["--mca", "btl", "tcp,self"]):
-        cmd = [*mpiexec_cmd(2)]
-        cmd[cmd.index("-n"):cmd.index("-n")] = ["--with-ft", "ulfm", *extra]
-        proc = subprocess.run([*cmd, sys.executable, "-m", "mpi4py", "-c", code], cwd=ROOT, env=env,
+        proc = subprocess.run([*_ulfm_cmd(2, *extra), sys.executable, "-m", "mpi4py", "-c", code], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=120)
         outs.append((proc.returncode, proc.stdout, proc.stderr))
     (rc, out, err), (rc2, out2, err2) = outs
