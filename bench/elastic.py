@@ -233,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--soak-no-grow", action="store_true", help="no max_world_size: the job only shrinks")
     k.add_argument("--soak-join-wait", action="store_true",
                    help="wait_for_replacements=True: the survivors wait for the replacements at the recovery")
+    k.add_argument("--soak-spare", action="store_true", help="a third run: the kills with elastic.run(spare=True) "
+                   "(a replacement started ahead; with --growth: a third job per round)")
     k.add_argument("--growth", type=int, metavar="N", help="N rounds of one growth, split into elastic's part and "
                    "the replacement's start-up, beside a bare torch process's start-up (bench/elastic_growth.py; "
                    "--soak-width, --soak-layers and --soak-batch apply)")

@@ -8,7 +8,10 @@ a ``torch.optim.Adam`` (whose constructor imports ``torch._dynamo``), alone on t
 any process that trains pays before it can take part, a replacement included; then two
 ``mpirun --with-ft ulfm -n 4`` jobs of bench/elastic_soak_job.py (ZeroOptimizer stage 2, growth
 on), each with rank 1 SIGKILLed 10 s into training, one training on while the replacement starts
-(``elastic.run``'s default) and one waiting for it at the recovery (``wait_for_replacements``).
+(``elastic.run``'s default) and one waiting for it at the recovery (``wait_for_replacements``);
+with ``--soak-spare`` a third, ``elastic.run(spare=True)``: the replacement started at the job's
+first commit, ahead of the loss (its start-up is then not part of the growth: grow s runs from
+the end of the recovery).
 Prints, per growth (``state.growths``): spawn s (the survivors' ``MPI_Comm_spawn`` and merge),
 start-up s (the spawn to the replacement's ready message, noticed at a commit: its Python, MPI,
 torch and the program up to ``elastic.run``), join s (the ready message to the grown world's
@@ -49,7 +52,10 @@ def growths(res: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def split(g: dict[str, Any]) -> tuple[float, float, float, float]:
-    """A growth record as (spawn s, replacement start-up s, join s, grow s)."""
+    """A growth record as (spawn s, replacement start-up s, join s, grow s); a spare's start-up
+    came before the loss (nan), its grow s runs from the end of the recovery."""
+    if g.get("spare"):
+        return g["spawn_s"], float("nan"), g["join_s"], g["grow_s"]
     return g["spawn_s"], g["ready_s"] - g["spawn_s"], g["grow_s"] - g["ready_s"], g["grow_s"]
 
 
@@ -70,13 +76,16 @@ def main(args: Any) -> int:
     print("# floor: a fresh `python -c` importing torch and building a torch.optim.Adam, alone: its start to the "
           "optimizer built (s), of which torch's import and the Adam (most of it the import of torch._dynamo)")
     print(f"{'round':<7}{'run':<14}{'spawn s':>9}{'start-up s':>12}{'join s':>8}{'grow s':>8}")
-    rows: dict[str, list[tuple[float, ...]]] = {"floor": [], "trains on": [], "waits": []}
+    runs = [("trains on", {"join_wait": False}), ("waits", {"join_wait": True})]
+    if args.soak_spare:
+        runs.append(("spare", {"join_wait": False, "spare": True}))
+    rows: dict[str, list[tuple[float, ...]]] = {"floor": [], **{name: [] for name, _ in runs}}
     for i in range(args.growth):
         f = floor()
         rows["floor"].append(f)
         print(f"{i:<7}{'floor':<14}{'':>9}{f[0]:>12.2f}{'':>8}{'':>8}   (torch {f[1]:.2f} s, Adam {f[2]:.2f} s)", flush=True)
-        for name, wait in (("trains on", False), ("waits", True)):
-            res = soak_run(cfg | {"join_wait": wait}, timeout=4 * KILL_AT + 240)
+        for name, extra in runs:
+            res = soak_run(cfg | extra, timeout=4 * KILL_AT + 240)
             done = [g for g in growths(res) if g.get("note") is None]
             if not done:
                 notes = [g.get("note") for g in growths(res)] or ["no growth recorded"]

@@ -4,7 +4,7 @@ training losing nothing, in one run.
     python -m bench elastic --soak 120 --kill-every 30
 
 Run as one process: two ``mpirun --with-ft ulfm -n 4`` jobs of bench/elastic_soak_job.py, the one
-without failures first. Prints, per run: the ranks at the start and the end, the ranks killed,
+without failures first (``--soak-spare``: a third, the kills with ``elastic.run(spare=True)``). Prints, per run: the ranks at the start and the end, the ranks killed,
 the steps done in the training time, steps per second and their ratio to the run without
 failures, the recoveries and their mean time in ``elastic.recover``, the newcomers that joined
 (growth) and the mean time of a growth (the spawn to the grown world's first commit,
@@ -149,7 +149,8 @@ def main(args: Any) -> int:
     grows = growth() and not args.soak_no_grow
     print(f"# bench elastic --soak {args.soak:g} --kill-every {args.kill_every:g}: 4 ranks, {mode}, MLP "
           f"{args.soak_layers}x{args.soak_width}, global batch {args.soak_batch}, Adam, commit every step; "
-          + (f"growth: elastic.run(max_world_size=4, wait_for_replacements={args.soak_join_wait})" if grows else
+          + (f"growth: elastic.run(max_world_size=4, wait_for_replacements={args.soak_join_wait})"
+             + ("; +spare: the same kills, and spare=True" if args.soak_spare else "") if grows else
              "no growth (--soak-no-grow, or elastic.run takes no max_world_size): shrinks, nobody killed below 2 ranks"))
     print("# max |w - ref|: every survivor's final weights against one plain torch process, same steps")
     print(f"{'run':<12}{'ranks':>8}{'kills':>6}{'steps':>8}{'train s':>9}{'steps/s':>10}{'ratio':>8}{'recov':>6}{'new':>5}"
@@ -158,10 +159,15 @@ def main(args: Any) -> int:
     base = soak_run(cfg | {"kill_every": 0}, timeout)
     line, rate = _row("no failures", cfg, base, None)
     print(line, flush=True)
-    chaos = soak_run(cfg | {"kill_every": args.kill_every}, timeout)
-    name = f"kill/{args.kill_every:g}s"
-    line, _ = _row(name, cfg, chaos, rate)
-    print(line, flush=True)
-    if rate is not None and chaos["ranks"]:
-        _losses([("no failures", base, 0.0), (name, chaos, args.kill_every)], rate)
+    rows = [("no failures", base, 0.0)]
+    for name, extra in ((f"kill/{args.kill_every:g}s", {}), ("+spare", {"spare": True})):
+        if extra and not args.soak_spare:
+            continue
+        chaos = soak_run(cfg | {"kill_every": args.kill_every} | extra, timeout)
+        line, _ = _row(name, cfg, chaos, rate)
+        print(line, flush=True)
+        if chaos["ranks"]:
+            rows.append((name, chaos, args.kill_every))
+    if rate is not None and len(rows) > 1:
+        _losses(rows, rate)
     return 0

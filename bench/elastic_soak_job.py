@@ -97,6 +97,9 @@ def main() -> None:
     x, y = data(cfg["width"])
     s = sampler(cfg["batch"])
     kw = {"max_world_size": 4, "wait_for_replacements": bool(cfg.get("join_wait"))} if grows else {}
+    if cfg.get("spare"):
+        kw["spare"] = True      # a replacement started ahead, waiting to join after a loss
+    ended: list[float] = []     # when train() saw the window end (a spare starting may then take a while to leave)
     seen: list[int | None] = [None]     # the last kill this rank saw come due (a newcomer: the current one)
     bins: dict[int, int] = {}           # steps ended per BIN seconds of the common window
 
@@ -109,6 +112,7 @@ def main() -> None:
             now = torch.tensor([time.time() - state.start], dtype=torch.float64)
             state.comm.all_reduce(now, op=mpicomm.ReduceOp.MAX)
             if now.item() >= cfg["seconds"]:
+                ended.append(time.time())
                 return
             k = int(now.item() // cfg["kill_every"]) if cfg["kill_every"] > 0 else 0
             if seen[0] is None:
@@ -132,7 +136,7 @@ def main() -> None:
     while time.time() < start:
         time.sleep(0.01)
     train(state)
-    seconds = time.time() - state.start     # the common window (a newcomer has state.start from its commit)
+    seconds = ended[-1] - state.start     # the common window (a newcomer has state.start from its commit)
     me = state.rank      # (a newcomer's world rank is 0 of its own world)
     np.savez(os.path.join(out, f"rank{me}.npz"), **{f"p{i}": p.detach().numpy() for i, p in enumerate(model.parameters())})
     with open(os.path.join(out, f"rank{me}.json"), "w") as f:

@@ -26,8 +26,14 @@ log = logging.getLogger("elastic")
 HOSTS_ENV = "MPICOMM_ELASTIC_HOSTS"
 #: How often (seconds) ``check_host_updates`` runs the discovery at most.
 INTERVAL_ENV = "MPICOMM_ELASTIC_HOSTS_INTERVAL"
-#: The tag of a replacement's "ready" message to the job's rank 0 over the merged communicator.
+#: The tag of a replacement's "ready" message to each rank of the job over the merged communicator.
 READY_TAG = 7461
+#: How often (seconds) a replacement waiting to join tests its agreement with the job (it sleeps between).
+IDLE_S = 0.02
+#: The nice value of a spare's start-up imports (``elastic.run(spare=True)``; 0: none).
+SPARE_NICE_ENV = "MPICOMM_ELASTIC_SPARE_NICE"
+#: How long (seconds) the ranks leaving ``elastic.run`` wait for the replacements to hear that they leave too.
+LEAVE_S = 60.0
 _joined = False
 _last_check = [0.0, 0]     # when the discovery last ran, the slots it found
 
@@ -92,15 +98,30 @@ def check_host_updates(state: Any) -> None:
                                     f"to {min(slots, most)}")
 
 
-def _command() -> tuple[str, list[str]]:
-    """What a replacement runs: this program, through ``elastic/newcomer.py`` (MPI first), or as
-    it was started where its command line cannot be split (then the spawn waits for its imports)."""
+def spare_nice() -> int:
+    """The nice value of a spare's start-up imports (``MPICOMM_ELASTIC_SPARE_NICE``, default 10)."""
+    raw = os.environ.get(SPARE_NICE_ENV, "10")
+    try:
+        nice = int(raw)
+    except ValueError:
+        nice = -1
+    if not 0 <= nice <= 19:
+        raise ValueError(f"elastic: expected {SPARE_NICE_ENV} an int in [0, 19], got {raw!r}")
+    return nice
+
+
+def _command(nice: int = 0) -> tuple[str, list[str]]:
+    """What a replacement runs: this program, through ``elastic/newcomer.py`` (MPI first; with
+    ``nice``, its imports start in a thread at that nice value), or as it was started where its
+    command line cannot be split (then the spawn waits for its imports)."""
     orig = list(getattr(sys, "orig_argv", []) or [sys.executable, *sys.argv])
     split = newcomer.split_argv(orig[1:])
-    if split is None or os.path.abspath(split[1][0]) == os.path.abspath(newcomer.__file__):
-        return sys.executable, orig[1:]     # (a replacement itself: started through it already)
+    if split is None:
+        return sys.executable, orig[1:]
     opts, program = split
-    return sys.executable, [*opts, os.path.abspath(newcomer.__file__), *program]
+    if os.path.abspath(program[0]) == os.path.abspath(newcomer.__file__):
+        program = newcomer.strip_options(program[1:])   # a replacement itself: its program
+    return sys.executable, [*opts, os.path.abspath(newcomer.__file__), *newcomer.options(nice), *program]
 
 
 class Regrouped(Exception):  # noqa: N818 - a signal to elastic.run, not an error
@@ -117,27 +138,66 @@ class Pending:
     t0: float
     spawn_s: float
     at: int                 # state.commits when they were spawned
-    ready: set[int] = dataclasses.field(default_factory=set)   # (rank 0) replacements that said so
-    commits: int = 0        # commits seen while waiting
+    spare: bool = False     # spawned at full size, ahead of a loss (elastic.run(spare=True))
+    ready: set[int] = dataclasses.field(default_factory=set)   # replacements that said so to this rank
+    commits: int = 0        # commits seen while waiting (with room for them)
+    needed: float | None = None   # when a loss made room for a spare
+
+
+def at_commit(state: Any) -> None:
+    """At a commit (collective): replacements with room to join do once all are ready (a spare
+    at full size waits); else those due start."""
+    p = state._growing
+    if p is not None:
+        if state.world_size + p.k <= (state._max_world_size or 0):
+            if p.needed is None:
+                p.needed = time.monotonic()
+            poll(state)
+    elif state._spawn_due:
+        state._spawn_due = False
+        grow(state, state._max_world_size)
+
+
+def after_loss(state: Any) -> None:
+    """After a recovery: a spare (or replacements starting) now has room to join from here."""
+    p = state._growing
+    if p is not None and p.needed is None and state.world_size + p.k <= (state._max_world_size or 0):
+        p.needed = time.monotonic()
+
+
+def due(state: Any) -> bool:
+    """Whether the job is growing back: replacements start at the next commit, or are starting
+    with room to join (not a spare waiting at full size)."""
+    most = state._max_world_size or 0
+    p = state._growing
+    return state._spawn_due and state.world_size < most or p is not None and state.world_size + p.k <= most
 
 
 def grow(state: Any, max_world_size: int | None, wait: bool = False) -> dict[str, Any] | None:
-    """Spawn replacements up to ``max_world_size`` ranks (collective over ``state.comm``); they
-    join at the first commit after all of them are ready (``poll``), while the job trains on, or,
-    with ``wait``, here at the newest commit (raising ``Regrouped``). Returns what happened, or
-    None when nothing was tried."""
+    """Spawn replacements up to ``max_world_size`` ranks, or at that size a spare
+    (``state._spare``); collective over ``state.comm``. They join at the first commit with room
+    for them after all of them are ready (``poll``), while the job trains on, or, with ``wait``,
+    here at the newest commit (raising ``Regrouped``; replacements already started are waited
+    for). Returns what happened, or None when nothing was tried."""
     from mpi4py import MPI
 
-    if max_world_size is None or not getattr(state.comm, "fault_tolerant", False) or state._growing is not None:
+    if max_world_size is None or not getattr(state.comm, "fault_tolerant", False):
+        return None
+    p = state._growing
+    if p is not None:
+        if wait and state.world_size + p.k <= max_world_size:
+            poll(state, block=True)
         return None
     slots, hosts = _slots(state, force=True)
     room = max_world_size if slots < 0 else min(slots, max_world_size)
     k = room - state.world_size
+    spare = k <= 0 and state._spare and state.world_size == max_world_size and slots != state.world_size
+    k = 1 if spare else k
     if k <= 0:
         return None
     t0 = time.monotonic()
     old = state.comm
-    command, args = _command()
+    command, args = _command(spare_nice() if spare else 0)
     info = MPI.Info.Create()
     info.Set("wdir", os.getcwd())
     if hosts:
@@ -146,16 +206,16 @@ def grow(state: Any, max_world_size: int | None, wait: bool = False) -> dict[str
         inter = old.mpi_comm.Spawn(command, args=args, maxprocs=k, info=info, root=0)
     except MPI.Exception as e:
         return _record(state, {"spawned": 0, "world": state.world_size, "note": f"the spawn of {k} ranks failed ({e})",
-                               "grow_s": time.monotonic() - t0, "at_commit": state.commits})
+                               "grow_s": time.monotonic() - t0, "spare": spare, "at_commit": state.commits})
     finally:
         info.Free()
     spawn_s = time.monotonic() - t0
     merged = inter.Merge(high=False)   # (an mpicomm.Communicator is collective: made at the join)
     inter.Free()
-    state._growing = Pending(merged, int(old.size), k, t0, spawn_s, state.commits)
-    if wait:
+    state._growing = Pending(merged, int(old.size), k, t0, spawn_s, state.commits, spare=spare)
+    if wait and not spare:
         poll(state, block=True)
-    return {"pending": k, "spawn_s": spawn_s}
+    return {"pending": k, "spawn_s": spawn_s, "spare": spare}
 
 
 def _record(state: Any, done: dict[str, Any]) -> dict[str, Any]:
@@ -169,26 +229,26 @@ def _record(state: Any, done: dict[str, Any]) -> dict[str, Any]:
 
 
 def poll(state: Any, block: bool = False) -> None:
-    """At a commit, with a growth under way (collective): when every replacement is ready (with
-    ``block``, once it is), they join now and ``Regrouped`` is raised; a replacement that died
-    gives the growth up."""
+    """At a commit, with replacements starting and room for them (collective): when every one
+    is ready (with ``block``, once it is), they join now and ``Regrouped`` is raised; one that
+    died gives the growth up. Each rank hears from each replacement itself, so the ready ones
+    are known whichever live ranks failed since the spawn."""
     from mpi4py import MPI
 
     p = state._growing
     ready = keep = True
-    if state.rank == 0:
-        try:
-            failed = [r for r in faults.failed_ranks(p.merged) if r >= p.old_world]
-            if failed:      # (a live rank that failed is the recovery's business)
-                raise RuntimeError(f"ranks {failed} of the grown world failed")
-            for r in range(p.old_world, p.old_world + p.k):
-                if r not in p.ready and (block or p.merged.Iprobe(source=r, tag=READY_TAG)):
-                    p.merged.Recv(bytearray(1), source=r, tag=READY_TAG)
-                    p.ready.add(r)
-        except (MPI.Exception, RuntimeError) as e:     # a replacement failed while starting
-            log.warning("elastic: a replacement failed before it joined (%s)", e)
-            keep = False
-        ready = len(p.ready) == p.k
+    try:
+        failed = [r for r in faults.failed_ranks(p.merged) if r >= p.old_world]
+        if failed:      # (a live rank that failed is the recovery's business)
+            raise RuntimeError(f"ranks {failed} of the grown world failed")
+        for r in range(p.old_world, p.old_world + p.k):
+            if r not in p.ready and (block or p.merged.Iprobe(source=r, tag=READY_TAG)):
+                p.merged.Recv(bytearray(1), source=r, tag=READY_TAG)
+                p.ready.add(r)
+    except (MPI.Exception, RuntimeError) as e:     # a replacement failed while starting
+        log.warning("elastic: a replacement failed before it joined (%s)", e)
+        keep = False
+    ready = len(p.ready) == p.k
     p.commits += 0 if block else 1
     ready, keep = epoch.poll(state, ready, keep)
     if not keep:
@@ -198,55 +258,77 @@ def poll(state: Any, block: bool = False) -> None:
         return
     state._growing = None
     state.wait_checkpoint()
-    ready_s = time.monotonic() - p.t0
-    try:
-        go = bool(faults.agree(p.merged, 1) & 1)    # the replacements wait in this agreement (join)
-    except Exception as e:  # noqa: BLE001 - decided alike on every live rank: the join fails below
+    now = time.monotonic()
+    ready_s = now - p.t0
+    note = "the replacements could not join"
+    try:    # the replacements wait in this agreement; then the ranks that failed since the spawn go
+        if faults.iagree(p.merged, 1, "the grown world") & 1:
+            merged = _shrunk(p.merged)
+            note = _join(state, merged, state.comm)
+    except Exception as e:  # noqa: BLE001 - decided alike on every live rank: the join failed
         log.debug("elastic: the agreement with the replacements failed: %s", e)
-        go = False
-    note = _join(state, p.merged, state.comm, p.t0) if go else "the replacements could not join"
+    start = p.needed if p.spare and p.needed is not None else p.t0
     _record(state, {"spawned": p.k if note is None else 0, "world": state.world_size, "note": note,
-                    "grow_s": time.monotonic() - p.t0, "spawn_s": p.spawn_s, "ready_s": ready_s,
-                    "commits_waited": p.commits, "at_commit": p.at})
+                    "grow_s": time.monotonic() - start, "spawn_s": p.spawn_s, "ready_s": ready_s,
+                    "join_s": time.monotonic() - now, "spare": p.spare, "commits_waited": p.commits,
+                    "at_commit": p.at})
     raise Regrouped()
 
 
+def _shrunk(merged: Any) -> Any:
+    """The merged communicator without the ranks that failed since the spawn (collective over
+    it: the live ranks and the replacements); frees the old one."""
+    new = merged.Shrink()
+    merged.Free()
+    return new
+
+
 def abandon(state: Any, why: str) -> None:
-    """Give up the growth under way, if any (collective over the live ranks): the replacements
-    are told so in the agreement they wait in, and leave."""
+    """Give up the growth under way or the spare, if any (collective over the live ranks): the
+    replacements are told so in the agreement they wait in, and leave."""
     p, state._growing = state._growing, None
     if p is None:
         return
     try:
-        faults.agree(p.merged, 0)
+        faults.iagree(p.merged, 0, "the grown world", timeout_s=LEAVE_S)
+        p.merged.Free()
     except Exception as e:  # noqa: BLE001 - the replacements leave on their own then
-        log.debug("elastic: the agreement with the replacements failed: %s", e)
+        log.warning("elastic: the replacements could not be told to leave (%s)", e)
+    if p.spare and p.needed is None:    # a spare never needed: no growth to report
+        log.debug("elastic: the spare leaves (%s)", why)
+        return
     _record(state, {"spawned": 0, "world": state.world_size, "note": f"the growth was given up ({why})",
-                    "grow_s": time.monotonic() - p.t0, "spawn_s": p.spawn_s, "at_commit": p.at})
+                    "grow_s": time.monotonic() - p.t0, "spawn_s": p.spawn_s, "spare": p.spare, "at_commit": p.at})
 
 
 def join(state: Any) -> None:
-    """A replacement's side of ``grow``: say so to the job, wait for it at a commit, then take the
-    state from it (collective over the grown world)."""
+    """A replacement's side of ``grow``: say so to each rank of the job, wait (asleep) until it
+    takes this process in at a commit or lets it go, then take the state from it (collective
+    over the grown world)."""
     global _joined
     from mpi4py import MPI
 
     _joined = True
-    t0 = time.monotonic()
+    parent = MPI.Comm.Get_parent()
     early = newcomer.merged
-    merged = early if early is not None else MPI.Comm.Get_parent().Merge(high=True)
+    merged = early if early is not None else parent.Merge(high=True)
+    for r in range(parent.Get_remote_size()):    # the job's ranks are the merged world's first
+        try:
+            merged.Send(bytearray(1), dest=r, tag=READY_TAG)
+        except MPI.Exception as e:  # that rank failed: the others take this process in
+            log.debug("elastic: could not tell rank %d that this replacement is ready: %s", r, e)
     try:
-        merged.Send(bytearray(1), dest=0, tag=READY_TAG)
-    except MPI.Exception as e:      # the job's rank 0 failed: the agreement below says no
-        log.debug("elastic: could not tell the job that this replacement is ready: %s", e)
-    try:
-        go = bool(faults.agree(merged, 1) & 1)
-    except Exception as e:  # noqa: BLE001
-        go, note = False, f"{type(e).__name__}: {e}"
-    else:
-        note = None if go else "the job gave the growth up"
-    if go:
-        note = _join(state, merged, None, t0)
+        go = bool(faults.iagree(merged, 1, "the grown world", idle_s=IDLE_S) & 1)
+        note = _join(state, _shrunk(merged), None) if go else None
+    except Exception as e:  # noqa: BLE001 - the job's side failed alike
+        go, note = True, f"{type(e).__name__}: {e}"
+    if not go:      # the job let this process go: it ends as any MPI process does
+        log.info("elastic: the job gave the growth up; this replacement leaves")
+        merged.Free()
+        parent.Free()
+        MPI.Finalize()
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(0)
     if note is not None:    # the job goes on without it: leave quietly (an error would abort the job)
         print(f"elastic: this replacement could not join the job ({note}); it leaves", file=sys.stderr, flush=True)
         sys.stdout.flush()
@@ -284,7 +366,7 @@ def _newcomer_commit(state: Any, head: dict[str, Any]) -> Commit:
     return c
 
 
-def _join(state: Any, merged_mpi: Any, old: Any, t0: float) -> str | None:
+def _join(state: Any, merged_mpi: Any, old: Any) -> str | None:
     """Both sides of a join over the merged MPI communicator; None when it succeeded on every
     rank, else what failed (every rank agrees; the live ranks then go on over ``old``)."""
     import torch.distributed as dist
@@ -335,6 +417,9 @@ def _join(state: Any, merged_mpi: Any, old: Any, t0: float) -> str | None:
         error = error or f"{type(e).__name__}: {e}"
     if ok:
         epoch.open(state)
+        most = state._max_world_size
+        # the rest of the growth (a rank lost meanwhile), or at full size a new spare, at the next commit
+        state._spawn_due = most is not None and (state.world_size < most or state._spare)
         return None
     if not is_new:            # back to the ranks that trained, at the commit they hold
         state._comm = old

@@ -3,17 +3,55 @@
 else is imported (so the job's spawn and merge return at once and it trains on while the newcomer
 imports torch and the program), then runs PROGRAM as ``python PROGRAM...`` would. Run as a
 script, it must import nothing heavy: ``elastic.grow.join`` finds the merged communicator in
-``merged`` later."""
+``merged`` later. A spare (``elastic.run(spare=True)``) is started with ``--elastic-nice=N``
+before PROGRAM: the heavy imports first run in a thread at nice N (on Linux a thread's nice is
+its own: the thread that trains later keeps the process's priority, which an unprivileged
+process could not raise back)."""
 from __future__ import annotations
 
+import importlib
 import os
 import runpy
 import sys
+import threading
 
 #: The intra-communicator with the job that spawned this process (None: not started through here).
 merged = None
 #: Interpreter options that take a value as the next argument.
 _WITH_VALUE = {"-W", "-X", "--check-hash-based-pycs"}
+#: The option before PROGRAM that imports ``WARM`` first, in a thread at that nice value.
+NICE_OPTION = "--elastic-nice="
+#: What a spare imports ahead: torch, what building a torch optimizer imports, this project.
+WARM = ("torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel", "mpicomm", "elastic")
+
+
+def options(nice: int) -> list[str]:
+    """This file's options for a replacement whose imports run at ``nice`` (0: none)."""
+    return [f"{NICE_OPTION}{int(nice)}"] if nice else []
+
+
+def strip_options(argv: list[str]) -> list[str]:
+    """``argv`` (what follows this file on a command line) without this file's options."""
+    return argv[1:] if argv and argv[0].startswith(NICE_OPTION) else argv
+
+
+def warm_up(nice: int) -> None:
+    """Import ``WARM`` in a thread at ``nice`` (Linux; elsewhere at the process's priority);
+    returns once it is done."""
+    def work() -> None:
+        if sys.platform.startswith("linux"):
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+            except OSError:
+                pass
+        for name in WARM:
+            try:
+                importlib.import_module(name)
+            except Exception:  # noqa: BLE001 - the program's own import reports it
+                pass
+    t = threading.Thread(target=work, name="elastic-warm-up", daemon=True)
+    t.start()
+    t.join()
 
 
 def split_argv(argv: list[str]) -> tuple[list[str], list[str]] | None:
@@ -64,7 +102,11 @@ if __name__ == "__main__":
     # Before it joined, the job waits for this process in an agreement: leaving through
     # MPI_Finalize would keep it waiting; an exit without it is a failure the job sees.
     try:
-        run_program(sys.argv[1:])
+        argv = sys.argv[1:]
+        if argv and argv[0].startswith(NICE_OPTION):
+            warm_up(int(argv[0][len(NICE_OPTION):]))
+            argv = argv[1:]
+        run_program(argv)
     except SystemExit as e:
         grow = sys.modules.get("elastic.grow")
         if grow is not None and grow._joined:

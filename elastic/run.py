@@ -67,7 +67,7 @@ def is_failure(state: TorchState, err: BaseException) -> bool:
 
 
 def run(func: F | None = None, *, min_world_size: int = 1, max_world_size: int | None = None,
-        wait_for_replacements: bool = False) -> Any:
+        wait_for_replacements: bool = False, spare: bool = False) -> Any:
     """Decorate ``train(state, ...)`` so a rank failure rolls ``state`` back to its last commit
     on the survivors and calls ``train`` again; ``min_world_size``: fewer survivors end the job;
     ``max_world_size``: after a loss (or ``state.check_host_updates()`` finding new slots) the
@@ -75,62 +75,79 @@ def run(func: F | None = None, *, min_world_size: int = 1, max_world_size: int |
     first ``state.commit()`` (the recovered step done at full speed). They join at the first
     commit after all of them started, while the job trains on at its size (``train`` is then
     called again on the grown world), or, with ``wait_for_replacements``, spawned and joined at
-    once, at the recovery's commit. Replacements not started when ``train`` returns leave."""
+    once, at the recovery's commit. Replacements not started when ``train`` returns leave.
+    ``spare``: at ``max_world_size`` ranks, one more process starts ahead of a loss (its imports
+    at a low CPU priority, ``MPICOMM_ELASTIC_SPARE_NICE``) and waits asleep; after a loss it
+    joins at the first commit of the survivors, and the next spare starts."""
     if int(min_world_size) < 1:
         raise ValueError(f"elastic.run: expected min_world_size >= 1, got {min_world_size!r}")
     if max_world_size is not None and int(max_world_size) < int(min_world_size):
         raise ValueError(f"elastic.run: expected max_world_size >= min_world_size={min_world_size}, got "
                          f"{max_world_size!r}")
+    if spare and max_world_size is None:
+        raise ValueError("elastic.run: spare=True needs max_world_size (the spare joins after a loss, up to it)")
+    if spare:
+        grow.spare_nice()       # a bad MPICOMM_ELASTIC_SPARE_NICE fails here, not at the spawn
     if func is None:
         return functools.partial(run, min_world_size=min_world_size, max_world_size=max_world_size,
-                                 wait_for_replacements=wait_for_replacements)
+                                 wait_for_replacements=wait_for_replacements, spare=spare)
 
     @functools.wraps(func)
     def wrapper(state: TorchState, *args: Any, **kwargs: Any) -> Any:
         if not isinstance(state, TorchState):
             raise TypeError(f"elastic.run: expected an elastic.TorchState as first argument, got {type(state).__name__}")
-        state._max_world_size = max_world_size
-        joining = grow.joining()
-        if not joining and state.world_size < min_world_size:
-            raise WorldTooSmallError(f"elastic.run: {state.world_size} ranks, fewer than min_world_size="
-                                     f"{min_world_size}")
-        start = joining or state.generation == 0
-        growing = False
-        while True:
-            try:
-                if joining:
-                    joining = start = False         # (after a later failure it recovers as the others do)
-                    grow.join(state)                # a replacement: the state comes from live ranks
-                elif start:
-                    start = False
-                    state._resume()
-                    state._commit(state.commits)
-                if growing:
-                    growing = False
-                    grow.grow(state, max_world_size, wait=wait_for_replacements)
-                out = func(state, *args, **kwargs)
-                state.wait_checkpoint()
-                epoch.leave(state)                  # train returns on every survivor or on none
-                grow.abandon(state, "train() returned")
-                return out
-            except ElasticError:
-                grow.abandon(state, "the job ends")
-                raise
-            except grow.Regrouped:
-                pass                                # replacements joined at a commit: train again
-            except HostsUpdatedInterrupt:
-                growing = True                      # at the commit check_host_updates followed
-            except Exception as err:  # noqa: BLE001 - a failure shows as any error (DDP wraps it)
-                if not getattr(state.comm, "fault_tolerant", False) or not is_failure(state, err):
-                    raise
-                recover(state, err, min_world_size)
-                if max_world_size is not None and state.world_size < max_world_size:
-                    # waiting: the replacements join at once; else they start once the recovered
-                    # step committed, so their start-up does not slow that step
-                    growing = wait_for_replacements
-                    state._spawn_due = not wait_for_replacements
+        state._max_world_size, state._spare = max_world_size, bool(spare)
+        try:
+            return _train(state, func, args, kwargs, min_world_size, wait_for_replacements)
+        finally:    # (on every survivor alike, or bounded: grow.LEAVE_S)
+            grow.abandon(state, "train() ended")    # replacements starting, or the spare, leave
 
     return wrapper
+
+
+def _train(state: TorchState, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+           min_world_size: int, wait_for_replacements: bool) -> Any:
+    """``elastic.run``'s loop: ``train`` called again after each recovery and each growth."""
+    most = state._max_world_size
+    joining = grow.joining()
+    if not joining and state.world_size < min_world_size:
+        raise WorldTooSmallError(f"elastic.run: {state.world_size} ranks, fewer than min_world_size="
+                                 f"{min_world_size}")
+    start = joining or state.generation == 0
+    growing = False
+    while True:
+        try:
+            if joining:
+                joining = start = False         # (after a later failure it recovers as the others do)
+                grow.join(state)                # a replacement: the state comes from live ranks
+            elif start:
+                start = False
+                state._resume()
+                state._commit(state.commits)
+                state._spawn_due = state._spare and state.world_size == most   # the spare starts
+            if growing:
+                growing = False
+                grow.grow(state, most, wait=wait_for_replacements)
+            out = func(state, *args, **kwargs)
+            state.wait_checkpoint()
+            epoch.leave(state)                  # train returns on every survivor or on none
+            return out
+        except ElasticError:
+            raise
+        except grow.Regrouped:
+            pass                                # replacements joined at a commit: train again
+        except HostsUpdatedInterrupt:
+            growing = True                      # at the commit check_host_updates followed
+        except Exception as err:  # noqa: BLE001 - a failure shows as any error (DDP wraps it)
+            if not getattr(state.comm, "fault_tolerant", False) or not is_failure(state, err):
+                raise
+            recover(state, err, min_world_size)
+            grow.after_loss(state)              # a spare, or replacements starting, may join now
+            if most is not None and state.world_size < most:
+                # waiting: the replacements join at once; else they start once the recovered
+                # step committed, so their start-up does not slow that step
+                growing = wait_for_replacements
+                state._spawn_due = not wait_for_replacements
 
 
 def _comms_of(state: TorchState, comm: Any) -> list[Any]:
@@ -158,7 +175,6 @@ def recover(state: TorchState, err: BaseException, min_world_size: int = 1) -> d
         _revoke(_comms_of(state, comm))
         if attempts == 1:
             epoch.close(state)              # survivors inside a commit's agreement are let out of it
-            grow.abandon(state, "a rank failed")   # replacements starting leave; new ones are spawned
         saving, state._saving = state._saving, None
         settled = disk.settle(saving)       # revoked with the rest: it ends (or had committed)
         outcome = settled if outcome == "none" else outcome

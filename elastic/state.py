@@ -103,7 +103,8 @@ class TorchState:
         self._saving: Any = None                # the ckpt.SaveHandle in flight
         self._epoch: Any = None                 # the communicator the next commit agrees over (ULFM)
         self._growing: Any = None               # elastic.grow.Pending: replacements starting
-        self._spawn_due = False                 # replacements start at the next commit (after a recovery)
+        self._spawn_due = False                 # replacements (or a spare) start at the next commit
+        self._spare = False                     # elastic.run's spare, set by it
         self._max_world_size: int | None = None  # elastic.run's, set by it
         self._callbacks: list[Callable[[], Any]] = []
         self._commits: list[Commit] = []        # oldest first, at most two
@@ -194,8 +195,11 @@ class TorchState:
     @property
     def growing(self) -> bool:
         """Whether the job is growing back: replacements start at the next ``commit()`` (after a
-        recovery) or are starting, and join at a coming one."""
-        return self._spawn_due or self._growing is not None
+        recovery) or are starting, and join at a coming one (a spare waiting while the job is
+        at full size is not a growth)."""
+        from . import grow
+
+        return grow.due(self)
 
     @property
     def sharded(self) -> bool:
@@ -267,14 +271,10 @@ class TorchState:
 
             self.wait_checkpoint()      # (ckpt.save would wait for it too) and the leftovers go
             self._saving = disk.save(self, self._count)
-        if self.growing:
+        if self._spawn_due or self._growing is not None:
             from . import grow
 
-            if self._spawn_due:         # the first commit after a recovery: replacements start
-                self._spawn_due = False
-                grow.grow(self, self._max_world_size)
-            else:                       # replacements join here once all are ready
-                grow.poll(self)
+            grow.at_commit(self)        # replacements start, or join once all are ready
 
     def wait_checkpoint(self) -> None:
         """Wait for the checkpoint save in flight, if any (raises its failure on every rank); once

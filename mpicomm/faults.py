@@ -19,8 +19,10 @@ peer's process ends, however it ends.
 """
 from __future__ import annotations
 
+import array
 import atexit
 import time
+from typing import Callable
 
 from mpi4py import MPI
 
@@ -130,17 +132,43 @@ _exit_guarded = False
 def agree(mpi_comm: MPI.Comm, bits: int, name: str = "a communicator") -> int:
     """ULFM's MPI_Comm_agree on ``mpi_comm``: the bitwise AND of the non-negative int ``bits``
     over the surviving ranks, the same on every survivor even when ranks fail during the call."""
+    return _agree(mpi_comm, bits, name, lambda v: int(mpi_comm.Agree(v)))
+
+
+def iagree(mpi_comm: MPI.Comm, bits: int, name: str = "a communicator", idle_s: float = 0.0,
+           timeout_s: float | None = None) -> int:
+    """``agree`` through the non-blocking MPI_Comm_iagree, which matches only non-blocking
+    agreements on the other ranks: waited for at once, or with ``idle_s`` > 0 tested every
+    ``idle_s`` seconds and slept between (no CPU taken while waiting: Open MPI's blocking calls
+    spin). ``timeout_s``: raise ``TimeoutError`` after that long (the request stays posted: for
+    a process about to end)."""
+    def post(v: int) -> int:
+        flag = array.array("i", [v])
+        req = mpi_comm.Iagree(flag)
+        if idle_s > 0 or timeout_s is not None:
+            end = None if timeout_s is None else time.monotonic() + timeout_s
+            while not req.Test():
+                if end is not None and time.monotonic() > end:
+                    raise TimeoutError(f"mpicomm: agree() on {name} did not end within {timeout_s} s")
+                time.sleep(idle_s or 0.001)
+        else:
+            req.Wait()
+        return int(flag[0])
+    return _agree(mpi_comm, bits, name, post)
+
+
+def _agree(mpi_comm: MPI.Comm, bits: int, name: str, post: Callable[[int], int]) -> int:
     if not 0 <= int(bits) < 2**31:
         raise ValueError(f"mpicomm: agree() expected an int in [0, 2**31), got {bits!r}")
     for _ in range(mpi_comm.Get_size() + 1):
         mpi_comm.Ack_failed()       # failures known here do not fail the agreement
         try:
-            return int(mpi_comm.Agree(int(bits)))
+            return post(int(bits))
         except MPI.Exception as exc:
             if exc.Get_error_class() != MPI.ERR_PROC_FAILED:
                 raise RuntimeError(f"mpicomm: agree() on {name} failed: {exc}") from exc
-            # a rank failed during the agreement: every survivor sees it, acknowledges it and
-            # agrees again
+            # a rank failed before or during the agreement: every survivor sees it (the error is
+            # uniform), acknowledges it and agrees again
     raise RuntimeError(f"mpicomm: agree() on {name} did not settle after {mpi_comm.Get_size() + 1} tries")
 
 

@@ -1,7 +1,7 @@
 """Fault-injection job for tests/test_elastic_faults.py: train under elastic.run, one rank dies.
 
     mpirun --with-ft ulfm -n N python tests/elastic_job.py OPT WHERE RANK STEP STEPS OUT [EVERY] [grow=N] [join=wait]
-        [newcomer=dies] [pending=R] [second=R] [again=R:S] [freeze=F]
+        [newcomer=dies] [pending=R] [second=R] [again=R:S] [freeze=F] [spare=ready|early]
 
 OPT: ddp | zero1 | zero2 (ZeroOptimizer stage) | zero1g | zero2g (the same, replicate="gradient") | onebit (ZeroOptimizer stage 2 of 1-bit Adam, in its
 warm-up: Adam exactly); WHERE: none | between (after the commit of step
@@ -21,7 +21,8 @@ ZeroOptimizer was rebound to the survivors; again=R:S: world rank R dies too, la
 commit of step S (after the job grew back: a second recovery with a replacement training);
 join=wait: the replacements join at the recovery's commit (else at a later one, the job training
 on meanwhile); newcomer=dies: the replacement SIGKILLs itself as it starts; pending=R: world rank
-R dies while the replacements start; freeze=F: 1-bit Adam's freeze_step (compressed after it),
+R dies while the replacements start; spare=ready: elastic.run(spare=True), and the ranks wait
+until the spare said it is ready before the victim dies (spare=early: they do not); freeze=F: 1-bit Adam's freeze_step (compressed after it),
 and rank 0 writes what each commit past it must hold, gathered apart from elastic
 (OUT.commit<N>.npz); death=sigkill: the victim is SIGKILLed instead of exiting with status 9
 (Open MPI's launcher ends a 2-rank job when one rank exits with an error status). Every rank writes its final weights
@@ -145,7 +146,12 @@ def main() -> None:
         list(model.parameters())[0].register_post_accumulate_grad_hook(
             lambda p: die("backward" if state.step == kill_step else ""))
 
-    @elastic.run(max_world_size=grow_to, wait_for_replacements=opts.get("join") == "wait")
+    def wait_for_the_spare() -> None:    # (a peek at elastic's internals: the spare's message, not received)
+        p = state._growing
+        while p is not None and not p.merged.Iprobe(source=p.old_world, tag=elastic.grow.READY_TAG):
+            time.sleep(0.05)
+
+    @elastic.run(max_world_size=grow_to, wait_for_replacements=opts.get("join") == "wait", spare="spare" in opts)
     def train(state: elastic.TorchState) -> None:
         net = model
         if opt_kind == "ddp":
@@ -164,6 +170,8 @@ def main() -> None:
                     view = onebit_commit_view(opt)
                     if state.rank == 0:
                         np.savez(f"{out}.commit{state.commits}.npz", **{k: v.numpy() for k, v in view.items()})
+            if opts.get("spare") == "ready" and state.step == kill_step + 1 and me >= 0:
+                wait_for_the_spare()
             die("between" if state.step == kill_step + 1 else "")
             if me == again and state.step == again_step + 1 or me == pending and state.growing:
                 sys.stdout.flush(), sys.stderr.flush()

@@ -84,10 +84,18 @@ CASES = [
     # and again: a second death after the growth, the replacement training (it recovers and the
     # job grows again, as the others do)
     (4, "zero1", "between", 1, 1, 1, ("grow=4", "again=2:3", "join=wait")),
-    # a survivor dies while the replacement starts: that growth is given up, two are spawned
+    # a survivor dies while the replacement starts: it joins the two survivors when it is ready,
+    # and a second replacement is spawned then
     (4, "zero1", "between", 1, 1, 1, ("grow=4", "pending=2")),
     # the replacement dies while it starts: the job trains on at 3 ranks
     (4, "zero1", "between", 1, 1, 1, ("grow=4", "newcomer=dies")),
+    # a spare started at 4 ranks: it joins at the survivors' first commit (ready before the
+    # loss), or once it is ready (the loss came first); a spare that died: a replacement is
+    # spawned after the loss, as without a spare (it dies too here: the job trains on at 3)
+    (4, "zero2", "between", 2, 2, 1, ("grow=4", "spare=ready")),
+    (4, "ddp", "between", 0, 1, 1, ("grow=4", "spare=early")),
+    (4, "zero1", "between", 1, 2, 1, ("grow=4", "spare=ready", "join=wait")),
+    (4, "zero1", "between", 3, 2, 1, ("grow=4", "spare=early", "newcomer=dies")),
 ]
 
 
@@ -114,12 +122,17 @@ def test_survivors_end_with_the_reference_weights(tmp_path, n, opt, where, victi
         assert [len(r["lost"]) for r in info["recoveries"]] == [len(lost), 1], (info, log)
     else:
         assert [r["lost"] for r in info["recoveries"]] == [lost], (info, log)
-    if "newcomer" in opts:
-        assert [(g["spawned"], g["note"]) for g in info["growths"]] == [
-            (0, "the growth was given up (a replacement failed before it joined)")], (info, log)
+    if "newcomer" in opts:      # (a spare that died: the growth goes on as without one, once)
+        assert [(g["spawned"], g["note"], g["spare"]) for g in info["growths"]] == [
+            (0, "the growth was given up (a replacement failed before it joined)", spare)
+            for spare in ([True, False] if "spare" in opts else [False])], (info, log)
     elif "pending" in opts:
-        assert [(g["spawned"], g["note"]) for g in info["growths"]] == [
-            (0, "the growth was given up (a rank failed)"), (2, None)], (info, log)
+        assert [(g["spawned"], g["note"]) for g in info["growths"]] == [(1, None), (1, None)], (info, log)
+    elif "spare" in opts:
+        assert [(g["spawned"], g["note"], g["spare"]) for g in info["growths"]] == [(1, None, True)], (info, log)
+        # the spare, ready before the loss, joins at the survivors' first commit (waiting: at the recovery's)
+        if opts["spare"] == "ready":
+            assert info["growths"][0]["commits_waited"] == (0 if opts.get("join") == "wait" else 1), (info, log)
     elif "grow" in opts:
         assert [g["spawned"] for g in info["growths"]] == [len(lost)] + [1] * len(again), (info, log)
         # joined at the recovery's commit, or at a later one (the job trained on meanwhile)

@@ -91,3 +91,43 @@ def test_importing_elastic_leaves_ckpt_unloaded():
                          env={**os.environ, "PYTHONPATH": ROOT})
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
+
+
+def test_a_spare_starts_through_it_with_its_priority_and_spawns_without_it(monkeypatch):
+    """A spare's command line names the nice value of its imports before the program; a spare
+    that later spawns (as the job's rank 0) spawns the program, with the priority asked for then."""
+    from elastic import grow
+
+    path = os.path.abspath(newcomer.__file__)
+    monkeypatch.setattr(sys, "orig_argv", [sys.executable, "train.py", "--lr", "1"])
+    spare = grow._command(10)
+    assert spare == (sys.executable, [path, "--elastic-nice=10", "train.py", "--lr", "1"])
+    monkeypatch.setattr(sys, "orig_argv", [sys.executable, *spare[1]])
+    assert grow._command() == (sys.executable, [path, "train.py", "--lr", "1"])
+    assert grow._command(5) == (sys.executable, [path, "--elastic-nice=5", "train.py", "--lr", "1"])
+
+
+@pytest.mark.parametrize("raw", ["-1", "20", "low"])
+def test_a_bad_spare_nice_value_is_named(monkeypatch, raw):
+    from elastic import grow
+
+    monkeypatch.setenv(grow.SPARE_NICE_ENV, raw)
+    with pytest.raises(ValueError, match=f"MPICOMM_ELASTIC_SPARE_NICE an int in \\[0, 19\\], got '{raw}'"):
+        grow.spare_nice()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own nice value is Linux's")
+def test_warm_up_imports_in_a_thread_at_the_nice_value_and_leaves_the_caller_at_its_own(tmp_path):
+    (tmp_path / "probe.py").write_text(
+        "import os, threading\n"
+        "me = threading.current_thread()\n"
+        "nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())\n")
+    code = ("import os, sys, threading; from elastic import newcomer; newcomer.WARM = ('probe',); "
+            "before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id()); newcomer.warm_up(19); "
+            "import probe; print(probe.me is threading.main_thread(), probe.nice, before, "
+            "os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": ROOT + os.pathsep + str(tmp_path)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    in_main, nice, before, after = out.stdout.split()
+    assert in_main == "False" and int(nice) == 19 and after == before, out.stdout

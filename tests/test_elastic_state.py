@@ -173,6 +173,8 @@ def test_run_checks_its_arguments():
         elastic.run(min_world_size=0)
     with pytest.raises(TypeError, match="expected an elastic.TorchState"):
         elastic.run(lambda s: None)(3)
+    with pytest.raises(ValueError, match="spare=True needs max_world_size"):
+        elastic.run(spare=True)
     comm = mpicomm.Communicator(MPI.COMM_SELF)
     with pytest.raises(elastic.WorldTooSmallError, match="1 ranks, fewer than min_world_size=2"):
         elastic.run(min_world_size=2)(lambda s: None)(elastic.TorchState(comm=comm))
