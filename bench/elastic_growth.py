@@ -9,9 +9,10 @@ any process that trains pays before it can take part, a replacement included; th
 ``mpirun --with-ft ulfm -n 4`` jobs of bench/elastic_soak_job.py (ZeroOptimizer stage 2, growth
 on), each with rank 1 SIGKILLed 10 s into training, one training on while the replacement starts
 (``elastic.run``'s default) and one waiting for it at the recovery (``wait_for_replacements``);
-with ``--soak-spare`` a third, ``elastic.run(spare=True)``: the replacement started at the job's
-first commit, ahead of the loss (its start-up is then not part of the growth: grow s runs from
-the end of the recovery).
+with ``--soak-spare`` a third, ``elastic.run(spare=True)``, rank 1 killed 20 s into training:
+the spare starts at the job's first commit, ahead of the loss, its imports at nice 10 beside the 4
+training ranks (its start-up is then not part of the growth: grow s runs from the end of the
+recovery; where the spare is not ready by then, grow s includes the rest of its start-up).
 Prints, per growth (``state.growths``): spawn s (the survivors' ``MPI_Comm_spawn`` and merge),
 start-up s (the spawn to the replacement's ready message, noticed at a commit: its Python, MPI,
 torch and the program up to ``elastic.run``), join s (the ready message to the grown world's
@@ -75,10 +76,14 @@ def main(args: Any) -> int:
           "replacement's start-up s (to its ready message), join s (to the first commit at 4), grow s (all)")
     print("# floor: a fresh `python -c` importing torch and building a torch.optim.Adam, alone: its start to the "
           "optimizer built (s), of which torch's import and the Adam (most of it the import of torch._dynamo)")
+    if args.soak_spare:
+        print(f"# spare: elastic.run(max_world_size=4, spare=True), rank 1 SIGKILLed {2 * KILL_AT:g} s into training; "
+              "the spare started at the first commit (start-up: nan), grow s from the end of the recovery")
     print(f"{'round':<7}{'run':<14}{'spawn s':>9}{'start-up s':>12}{'join s':>8}{'grow s':>8}")
     runs = [("trains on", {"join_wait": False}), ("waits", {"join_wait": True})]
     if args.soak_spare:
-        runs.append(("spare", {"join_wait": False, "spare": True}))
+        runs.append(("spare", {"join_wait": False, "spare": True, "seconds": 4 * KILL_AT - 0.5,
+                               "kill_every": 2 * KILL_AT}))
     rows: dict[str, list[tuple[float, ...]]] = {"floor": [], **{name: [] for name, _ in runs}}
     for i in range(args.growth):
         f = floor()

@@ -54,8 +54,9 @@ _READY, _KEEP = 2, 4
 
 
 def poll(state: Any, ready: bool, keep: bool) -> tuple[bool, bool]:
-    """One more agreement at a commit while replacements start (``elastic.grow.poll``): rank 0's
-    ``ready`` (every replacement said so) and ``keep`` (none failed), the same on every survivor.
+    """One more agreement at a commit while replacements start (``elastic.grow.poll``): whether
+    every survivor is ``ready`` (every replacement said so to it) and ``keep`` (it saw none fail),
+    the same on every survivor.
     Raises ``CommitAborted`` where a survivor did not get here (it is recovering)."""
     comm = state._epoch
     if comm is None:
