@@ -217,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--chaos-modes", metavar="M,M", help="modes to draw from (default: all of "
                    "ddp,zero1,zero2,zero1-mpi,zero2-mpi,fsdp2)")
     c.add_argument("--chaos-steps", type=int, default=8, help="training steps per trial")
+    c.add_argument("--chaos-grow", default="none", metavar="G,G", help="how the job grows back, drawn per trial "
+                   "from none (it only shrinks), grow (elastic.run(max_world_size=4)), spare (and spare=True)")
     c.add_argument("--seed", type=int, help="base seed of --chaos (trial i: seed*1000+i); default from the clock")
     c.add_argument("--trial-timeout", type=float, default=150.0, help="seconds before a trial counts as a hang")
     c.add_argument("--findings", metavar="FILE", help="append each failed trial (outcome, rerun command, "

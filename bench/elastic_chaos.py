@@ -9,7 +9,9 @@ trial goes on. A seed makes the whole plan (random.Random(seed)): the mode (DDP;
 stage 1 or 2 with shared-memory or MPI replicas; FSDP2), an LR scheduler or not, a checkpoint
 directory or not, the victim, the step and the fraction of a step at which a timer thread
 ``os._exit(9)``s it (so it lands in forward, backward, a collective or a commit), and sometimes a
-second victim SIGKILLed inside the recovery. Each trial is classified:
+second victim SIGKILLed inside the recovery. ``--chaos-grow grow,spare`` also draws how the job
+grows back (``elastic.run(max_world_size=4)``, with ``spare=True`` or not; ``none``: it only
+shrinks): the replacements that joined must end equal too. Each trial is classified:
 
     equal       every survivor finished with the weights of a single-process plain torch run on
                 the same global batches (tests/elastic_job_lib.py) and of every other survivor
@@ -45,11 +47,13 @@ JOB = os.path.join(ROOT, "tests", "elastic_chaos_job.py")
 MODES = ("ddp", "zero1", "zero2", "zero1-mpi", "zero2-mpi", "fsdp2")
 SECOND_WHERE = ("timer", "shrink", "rollback", "callback")
 OUTCOMES = ("equal", "lost-ok", "ended", "wrong", "hang")
+GROWS = ("none", "grow", "spare")
 RANKS = 4
 
 
-def plan(seed: int, modes: tuple[str, ...] = MODES, steps: int = 8) -> dict[str, Any]:
-    """The trial of ``seed`` (the same for the same seed, modes and steps)."""
+def plan(seed: int, modes: tuple[str, ...] = MODES, steps: int = 8, grows: tuple[str, ...] = ("none",)) -> dict[str, Any]:
+    """The trial of ``seed`` (the same for the same seed, modes, steps and grows; the growth is
+    drawn last, so a seed's other choices do not depend on ``grows``)."""
     rng = random.Random(seed)
     p: dict[str, Any] = {"seed": seed, "mode": rng.choice(modes), "steps": steps, "sched": rng.random() < 0.5,
                          "victim": rng.randrange(RANKS), "frac": round(rng.random(), 4)}
@@ -60,6 +64,7 @@ def plan(seed: int, modes: tuple[str, ...] = MODES, steps: int = 8) -> dict[str,
         others = [r for r in range(RANKS) if r != p["victim"]]
         p["second"] = {"rank": rng.choice(others), "where": rng.choice(SECOND_WHERE),
                        "delay": round(rng.uniform(0.0, 0.6), 4)}
+    p["grow"] = rng.choice(grows)
     return p
 
 
@@ -70,7 +75,8 @@ def describe(p: dict[str, Any]) -> str:
         sec = p["second"]
         s += f", rank {sec['rank']} in recovery ({sec['where']}" + (f" {sec['delay']:.2f}s)" if sec["where"] == "timer"
                                                                     else ")")
-    return s + ("" if not p["sched"] else ", sched") + ("" if not p["ckpt"] else ", ckpt")
+    s += ("" if not p["sched"] else ", sched") + ("" if not p["ckpt"] else ", ckpt")
+    return s + ("" if p.get("grow", "none") == "none" else ", " + p["grow"])
 
 
 def reference(steps: int, sched: bool) -> list[np.ndarray]:
@@ -204,9 +210,14 @@ def classify(p: dict[str, Any], out: str, rc: int | None) -> tuple[str, str]:
         if r not in victims and crashed_in_mpi(os.path.join(out, f"rank{r}.log")):
             victims[r] = {"what": "crash", "phase": "mpi"}
             status.pop(r, None)
-    survivors = [r for r in range(RANKS) if r not in victims]
+    joined = sorted(int(n[3:-5]) for n in os.listdir(out) if n.startswith("new") and n.endswith(".json"))
+    for pid in joined:      # replacements that joined the job (one that did not join writes nothing)
+        with open(os.path.join(out, f"new{pid}.json")) as f:
+            status[-pid] = json.load(f)
+    survivors = [r for r in range(RANKS) if r not in victims] + [-pid for pid in joined]
     gone = state_gone(p, victims, os.path.exists(os.path.join(out, "ck", "latest")))
     dead = ",".join(f"{r}({v['what']}@{v['phase']})" for r, v in sorted(victims.items())) or "none"
+    dead += f"; {len(joined)} joined" if joined else ""
     missing = [r for r in survivors if r not in status]
     done = [r for r in survivors if status.get(r, {}).get("status") == "done"]
     typed = [r for r in survivors if status.get(r, {}).get("elastic")]
@@ -221,8 +232,8 @@ def classify(p: dict[str, Any], out: str, rc: int | None) -> tuple[str, str]:
     for r in done:
         if status[r]["step"] != p["steps"]:
             return "wrong", f"dead {dead}; rank {r} ended at step {status[r]['step']}"
-        got = np.load(os.path.join(out, f"rank{r}.npz"))
-        first = np.load(os.path.join(out, f"rank{done[0]}.npz"))
+        got = np.load(os.path.join(out, _name(r) + ".npz"))
+        first = np.load(os.path.join(out, _name(done[0]) + ".npz"))
         for i, ref in enumerate(want):
             if not np.allclose(got[f"p{i}"], ref, rtol=1e-5, atol=1e-6):
                 diff = float(np.abs(got[f"p{i}"] - ref).max())
@@ -230,6 +241,11 @@ def classify(p: dict[str, Any], out: str, rc: int | None) -> tuple[str, str]:
             if not np.allclose(got[f"p{i}"], first[f"p{i}"], rtol=1e-6, atol=1e-7):
                 return "wrong", f"dead {dead}; rank {r} param {i} differs from rank {done[0]}'s"
     return "equal", f"dead {dead}; {len(done)} survivors equal to the reference"
+
+
+def _name(r: int) -> str:
+    """The files of a survivor: an original rank's (``rank<R>``), or a replacement's (-pid: ``new<pid>``)."""
+    return f"rank{r}" if r >= 0 else f"new{-r}"
 
 
 def finding(path: str, p: dict[str, Any], outcome: str, why: str, out: str, output: str, rerun: str) -> None:
@@ -255,16 +271,17 @@ def finding(path: str, p: dict[str, Any], outcome: str, why: str, out: str, outp
 
 
 def run_trials(seeds: list[int], modes: tuple[str, ...], steps: int, timeout: float, findings: str | None,
-               keep: str | None = None, echo: bool = True) -> list[dict[str, Any]]:
+               keep: str | None = None, echo: bool = True, grows: tuple[str, ...] = ("none",)) -> list[dict[str, Any]]:
     """Run one trial per seed; print a line each and return their results."""
     results = []
     for seed in seeds:
-        p = plan(seed, modes, steps)
+        p = plan(seed, modes, steps, grows)
         out = tempfile.mkdtemp(prefix=f"chaos-{seed}-", dir=keep)
         rc, output, wall = launch([JOB, json.dumps(p), out], RANKS, timeout, tag=out)
         outcome, why = classify(p, out, rc)
         rerun = "python -m bench elastic --chaos-seed " + str(seed) + (
-            "" if modes == MODES else " --chaos-modes " + ",".join(modes)) + ("" if steps == 8 else f" --chaos-steps {steps}")
+            "" if modes == MODES else " --chaos-modes " + ",".join(modes)) + ("" if steps == 8 else f" --chaos-steps {steps}") + (
+            "" if grows == ("none",) else " --chaos-grow " + ",".join(grows))
         res = {"seed": seed, "plan": p, "outcome": outcome, "why": why, "wall_s": wall, "rerun": rerun, "out": out}
         results.append(res)
         if echo:
@@ -291,10 +308,11 @@ def main(args: Any) -> int:
         print(f"bench elastic --chaos: needs Open MPI with ULFM: {why}", file=sys.stderr)
         return 2
     modes = tuple(args.chaos_modes.split(",")) if args.chaos_modes else MODES
-    bad = [m for m in modes if m not in MODES]
+    grows = tuple(args.chaos_grow.split(","))
+    bad = [m for m in modes if m not in MODES] + [g for g in grows if g not in GROWS]
     if bad or args.chaos_steps < 3:
-        print(f"bench elastic --chaos: expected --chaos-modes from {','.join(MODES)} and --chaos-steps >= 3, got "
-              f"{bad or args.chaos_steps}", file=sys.stderr)
+        print(f"bench elastic --chaos: expected --chaos-modes from {','.join(MODES)}, --chaos-grow from "
+              f"{','.join(GROWS)} and --chaos-steps >= 3, got {bad or args.chaos_steps}", file=sys.stderr)
         return 2
     if args.chaos_seed is not None:
         seeds = [args.chaos_seed]
@@ -302,7 +320,8 @@ def main(args: Any) -> int:
         base = args.seed if args.seed is not None else int(time.time()) % 1000000
         seeds = [base * 1000 + i for i in range(args.chaos)]
         print(f"# bench elastic --chaos {args.chaos}: base seed {base} (--seed {base} runs these again); {RANKS} "
-              f"ranks under mpirun --with-ft ulfm, {args.chaos_steps} steps, modes {','.join(modes)}", flush=True)
-    results = run_trials(seeds, modes, args.chaos_steps, args.trial_timeout, args.findings, keep=args.keep)
+              f"ranks under mpirun --with-ft ulfm, {args.chaos_steps} steps, modes {','.join(modes)}, growth "
+              f"{','.join(grows)}", flush=True)
+    results = run_trials(seeds, modes, args.chaos_steps, args.trial_timeout, args.findings, keep=args.keep, grows=grows)
     print("# " + summary(results))
     return 0 if all(r["outcome"] in ("equal", "lost-ok") for r in results) else 1

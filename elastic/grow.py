@@ -236,15 +236,9 @@ def poll(state: Any, block: bool = False) -> None:
     from mpi4py import MPI
 
     p = state._growing
-    ready = keep = True
+    keep = True
     try:
-        failed = [r for r in faults.failed_ranks(p.merged) if r >= p.old_world]
-        if failed:      # (a live rank that failed is the recovery's business)
-            raise RuntimeError(f"ranks {failed} of the grown world failed")
-        for r in range(p.old_world, p.old_world + p.k):
-            if r not in p.ready and (block or p.merged.Iprobe(source=r, tag=READY_TAG)):
-                p.merged.Recv(bytearray(1), source=r, tag=READY_TAG)
-                p.ready.add(r)
+        _hear(p, block)
     except (MPI.Exception, RuntimeError) as e:     # a replacement failed while starting
         log.warning("elastic: a replacement failed before it joined (%s)", e)
         keep = False
@@ -264,15 +258,32 @@ def poll(state: Any, block: bool = False) -> None:
     try:    # the replacements wait in this agreement; then the ranks that failed since the spawn go
         if faults.iagree(p.merged, 1, "the grown world") & 1:
             merged = _shrunk(p.merged)
-            note = _join(state, merged, state.comm)
+            note = _join(state, merged, state.comm, p.k)
     except Exception as e:  # noqa: BLE001 - decided alike on every live rank: the join failed
-        log.debug("elastic: the agreement with the replacements failed: %s", e)
+        note = f"the replacements could not join ({type(e).__name__}: {e})"
     start = p.needed if p.spare and p.needed is not None else p.t0
     _record(state, {"spawned": p.k if note is None else 0, "world": state.world_size, "note": note,
                     "grow_s": time.monotonic() - start, "spawn_s": p.spawn_s, "ready_s": ready_s,
                     "join_s": time.monotonic() - now, "spare": p.spare, "commits_waited": p.commits,
                     "at_commit": p.at})
     raise Regrouped()
+
+
+def _hear(p: Pending, block: bool) -> None:
+    """Receive the replacements' ready messages to this rank; with ``block``, until all came,
+    asleep between looks (a blocking receive would spin, taking the CPU they start on). Raises
+    where a replacement failed."""
+    while True:
+        failed = [r for r in faults.failed_ranks(p.merged) if r >= p.old_world]
+        if failed:      # (a live rank that failed is the recovery's business)
+            raise RuntimeError(f"ranks {failed} of the grown world failed")
+        for r in range(p.old_world, p.old_world + p.k):
+            if r not in p.ready and p.merged.Iprobe(source=r, tag=READY_TAG):
+                p.merged.Recv(bytearray(1), source=r, tag=READY_TAG)
+                p.ready.add(r)
+        if not block or len(p.ready) == p.k:
+            return
+        time.sleep(IDLE_S)
 
 
 def _shrunk(merged: Any) -> Any:
@@ -343,6 +354,7 @@ def _header(state: Any, old_world: int) -> dict[str, Any]:
     head: dict[str, Any] = {"gen": c.gen, "count": c.count, "stride": c.stride, "world": old_world,
                             "attrs": c.attrs, "model": c.model, "optimizer": c.optimizer, "hyper": c.hyper, "rng": c.rng,
                             "keys": c.keys, "other": c.other, "trained": state._trained,
+                            "run": [state._min_world_size, state._max_world_size, state._wait, state._spare],
                             "dist": bool(dist.is_available() and dist.is_initialized())}
     if c.fsdp is not None:
         head["fsdp"] = {"entries": [[list(e.key), list(e.shape), [fsdp.shard_dim(p) for p in e.placements],
@@ -366,9 +378,12 @@ def _newcomer_commit(state: Any, head: dict[str, Any]) -> Commit:
     return c
 
 
-def _join(state: Any, merged_mpi: Any, old: Any) -> str | None:
-    """Both sides of a join over the merged MPI communicator; None when it succeeded on every
-    rank, else what failed (every rank agrees; the live ranks then go on over ``old``)."""
+def _join(state: Any, merged_mpi: Any, old: Any, k: int = 0) -> str | None:
+    """Both sides of a join over the merged MPI communicator (shrunk: the ranks known failed
+    left it); None when it succeeded on every rank, else what failed (every rank agrees; the
+    live ranks then go on over ``old``). A live rank checks that ``old``'s ranks and the ``k``
+    replacements are all there: one that died unseen since the last agreement fails the join
+    (the live ranks then meet it in their next step)."""
     import torch.distributed as dist
 
     import mpicomm
@@ -380,12 +395,16 @@ def _join(state: Any, merged_mpi: Any, old: Any) -> str | None:
     merged = None
     try:
         merged = mpicomm.Communicator(merged_mpi)
+        if not is_new and int(merged.size) != int(old.size) + k:
+            raise RuntimeError(f"{int(old.size) + k - int(merged.size)} of the {int(old.size)} ranks training and the "
+                               f"{k} replacements failed before the join")
         sizes = wire.broadcast(merged, None if is_new else int(old.size), root=0)
         old_world = int(sizes)
         survivors = list(range(old_world)) + [-1] * (int(merged.size) - old_world)
         head = wire.broadcast(merged, None if int(merged.rank) else _header(state, old_world), root=0)
         c = _newcomer_commit(state, head) if is_new else state._commits[-1]
-        if is_new:
+        if is_new:      # the job's elastic.run settings (this program may say others: max_world_size=world size)
+            state._min_world_size, state._max_world_size, state._wait, state._spare = head["run"]
             rollback.restore_replicated(state, c)
             if state.optimizer is not None and not state.sharded and not state._fsdp:
                 state.optimizer.load_state_dict(c.optimizer)

@@ -96,23 +96,23 @@ def run(func: F | None = None, *, min_world_size: int = 1, max_world_size: int |
     def wrapper(state: TorchState, *args: Any, **kwargs: Any) -> Any:
         if not isinstance(state, TorchState):
             raise TypeError(f"elastic.run: expected an elastic.TorchState as first argument, got {type(state).__name__}")
-        state._max_world_size, state._spare = max_world_size, bool(spare)
+        # (a replacement takes the job's own settings when it joins: elastic.grow)
+        state._min_world_size, state._max_world_size = int(min_world_size), max_world_size
+        state._wait, state._spare = bool(wait_for_replacements), bool(spare)
         try:
-            return _train(state, func, args, kwargs, min_world_size, wait_for_replacements)
+            return _train(state, func, args, kwargs)
         finally:    # (on every survivor alike, or bounded: grow.LEAVE_S)
             grow.abandon(state, "train() ended")    # replacements starting, or the spare, leave
 
     return wrapper
 
 
-def _train(state: TorchState, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-           min_world_size: int, wait_for_replacements: bool) -> Any:
+def _train(state: TorchState, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``elastic.run``'s loop: ``train`` called again after each recovery and each growth."""
-    most = state._max_world_size
     joining = grow.joining()
-    if not joining and state.world_size < min_world_size:
+    if not joining and state.world_size < state._min_world_size:
         raise WorldTooSmallError(f"elastic.run: {state.world_size} ranks, fewer than min_world_size="
-                                 f"{min_world_size}")
+                                 f"{state._min_world_size}")
     start = joining or state.generation == 0
     growing = False
     while True:
@@ -124,10 +124,10 @@ def _train(state: TorchState, func: Callable[..., Any], args: tuple[Any, ...], k
                 start = False
                 state._resume()
                 state._commit(state.commits)
-                state._spawn_due = state._spare and state.world_size == most   # the spare starts
+                state._spawn_due = state._spare and state.world_size == state._max_world_size  # the spare starts
             if growing:
                 growing = False
-                grow.grow(state, most, wait=wait_for_replacements)
+                grow.grow(state, state._max_world_size, wait=state._wait)
             out = func(state, *args, **kwargs)
             state.wait_checkpoint()
             epoch.leave(state)                  # train returns on every survivor or on none
@@ -141,13 +141,14 @@ def _train(state: TorchState, func: Callable[..., Any], args: tuple[Any, ...], k
         except Exception as err:  # noqa: BLE001 - a failure shows as any error (DDP wraps it)
             if not getattr(state.comm, "fault_tolerant", False) or not is_failure(state, err):
                 raise
-            recover(state, err, min_world_size)
+            recover(state, err, state._min_world_size)
             grow.after_loss(state)              # a spare, or replacements starting, may join now
+            most = state._max_world_size
             if most is not None and state.world_size < most:
                 # waiting: the replacements join at once; else they start once the recovered
                 # step committed, so their start-up does not slow that step
-                growing = wait_for_replacements
-                state._spawn_due = not wait_for_replacements
+                growing = state._wait
+                state._spawn_due = not state._wait
 
 
 def _comms_of(state: TorchState, comm: Any) -> list[Any]:

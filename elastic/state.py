@@ -104,8 +104,8 @@ class TorchState:
         self._epoch: Any = None                 # the communicator the next commit agrees over (ULFM)
         self._growing: Any = None               # elastic.grow.Pending: replacements starting
         self._spawn_due = False                 # replacements (or a spare) start at the next commit
-        self._spare = False                     # elastic.run's spare, set by it
-        self._max_world_size: int | None = None  # elastic.run's, set by it
+        # elastic.run's settings, set by it (a replacement takes the job's when it joins)
+        self._min_world_size, self._max_world_size, self._wait, self._spare = 1, None, False, False
         self._callbacks: list[Callable[[], Any]] = []
         self._commits: list[Commit] = []        # oldest first, at most two
         self.model = model

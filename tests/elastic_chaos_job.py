@@ -12,11 +12,15 @@ of step ``step`` (step -1: ``frac`` x 0.05 s after ``train`` is first called, in
 commit or step), and ``second`` (None, or ``{"rank", "where", "delay"}``: that rank is
 SIGKILLed inside the recovery: ``timer`` (``delay`` s after ``elastic.run``'s recovery starts
 there), ``shrink`` (right after its shrink), ``rollback`` (entering the rollback, after the
-rebind), ``callback`` (in the last reset callback)). A second victim is killed by a signal,
+rebind), ``callback`` (in the last reset callback)), and ``grow`` (none | grow: elastic.run(
+max_world_size=4), the job grows back after a loss and waits at the end until no growth is
+under way | spare: the same with spare=True, and the ranks wait until the spare is ready before
+training, so the loss finds it so). A second victim is killed by a signal,
 not ``os._exit``: Open MPI 5.0.11's launcher ends the whole job when a second rank exits with
 an error status (docs/elastic.md, Limits).
 
-Every rank writes OUT_DIR/rank<R>.log (its stdout and stderr); a victim writes victim<R>.json
+Every rank writes OUT_DIR/rank<R>.log (its stdout and stderr; a replacement new<PID>.log, and its
+other files so named too); a victim writes victim<R>.json
 just before it dies (where it was); every survivor writes rank<R>.json (``done`` with its
 final step and recoveries, or ``error`` with the exception's type, whether it is an
 elastic.ElasticError, and its message) and, when done, rank<R>.npz (its full final weights).
@@ -96,8 +100,10 @@ def main() -> None:
     if mode.endswith("-mpi"):
         os.environ[elastic.shm.ENV] = "0"
     world = mpicomm.init()
-    me = world.rank
-    log = os.open(os.path.join(out, f"rank{me}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    joined = elastic.grow.joining()     # a replacement spawned by the job growing back
+    me = world.rank if not joined else -1
+    name = f"rank{me}" if not joined else f"new{os.getpid()}"
+    log = os.open(os.path.join(out, f"{name}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(log, 1), os.dup2(log, 2)
     killer = Killer(out, me)
     second = plan.get("second") if plan.get("second") and plan["second"]["rank"] == me else None
@@ -156,8 +162,15 @@ def main() -> None:
         state.register_reset_callbacks([lambda: killer.die("second:callback", True)])
 
     durations: list[float] = []
+    grow = plan.get("grow", "none")
 
-    @elastic.run
+    def wait_for_the_spare() -> None:    # (a peek at elastic's internals: the spare's message, not received)
+        p = state._growing
+        while p is not None and not p.merged.Iprobe(source=p.old_world, tag=elastic.grow.READY_TAG):
+            time.sleep(0.05)
+
+    # (world.size is 1 in a replacement: it takes the job's settings when it joins)
+    @elastic.run(max_world_size=None if grow == "none" else world.size, spare=grow == "spare")
     def train(state: elastic.TorchState) -> None:
         killer.phase = "training"
         net = DDP(model) if mode == "ddp" else state.model     # FSDP2: the rebuilt one after a recovery
@@ -176,6 +189,11 @@ def main() -> None:
             state.step += 1
             state.commit()
             durations.append(time.perf_counter() - t0)
+            if grow == "spare" and state.step == 1 and me >= 0 and not armed["first"]:
+                wait_for_the_spare()        # (started at this commit; the first loss comes after it)
+        while state.growing:    # a growth under way ends before the job does (joined or given up)
+            time.sleep(0.05)
+            state.commit()
 
     status: dict = {"rank": me}
     try:
@@ -187,17 +205,18 @@ def main() -> None:
         killer.end()
         status.update(status="error", type=type(e).__name__, elastic=isinstance(e, elastic.ElasticError),
                       msg=str(e)[:3000], tb=traceback.format_exc()[-4000:])
-        with open(os.path.join(out, f"rank{me}.json"), "w") as f:
+        with open(os.path.join(out, f"{name}.json"), "w") as f:
             json.dump(status, f)
         sys.stdout.flush(), sys.stderr.flush()
         os._exit(3)
     killer.end()
     params = list(state.model.parameters())
     weights = {f"p{i}": (p.full_tensor() if mode == "fsdp2" else p).detach().numpy() for i, p in enumerate(params)}
-    np.savez(os.path.join(out, f"rank{me}.npz"), **weights)
+    np.savez(os.path.join(out, f"{name}.npz"), **weights)
     status.update(status="done", step=int(state.step), world_size=state.world_size, rank_now=state.rank,
-                  recoveries=state.recoveries, lr=[g["lr"] for g in state.optimizer.param_groups])
-    with open(os.path.join(out, f"rank{me}.json"), "w") as f:
+                  recoveries=state.recoveries, growths=state.growths,
+                  lr=[g["lr"] for g in state.optimizer.param_groups])
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
         json.dump(status, f, default=repr)
     dist.destroy_process_group()
     state.comm.barrier()

@@ -1,7 +1,7 @@
 """Fault-injection job for tests/test_elastic_faults.py: train under elastic.run, one rank dies.
 
     mpirun --with-ft ulfm -n N python tests/elastic_job.py OPT WHERE RANK STEP STEPS OUT [EVERY] [grow=N] [join=wait]
-        [newcomer=dies] [pending=R] [second=R] [again=R:S] [freeze=F] [spare=ready|early]
+        [newcomer=dies] [pending=R] [second=R] [again=R:S] [freeze=F] [spare=ready|early] [unseen=R:S]
 
 OPT: ddp | zero1 | zero2 (ZeroOptimizer stage) | zero1g | zero2g (the same, replicate="gradient") | onebit (ZeroOptimizer stage 2 of 1-bit Adam, in its
 warm-up: Adam exactly); WHERE: none | between (after the commit of step
@@ -22,7 +22,9 @@ commit of step S (after the job grew back: a second recovery with a replacement 
 join=wait: the replacements join at the recovery's commit (else at a later one, the job training
 on meanwhile); newcomer=dies: the replacement SIGKILLs itself as it starts; pending=R: world rank
 R dies while the replacements start; spare=ready: elastic.run(spare=True), and the ranks wait
-until the spare said it is ready before the victim dies (spare=early: they do not); freeze=F: 1-bit Adam's freeze_step (compressed after it),
+until the spare said it is ready before the victim dies (spare=early: they do not); unseen=R:S:
+at the commit of step S every rank waits until the replacement said it is ready to it, and world
+rank R dies as that commit starts to let it join (unseen by the others until the join); freeze=F: 1-bit Adam's freeze_step (compressed after it),
 and rank 0 writes what each commit past it must hold, gathered apart from elastic
 (OUT.commit<N>.npz); death=sigkill: the victim is SIGKILLed instead of exiting with status 9
 (Open MPI's launcher ends a 2-rank job when one rank exits with an error status). Every rank writes its final weights
@@ -61,6 +63,7 @@ def main() -> None:
     second = int(opts.get("second", -1))        # a rank that dies in the recovery, after its rebind
     again, again_step = (int(x) for x in opts.get("again", "-1:-1").split(":"))   # a later death
     pending = int(opts.get("pending", -1))      # dies while the replacements start
+    unseen, unseen_step = (int(x) for x in opts.get("unseen", "-1:-1").split(":"))   # dies as they join
     inside = [False]                     # inside state.commit()
     kinds: list[str] = []
     torch.set_num_threads(1)
@@ -146,6 +149,16 @@ def main() -> None:
         list(model.parameters())[0].register_post_accumulate_grad_hook(
             lambda p: die("backward" if state.step == kill_step else ""))
 
+    if me == unseen:
+        poll = elastic.grow.poll
+
+        def poll_then_die(st, block=False):     # the others poll at this commit and go on to the join
+            if st.step == unseen_step:
+                sys.stdout.flush(), sys.stderr.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
+            return poll(st, block)
+        elastic.grow.poll = poll_then_die
+
     def wait_for_the_spare() -> None:    # (a peek at elastic's internals: the spare's message, not received)
         p = state._growing
         while p is not None and not p.merged.Iprobe(source=p.old_world, tag=elastic.grow.READY_TAG):
@@ -161,6 +174,8 @@ def main() -> None:
             local_loss(net, state.step, state.rank, state.world_size).backward()
             opt.step()
             state.step += 1
+            if state.step == unseen_step and me >= 0:
+                wait_for_the_spare()        # (any replacement: every rank hears it before this commit)
             if state.step % every == 0 or state.step == steps:
                 inside[0] = True
                 state.commit()

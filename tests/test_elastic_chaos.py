@@ -33,6 +33,27 @@ def test_a_chaos_trial_ends_equal_or_with_a_typed_error_where_the_state_is_gone(
     assert res["outcome"] in ("equal", "lost-ok"), f"{res['outcome']}: {res['why']}\nrerun: {res['rerun']}"
 
 
+# with growth (--chaos-grow grow,spare): the replacements that joined end equal too
+GROW_SEEDS = {
+    103: "fsdp2     rank 1 at step 6+0.69, sched, ckpt, spare",
+    115: "zero2     rank 0 at step 5+0.54, sched, spare",
+    127: "ddp       rank 0 at step 2+0.02, rank 3 in recovery (rollback), grow",       # two replacements
+}
+
+
+@pytest.mark.parametrize("seed", sorted(GROW_SEEDS))
+def test_a_chaos_trial_that_grows_back_ends_equal_on_every_rank_the_replacements_included(tmp_path, seed):
+    require_ulfm()
+    from bench import elastic_chaos
+
+    grows = ("grow", "spare")
+    assert elastic_chaos.describe(elastic_chaos.plan(seed, grows=grows)) == GROW_SEEDS[seed]
+    (res,) = elastic_chaos.run_trials([seed], elastic_chaos.MODES, 8, timeout=180, findings=None,
+                                      keep=str(tmp_path), echo=False, grows=grows)
+    assert res["outcome"] == "equal", f"{res['outcome']}: {res['why']}\nrerun: {res['rerun']}"
+    assert "joined" in res["why"], res["why"]      # a replacement (or the spare) joined and ended equal
+
+
 def test_a_crash_inside_the_mpi_library_is_told_apart(tmp_path):
     from bench.elastic_chaos import crashed_in_mpi
 
