@@ -254,18 +254,29 @@ def poll(state: Any, block: bool = False) -> None:
     state.wait_checkpoint()
     now = time.monotonic()
     ready_s = now - p.t0
-    note = "the replacements could not join"
+    start = p.needed if p.spare and p.needed is not None else p.t0
+
+    def done(note: str | None) -> None:
+        _record(state, {"spawned": p.k if note is None else 0, "world": state.world_size, "note": note,
+                        "grow_s": time.monotonic() - start, "spawn_s": p.spawn_s, "ready_s": ready_s,
+                        "join_s": time.monotonic() - now, "spare": p.spare, "commits_waited": p.commits,
+                        "at_commit": p.at})
+    merged = None
     try:    # the replacements wait in this agreement; then the ranks that failed since the spawn go
         if faults.iagree(p.merged, 1, "the grown world") & 1:
             merged = _shrunk(p.merged)
-            note = _join(state, merged, state.comm, p.k)
     except Exception as e:  # noqa: BLE001 - decided alike on every live rank: the join failed
-        note = f"the replacements could not join ({type(e).__name__}: {e})"
-    start = p.needed if p.spare and p.needed is not None else p.t0
-    _record(state, {"spawned": p.k if note is None else 0, "world": state.world_size, "note": note,
-                    "grow_s": time.monotonic() - start, "spawn_s": p.spawn_s, "ready_s": ready_s,
-                    "join_s": time.monotonic() - now, "spare": p.spare, "commits_waited": p.commits,
-                    "at_commit": p.at})
+        done(f"the replacements could not join ({type(e).__name__}: {e})")
+        raise Regrouped() from None
+    if merged is None:
+        done("the replacements could not join")
+        raise Regrouped()
+    try:
+        note = _join(state, merged, state.comm, p.k)
+    except Exception as e:  # the live ranks could not go back to the commit they hold: a rank of
+        done(f"the replacements could not join ({type(e).__name__}: {e})")   # theirs failed, and the
+        raise                                                                  # recovery goes on from it
+    done(note)
     raise Regrouped()
 
 
@@ -348,14 +359,12 @@ def join(state: Any) -> None:
 
 def _header(state: Any, old_world: int) -> dict[str, Any]:
     """What rank 0 tells the newcomers: the newest commit's replicated parts and layout."""
-    import torch.distributed as dist
-
     c = state._commits[-1]
     head: dict[str, Any] = {"gen": c.gen, "count": c.count, "stride": c.stride, "world": old_world,
                             "attrs": c.attrs, "model": c.model, "optimizer": c.optimizer, "hyper": c.hyper, "rng": c.rng,
                             "keys": c.keys, "other": c.other, "trained": state._trained,
                             "run": [state._min_world_size, state._max_world_size, state._wait, state._spare],
-                            "dist": bool(dist.is_available() and dist.is_initialized())}
+                            "dist": state._uses_dist()}
     if c.fsdp is not None:
         head["fsdp"] = {"entries": [[list(e.key), list(e.shape), [fsdp.shard_dim(p) for p in e.placements],
                                      str(e.dtype).removeprefix("torch.")] for e in c.fsdp["entries"]],
@@ -381,16 +390,16 @@ def _newcomer_commit(state: Any, head: dict[str, Any]) -> Commit:
 def _join(state: Any, merged_mpi: Any, old: Any, k: int = 0) -> str | None:
     """Both sides of a join over the merged MPI communicator (shrunk: the ranks known failed
     left it); None when it succeeded on every rank, else what failed (every rank agrees; the
-    live ranks then go on over ``old``). A live rank checks that ``old``'s ranks and the ``k``
+    live ranks then go on over ``old``, at the commit they hold, or raise where they cannot: one
+    of them failed, and the recovery goes on from that commit). A live rank checks that ``old``'s ranks and the ``k``
     replacements are all there: one that died unseen since the last agreement fails the join
     (the live ranks then meet it in their next step)."""
-    import torch.distributed as dist
-
     import mpicomm
     from mpicomm import distributed as mdist
 
     error: str | None = None
     is_new = old is None
+    state._uses_dist()      # (before the join drops the group: made anew over old if it fails)
     held = list(state._commits)
     merged = None
     try:
@@ -408,8 +417,8 @@ def _join(state: Any, merged_mpi: Any, old: Any, k: int = 0) -> str | None:
             rollback.restore_replicated(state, c)
             if state.optimizer is not None and not state.sharded and not state._fsdp:
                 state.optimizer.load_state_dict(c.optimizer)
-            state._trained, state._count = head["trained"], c.count
-        if head["dist"]:
+            state._trained, state._count, state._dist = head["trained"], c.count, head["dist"]
+        if state._dist:     # (a replacement: the job's, whatever group it made itself)
             mdist.reinit_process_group(merged)
         if state._fsdp:
             fsdp.rollback(state, c.fsdp, c.count, merged, survivors, c.stride)
@@ -444,7 +453,7 @@ def _join(state: Any, merged_mpi: Any, old: Any, k: int = 0) -> str | None:
         state._comm = old
         state._commits[:] = held
         rollback.restore(state, state._commits[-1].gen, old, list(range(int(old.size))), int(old.size))
-        if dist.is_available() and dist.is_initialized():
+        if state._dist:
             mdist.reinit_process_group(old)
         state._run_callbacks()
         epoch.open(state)

@@ -167,6 +167,7 @@ def recover(state: TorchState, err: BaseException, min_world_size: int = 1) -> d
     meanwhile starts it again over the fewer survivors. Re-raises ``err`` when no rank was lost;
     raises ``ElasticError`` on every survivor when the job cannot go on."""
     t0, wall0 = time.monotonic(), time.time()
+    state._uses_dist()                    # (before an attempt drops the group)
     old = state.comm
     old_world, old_rank = state.world_size, state.rank
     held = list(state._commits)           # what every attempt rolls back from
@@ -228,7 +229,6 @@ def _attempt(state: TorchState, new: Any, old_rank: int, old_world: int, min_wor
     """One try at carrying on over ``new``: ((old ranks of the survivors, the commit rolled back
     to, what was loaded from disk or None), None), or (None, (the survivors' shrunk communicator,
     the error seen here)) when a rank failed meanwhile (every survivor agrees on that)."""
-    import torch.distributed as dist
     from mpicomm import distributed as mdist
 
     failed: str | None = None            # a reset callback that raised
@@ -248,7 +248,7 @@ def _attempt(state: TorchState, new: Any, old_rank: int, old_world: int, min_wor
                 f"elastic.run: old ranks {lost} failed; {new.size} survivors, fewer than min_world_size="
                 f"{min_world_size}") from err
         target = _target(state, new, old_rank, old_world, survivors)
-        if dist.is_available() and dist.is_initialized():
+        if state._uses_dist():          # (also where an attempt cut short left no group)
             mdist.reinit_process_group(new)
         if target is None:
             state._restart_from_disk(new)    # an FSDP2 model: loaded by RebuildFSDP, below

@@ -104,6 +104,7 @@ class TorchState:
         self._epoch: Any = None                 # the communicator the next commit agrees over (ULFM)
         self._growing: Any = None               # elastic.grow.Pending: replacements starting
         self._spawn_due = False                 # replacements (or a spare) start at the next commit
+        self._dist = False                      # torch.distributed's default group seen (_uses_dist)
         # elastic.run's settings, set by it (a replacement takes the job's when it joins)
         self._min_world_size, self._max_world_size, self._wait, self._spare = 1, None, False, False
         self._callbacks: list[Callable[[], Any]] = []
@@ -174,6 +175,14 @@ class TorchState:
             if not callable(fn):
                 raise TypeError(f"elastic.TorchState.register_reset_callbacks: expected callables, got {fn!r}")
             self._callbacks.append(fn)
+
+    def _uses_dist(self) -> bool:
+        """Whether the job uses torch.distributed's default group, which a recovery or a join
+        makes anew: remembered, because one cut short by a failure leaves no group."""
+        import torch.distributed as dist
+
+        self._dist = self._dist or bool(dist.is_available() and dist.is_initialized())
+        return self._dist
 
     def _run_callbacks(self) -> str | None:
         """Run the reset callbacks in order; what the first that raised said, or None."""

@@ -2,6 +2,7 @@
 
     mpirun --with-ft ulfm -n N python tests/elastic_job.py OPT WHERE RANK STEP STEPS OUT [EVERY] [grow=N] [join=wait]
         [newcomer=dies] [pending=R] [second=R] [again=R:S] [freeze=F] [spare=ready|early] [unseen=R:S]
+        [injoin=R]
 
 OPT: ddp | zero1 | zero2 (ZeroOptimizer stage) | zero1g | zero2g (the same, replicate="gradient") | onebit (ZeroOptimizer stage 2 of 1-bit Adam, in its
 warm-up: Adam exactly); WHERE: none | between (after the commit of step
@@ -24,7 +25,9 @@ on meanwhile); newcomer=dies: the replacement SIGKILLs itself as it starts; pend
 R dies while the replacements start; spare=ready: elastic.run(spare=True), and the ranks wait
 until the spare said it is ready before the victim dies (spare=early: they do not); unseen=R:S:
 at the commit of step S every rank waits until the replacement said it is ready to it, and world
-rank R dies as that commit starts to let it join (unseen by the others until the join); freeze=F: 1-bit Adam's freeze_step (compressed after it),
+rank R dies as that commit starts to let it join (unseen by the others until the join); injoin=R:
+world rank R dies inside the join, as it starts to make torch's default group anew over the grown
+world (its second reinit_process_group: the first is the recovery's); freeze=F: 1-bit Adam's freeze_step (compressed after it),
 and rank 0 writes what each commit past it must hold, gathered apart from elastic
 (OUT.commit<N>.npz); death=sigkill: the victim is SIGKILLed instead of exiting with status 9
 (Open MPI's launcher ends a 2-rank job when one rank exits with an error status). Every rank writes its final weights
@@ -64,6 +67,7 @@ def main() -> None:
     again, again_step = (int(x) for x in opts.get("again", "-1:-1").split(":"))   # a later death
     pending = int(opts.get("pending", -1))      # dies while the replacements start
     unseen, unseen_step = (int(x) for x in opts.get("unseen", "-1:-1").split(":"))   # dies as they join
+    injoin = int(opts.get("injoin", -1))        # dies inside the join
     inside = [False]                     # inside state.commit()
     kinds: list[str] = []
     torch.set_num_threads(1)
@@ -158,6 +162,17 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             return poll(st, block)
         elastic.grow.poll = poll_then_die
+
+    if me == injoin:
+        reinit, calls = mdist.reinit_process_group, [0]
+
+        def reinit_or_die(*a, **k):         # the group's rank 0 hosts its store: the others wait on it
+            calls[0] += 1
+            if calls[0] == 2:
+                sys.stdout.flush(), sys.stderr.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
+            return reinit(*a, **k)
+        mdist.reinit_process_group = reinit_or_die
 
     def wait_for_the_spare() -> None:    # (a peek at elastic's internals: the spare's message, not received)
         p = state._growing

@@ -92,6 +92,9 @@ CASES = [
     # a survivor dies as the replacement is let in, unseen by the others (they saw no failure since
     # their last agreement): the join fails (the ranks are counted), they recover, grow again
     (4, "zero2", "between", 1, 1, 1, ("grow=4", "unseen=2:4")),
+    # the new rank 0 dies inside the join, making torch's group anew: the others' group is gone
+    # (they recover, make it anew over the two left, and grow again; DDP needs it)
+    (4, "ddp", "between", 1, 1, 1, ("grow=4", "injoin=0")),
     # a spare started at 4 ranks: it joins at the survivors' first commit (ready before the
     # loss), or once it is ready (the loss came first); a spare that died: a replacement is
     # spawned after the loss, as without a spare (it dies too here: the job trains on at 3)
@@ -118,7 +121,7 @@ def test_survivors_end_with_the_reference_weights(tmp_path, n, opt, where, victi
         info = json.load(f)
     opts = dict(x.split("=") for x in extra)
     lost = sorted([victim] + ([int(opts["second"])] if "second" in opts else []))
-    again = [int(opts[k].split(":")[0]) for k in ("again", "pending", "unseen") if k in opts]
+    again = [int(opts[k].split(":")[0]) for k in ("again", "pending", "unseen", "injoin") if k in opts]
     world = int(opts["grow"]) if "grow" in opts and "newcomer" not in opts else n - len(lost)
     assert info["world_size"] == world and info["dist_world_size"] == world, (info, log)
     if again:       # ranks renumbered by the first recovery: only the counts say the same on every run
@@ -129,7 +132,7 @@ def test_survivors_end_with_the_reference_weights(tmp_path, n, opt, where, victi
         assert [(g["spawned"], g["note"], g["spare"]) for g in info["growths"]] == [
             (0, "the growth was given up (a replacement failed before it joined)", spare)
             for spare in ([True, False] if "spare" in opts else [False])], (info, log)
-    elif "unseen" in opts:
+    elif "unseen" in opts or "injoin" in opts:
         got = [(g["spawned"], g["note"]) for g in info["growths"]]
         assert len(got) == 2 and got[0][0] == 0 and got[1] == (2, None), (info, log)
         assert "failed before the join" in got[0][1] or "could not join" in got[0][1], (info, log)
