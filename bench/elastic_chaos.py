@@ -274,6 +274,8 @@ def run_trials(seeds: list[int], modes: tuple[str, ...], steps: int, timeout: fl
                keep: str | None = None, echo: bool = True, grows: tuple[str, ...] = ("none",)) -> list[dict[str, Any]]:
     """Run one trial per seed; print a line each and return their results."""
     results = []
+    if keep is not None:
+        os.makedirs(keep, exist_ok=True)
     for seed in seeds:
         p = plan(seed, modes, steps, grows)
         out = tempfile.mkdtemp(prefix=f"chaos-{seed}-", dir=keep)

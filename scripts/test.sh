@@ -49,7 +49,7 @@ leave_out=""
 one_mark=(); multi_mark="mpi$leave_out"
 [ -n "$leave_out" ] && one_mark=(-m "${leave_out# and }")
 label="1 process"
-run python -m pytest --with-mpi "${one_mark[@]+"${one_mark[@]}"}" "$@"
+run python -m pytest --with-mpi --durations=25 --durations-min=10 "${one_mark[@]+"${one_mark[@]}"}" "$@"   # (the slowest, for CI time)
 for n in ${MPICOMM_TEST_RANKS:-2 4}; do
     label="$n ranks"
     run scripts/mpirun.sh -n "$n" python -m mpi4py scripts/mpi_pytest.py --with-mpi -m "$multi_mark" \
