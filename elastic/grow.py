@@ -10,6 +10,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -110,6 +111,29 @@ def spare_nice() -> int:
     return nice
 
 
+def _spawn(comm: Any, command: str, args: list[str], k: int, info: Any) -> Any:
+    """``comm.Spawn``, or the job's end (``MPI_Abort``, with a message) where it does not return
+    in ``newcomer.spawn_timeout()`` seconds: Open MPI's spawn is not fault tolerant (a rank of ``comm``
+    that fails during it leaves every other one inside it for good)."""
+    from mpi4py import MPI
+
+    limit = newcomer.spawn_timeout()
+
+    def hung() -> None:
+        print(f"elastic: MPI_Comm_spawn of {k} replacements did not return in {limit:g} s "
+              f"({newcomer.SPAWN_TIMEOUT_ENV}); a rank that failed during it leaves the others inside it (the "
+              "spawn is not fault tolerant): the job ends here (restart it from its checkpoint_dir)",
+              file=sys.stderr, flush=True)
+        MPI.COMM_WORLD.Abort(1)
+    timer = threading.Timer(limit, hung)
+    timer.daemon = True
+    timer.start()
+    try:
+        return comm.Spawn(command, args=args, maxprocs=k, info=info, root=0)
+    finally:
+        timer.cancel()
+
+
 def _command(nice: int = 0) -> tuple[str, list[str]]:
     """What a replacement runs: this program, through ``elastic/newcomer.py`` (MPI first; with
     ``nice``, its imports start in a thread at that nice value), or as it was started where its
@@ -203,7 +227,7 @@ def grow(state: Any, max_world_size: int | None, wait: bool = False) -> dict[str
     if hosts:
         info.Set("add-host", ",".join(hosts))
     try:
-        inter = old.mpi_comm.Spawn(command, args=args, maxprocs=k, info=info, root=0)
+        inter = _spawn(old.mpi_comm, command, args, k, info)
     except MPI.Exception as e:
         return _record(state, {"spawned": 0, "world": state.world_size, "note": f"the spawn of {k} ranks failed ({e})",
                                "grow_s": time.monotonic() - t0, "spare": spare, "at_commit": state.commits})

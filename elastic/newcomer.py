@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import os
 import runpy
+import signal
 import sys
 import threading
 
@@ -23,6 +24,21 @@ _WITH_VALUE = {"-W", "-X", "--check-hash-based-pycs"}
 NICE_OPTION = "--elastic-nice="
 #: What a spare imports ahead: torch, what building a torch optimizer imports, this project.
 WARM = ("torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel", "mpicomm", "elastic")
+#: Seconds a spawn may take, on the job's side and on the replacement's (default 60).
+SPAWN_TIMEOUT_ENV = "MPICOMM_ELASTIC_SPAWN_TIMEOUT_S"
+
+
+def spawn_timeout() -> float:
+    """Seconds a spawn may take before the job ends (``MPICOMM_ELASTIC_SPAWN_TIMEOUT_S``), and
+    a replacement that did not merge with the job by then leaves."""
+    raw = os.environ.get(SPAWN_TIMEOUT_ENV, "60")
+    try:
+        s = float(raw)
+    except ValueError:
+        s = 0.0
+    if not s > 0:
+        raise ValueError(f"elastic: expected {SPAWN_TIMEOUT_ENV} a number of seconds > 0, got {raw!r}")
+    return s
 
 
 def options(nice: int) -> list[str]:
@@ -96,9 +112,14 @@ def run_program(program: list[str]) -> None:
 if __name__ == "__main__":
     sys.modules["elastic.newcomer"] = sys.modules[__name__]   # where elastic.grow looks for it
     sys.path[0] = os.getcwd()       # not this package's folder (its modules' names are plain words)
+    # SIGALRM (its default action ends the process) where MPI does not start with the job in time:
+    # the job's ranks died inside the spawn, nobody is left to merge with. (MPI_Init holds the
+    # GIL: no Python thread or handler would run.)
+    signal.alarm(max(1, round(spawn_timeout())))
     from mpi4py import MPI
 
     merged = MPI.Comm.Get_parent().Merge(high=True)
+    signal.alarm(0)
     # Before it joined, the job waits for this process in an agreement: leaving through
     # MPI_Finalize would keep it waiting; an exit without it is a failure the job sees.
     try:

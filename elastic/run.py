@@ -9,7 +9,7 @@ from typing import Any, Callable, TypeVar
 
 import torch
 
-from . import disk, epoch, grow, replicas, rollback
+from . import disk, epoch, grow, newcomer, replicas, rollback
 from .errors import ElasticError, HostsUpdatedInterrupt, ResetCallbackError, ShardsLostError, WorldTooSmallError
 from .state import TorchState
 
@@ -88,6 +88,8 @@ def run(func: F | None = None, *, min_world_size: int = 1, max_world_size: int |
         raise ValueError("elastic.run: spare=True needs max_world_size (the spare joins after a loss, up to it)")
     if spare:
         grow.spare_nice()       # a bad MPICOMM_ELASTIC_SPARE_NICE fails here, not at the spawn
+    if max_world_size is not None:
+        newcomer.spawn_timeout()    # (as a bad MPICOMM_ELASTIC_SPAWN_TIMEOUT_S)
     if func is None:
         return functools.partial(run, min_world_size=min_world_size, max_world_size=max_world_size,
                                  wait_for_replacements=wait_for_replacements, spare=spare)

@@ -2,7 +2,7 @@
 
     mpirun --with-ft ulfm -n N python tests/elastic_job.py OPT WHERE RANK STEP STEPS OUT [EVERY] [grow=N] [join=wait]
         [newcomer=dies] [pending=R] [second=R] [again=R:S] [freeze=F] [spare=ready|early] [unseen=R:S]
-        [injoin=R]
+        [injoin=R] [inspawn=R]
 
 OPT: ddp | zero1 | zero2 (ZeroOptimizer stage) | zero1g | zero2g (the same, replicate="gradient") | onebit (ZeroOptimizer stage 2 of 1-bit Adam, in its
 warm-up: Adam exactly); WHERE: none | between (after the commit of step
@@ -27,7 +27,8 @@ until the spare said it is ready before the victim dies (spare=early: they do no
 at the commit of step S every rank waits until the replacement said it is ready to it, and world
 rank R dies as that commit starts to let it join (unseen by the others until the join); injoin=R:
 world rank R dies inside the join, as it starts to make torch's default group anew over the grown
-world (its second reinit_process_group: the first is the recovery's); freeze=F: 1-bit Adam's freeze_step (compressed after it),
+world (its second reinit_process_group: the first is the recovery's); inspawn=R: world rank R dies
+as the replacements are spawned (the others wait inside MPI_Comm_spawn); freeze=F: 1-bit Adam's freeze_step (compressed after it),
 and rank 0 writes what each commit past it must hold, gathered apart from elastic
 (OUT.commit<N>.npz); death=sigkill: the victim is SIGKILLed instead of exiting with status 9
 (Open MPI's launcher ends a 2-rank job when one rank exits with an error status). Every rank writes its final weights
@@ -63,11 +64,12 @@ def main() -> None:
     every = int(sys.argv[7]) if len(sys.argv) > 7 else 1
     opts = dict(a.split("=", 1) for a in sys.argv[8:])
     grow_to = int(opts["grow"]) if "grow" in opts else None      # elastic.run(max_world_size=...)
-    second = int(opts.get("second", -1))        # a rank that dies in the recovery, after its rebind
-    again, again_step = (int(x) for x in opts.get("again", "-1:-1").split(":"))   # a later death
-    pending = int(opts.get("pending", -1))      # dies while the replacements start
-    unseen, unseen_step = (int(x) for x in opts.get("unseen", "-1:-1").split(":"))   # dies as they join
-    injoin = int(opts.get("injoin", -1))        # dies inside the join
+    # (the ranks named below are original ranks; -2: none, as a replacement's is -1)
+    second = int(opts.get("second", -2))        # a rank that dies in the recovery, after its rebind
+    again, again_step = (int(x) for x in opts.get("again", "-2:-2").split(":"))   # a later death
+    pending = int(opts.get("pending", -2))      # dies while the replacements start
+    unseen, unseen_step = (int(x) for x in opts.get("unseen", "-2:-2").split(":"))   # dies as they join
+    injoin = int(opts.get("injoin", -2))        # dies inside the join
     inside = [False]                     # inside state.commit()
     kinds: list[str] = []
     torch.set_num_threads(1)
@@ -173,6 +175,12 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             return reinit(*a, **k)
         mdist.reinit_process_group = reinit_or_die
+
+    if me == int(opts.get("inspawn", -2)):
+        def spawn_or_die(*a, **k):          # the others enter the spawn
+            sys.stdout.flush(), sys.stderr.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        elastic.grow._spawn = spawn_or_die
 
     def wait_for_the_spare() -> None:    # (a peek at elastic's internals: the spare's message, not received)
         p = state._growing

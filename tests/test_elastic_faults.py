@@ -33,8 +33,9 @@ def _ulfm() -> None:
     require_ulfm()      # a skip where there is no ULFM; under MPICOMM_MPI=openmpi a failure
 
 
-def _launch(n: int, args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
-    env = clean_env()
+def _launch(n: int, args: list[str], timeout: float = 240, extra_env: dict[str, str] | None = None
+            ) -> subprocess.CompletedProcess:
+    env = clean_env() | (extra_env or {})
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env["PYTHONWARNINGS"] = "ignore::FutureWarning"
     cmd = [*mpiexec_cmd(n), "--with-ft", "ulfm", sys.executable, "-m", "mpi4py", *args]
@@ -223,6 +224,19 @@ def test_ddp_example_survives_a_killed_rank():
     log = f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
     assert "recovered from the loss of world ranks [1]" in proc.stdout, log
     assert "trained 8 steps on 2 ranks" in proc.stdout, log
+
+
+def test_a_rank_lost_inside_a_spawn_ends_the_job_with_a_clear_error(tmp_path):
+    """Open MPI's MPI_Comm_spawn is not fault tolerant: a rank that dies in it (here: just before
+    it) leaves the others inside it for good. The job ends there (MPI_Abort), saying why,
+    instead of hanging."""
+    _ulfm()
+    out = str(tmp_path / "run")
+    proc = _launch(4, [os.path.join(HERE, "elastic_job.py"), "zero1", "between", "1", "1", str(STEPS), out, "1",
+                       "grow=4", "inspawn=2"], timeout=150, extra_env={"MPICOMM_ELASTIC_SPAWN_TIMEOUT_S": "5"})
+    aborted = proc.returncode != 0 or "MPI_ABORT was invoked" in proc.stderr
+    assert aborted and not os.path.exists(out + ".json"), (proc.returncode, proc.stderr[-4000:])
+    assert "MPI_Comm_spawn of 1 replacements did not return in 5 s" in proc.stderr, proc.stderr[-4000:]
 
 
 def test_a_reset_callback_that_raises_ends_the_job_on_every_survivor(tmp_path):

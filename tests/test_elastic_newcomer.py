@@ -116,6 +116,18 @@ def test_a_bad_spare_nice_value_is_named(monkeypatch, raw):
         grow.spare_nice()
 
 
+@pytest.mark.parametrize("raw", ["0", "-5", "soon"])
+def test_a_bad_spawn_timeout_is_named(monkeypatch, raw):
+    import elastic
+    from elastic import newcomer
+
+    monkeypatch.setenv(newcomer.SPAWN_TIMEOUT_ENV, raw)
+    with pytest.raises(ValueError, match=f"MPICOMM_ELASTIC_SPAWN_TIMEOUT_S a number of seconds > 0, got '{raw}'"):
+        elastic.run(max_world_size=4)     # at the decoration, not at a spawn
+    monkeypatch.setenv(newcomer.SPAWN_TIMEOUT_ENV, "2.5")
+    assert newcomer.spawn_timeout() == 2.5
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own nice value is Linux's")
 def test_warm_up_imports_in_a_thread_at_the_nice_value_and_leaves_the_caller_at_its_own(tmp_path):
     (tmp_path / "probe.py").write_text(
