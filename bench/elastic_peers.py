@@ -1,7 +1,8 @@
 """Peers beside elastic, one run: the same MLP, Adam, 4 workers, worker 1 killed at step
 ``--kill-step``, in torchft 0.2 (optional: skipped with a note where it is not installed),
 torchrun ``--max-restarts 1`` with a DCP checkpoint after every step, and elastic under ULFM,
-once as it only shrinks and once growing back (``max_world_size=4``).
+once as it only shrinks, once growing back (``max_world_size=4``: a replacement spawned after the
+loss) and once with a spare (``spare=True``: spawned at the first commit, ready before the loss).
 
     python -m bench elastic --peers --params 20M --kill-step 3 [--peers-kill-at backward]
 
@@ -57,6 +58,10 @@ def _env() -> dict[str, str]:
 
 def run_ours_growing(cfg: dict, out: str, timeout: float) -> str | None:
     return run_ours(cfg | {"grow": True}, out, timeout)
+
+
+def run_ours_spare(cfg: dict, out: str, timeout: float) -> str | None:
+    return run_ours(cfg | {"grow": "spare"}, out, timeout)
 
 
 def run_ours(cfg: dict, out: str, timeout: float) -> str | None:
@@ -142,6 +147,7 @@ def main(args: Any) -> int:
     why = elastic_chaos.ulfm_missing(elastic_chaos.mpiexec())
     systems = [(f"elastic ({args.peers_ours})", run_ours if why is None else None),
                (f"elastic ({args.peers_ours}, grows back)", run_ours_growing if why is None else None),
+               (f"elastic ({args.peers_ours}, a spare)", run_ours_spare if why is None else None),
                ("torchft 0.2", run_torchft), ("torchrun + DCP", run_torchrun)]
     systems = [(n, f) for n, f in systems if any(n.startswith(w) for w in args.peers_systems.split(","))]
     for name, fn in systems:

@@ -5,7 +5,9 @@
     ours      mpirun --with-ft ulfm -n 4 python -m mpi4py bench/elastic_peers_job.py ours CONFIG OUT
               elastic.run, committing every step (``ours`` in CONFIG: ddp, or zero2: a
               ZeroOptimizer stage 2 replicated by state, through shared memory on one host;
-              ``grow`` in CONFIG: elastic.run(max_world_size=4), a replacement spawned)
+              ``grow`` in CONFIG: elastic.run(max_world_size=4), a replacement spawned after
+              the loss; ``"spare"``: elastic.run(max_world_size=4, spare=True), the spare
+              spawned at the first commit and the ranks waiting until it is ready before step 2)
     torchft   python bench/elastic_peers_job.py torchft CONFIG OUT REPLICA LIGHTHOUSE
               one torchft 0.2 replica group of one process (Manager, its Optimizer wrapper,
               ProcessGroupGloo, each gradient through Manager.allreduce), all on loopback
@@ -85,7 +87,12 @@ def ours(cfg: dict, out: str) -> None:
     seen = [0, 0]
     _die_in_backward(cfg, model, ev, lambda: me == 1 and state.step == cfg["kill_step"])
 
-    @elastic.run(max_world_size=cfg["workers"] if cfg.get("grow") else None)
+    def wait_for_the_spare() -> None:    # (a peek at elastic's internals: the spare's message, not received)
+        p = state._growing
+        while p is not None and not p.merged.Iprobe(source=p.old_world, tag=elastic.grow.READY_TAG):
+            time.sleep(0.05)
+
+    @elastic.run(max_world_size=cfg["workers"] if cfg.get("grow") else None, spare=cfg.get("grow") == "spare")
     def train(state: elastic.TorchState) -> None:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -105,10 +112,17 @@ def ours(cfg: dict, out: str) -> None:
             net(_batch(cfg, state.rank, state.step)).square().mean().backward()
             opt.step()
             state.step += 1
-            t1 = time.time()
-            state.commit()
+            t1, world = time.time(), state.world_size
+            try:
+                state.commit()
+            except elastic.grow.Regrouped:      # (elastic's signal, a peek: the step counted, and then
+                end = time.time() - state.growths[-1].get("join_s", 0.0)   # replacements joined at its commit)
+                ev.put("step", step=state.step - 1, t0=t0, t1=end, ft_s=end - t1, counted=True, world=world)
+                raise
             ev.put("step", step=state.step - 1, t0=t0, t1=time.time(), ft_s=time.time() - t1, counted=True,
                    world=state.world_size)
+            if cfg.get("grow") == "spare" and state.step == 1 and not joined:
+                wait_for_the_spare()        # (spawned at this commit; ready before the loss)
 
     train(state)
     torch.distributed.destroy_process_group()
