@@ -22,6 +22,8 @@ shrinks): the replacements that joined must end equal too. Each trial is classif
     wrong       survivors finished with other weights, or some finished and others failed
     hang        the job passed its timeout (its processes are then killed)
 
+A rank that left the job from inside a spawn that did not return (its log says so; the spawn is
+not fault tolerant) is counted as a dead rank too, named ``left``.
 A rank that crashed inside the MPI library (a signal with a backtrace through libmpi in its log,
 as Open MPI's ULFM failure handling sometimes does) is counted as one more dead rank, named
 ``crash`` in the trial's line: the survivors must handle it as they handle any death.
@@ -171,6 +173,17 @@ def crashed_in_mpi(log: str) -> bool:
     return "*** Process received signal ***" in text and "libmpi" in text
 
 
+def left_a_spawn(log: str) -> bool:
+    """Whether a rank's log shows it left the job from inside a spawn that did not return
+    (``elastic.grow._spawn``: Open MPI's spawn is not fault tolerant)."""
+    try:
+        with open(log, "rb") as f:
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return False
+    return "elastic: MPI_Comm_spawn of " in text and "this rank leaves the job" in text
+
+
 def state_gone(p: dict[str, Any], victims: dict[int, dict], published: bool = False) -> bool:
     """Whether the dead held a shard and its only replica: a sharded mode, no checkpoint_dir, two
     victims that are buddies in the 4-rank ring (replicas one rank on, all ranks on one host),
@@ -185,9 +198,9 @@ def state_gone(p: dict[str, Any], victims: dict[int, dict], published: bool = Fa
         return True
     if p["mode"] == "ddp" or (p["ckpt"] and published) or len(victims) < 2:
         return False
-    a, b = sorted(victims)
     late = [v for v in victims.values() if v["phase"] != "recovery" and v["what"].startswith("second")]
-    return _buddies(a, b, list(range(RANKS))) and not late
+    pairs = [(a, b) for a in victims for b in victims if a < b and _buddies(a, b, list(range(RANKS)))]
+    return bool(pairs) and not late
 
 
 def classify(p: dict[str, Any], out: str, rc: int | None) -> tuple[str, str]:
@@ -209,6 +222,9 @@ def classify(p: dict[str, Any], out: str, rc: int | None) -> tuple[str, str]:
     for r in range(RANKS):
         if r not in victims and crashed_in_mpi(os.path.join(out, f"rank{r}.log")):
             victims[r] = {"what": "crash", "phase": "mpi"}
+            status.pop(r, None)
+        elif r not in victims and left_a_spawn(os.path.join(out, f"rank{r}.log")):
+            victims[r] = {"what": "left", "phase": "spawn"}    # one more dead rank to recover from
             status.pop(r, None)
     joined = sorted(int(n[3:-5]) for n in os.listdir(out) if n.startswith("new") and n.endswith(".json"))
     for pid in joined:      # replacements that joined the job (one that did not join writes nothing)

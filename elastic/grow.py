@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -112,20 +113,25 @@ def spare_nice() -> int:
 
 
 def _spawn(comm: Any, command: str, args: list[str], k: int, info: Any) -> Any:
-    """``comm.Spawn``, or the job's end (``MPI_Abort``, with a message) where it does not return
-    in ``newcomer.spawn_timeout()`` seconds: Open MPI's spawn is not fault tolerant (a rank of ``comm``
-    that fails during it leaves every other one inside it for good)."""
-    from mpi4py import MPI
-
+    """``comm.Spawn``, or this rank's end (SIGKILL, with a message) where it does not return in
+    ``newcomer.spawn_timeout()`` seconds: Open MPI's spawn is not fault tolerant (a rank of ``comm``
+    that fails during it can leave the others inside it for good). A rank killed by a signal is a
+    failure like any other to the ranks that got out of the spawn (its non-roots may fail out of
+    it): they recover without it. Where every rank was left inside, the job ends."""
     limit = newcomer.spawn_timeout()
 
-    def hung() -> None:
+    def stuck() -> None:
         print(f"elastic: MPI_Comm_spawn of {k} replacements did not return in {limit:g} s "
               f"({newcomer.SPAWN_TIMEOUT_ENV}); a rank that failed during it leaves the others inside it (the "
-              "spawn is not fault tolerant): the job ends here (restart it from its checkpoint_dir)",
+              "spawn is not fault tolerant): this rank leaves the job; the ranks out of the spawn recover "
+              "without it, and where none is, the job ends (restart it from its checkpoint_dir)",
               file=sys.stderr, flush=True)
-        MPI.COMM_WORLD.Abort(1)
-    timer = threading.Timer(limit, hung)
+        sys.stdout.flush()
+        # a signal, not MPI_Abort: under ULFM the abort did not end the ranks out of the spawn, which
+        # then went on (chaos seed 15041); nor an error status: Open MPI's launcher ends a job where
+        # two ranks exit with one (docs/elastic.md, Limits)
+        os.kill(os.getpid(), signal.SIGKILL)
+    timer = threading.Timer(limit, stuck)
     timer.daemon = True
     timer.start()
     try:

@@ -65,6 +65,18 @@ def test_a_crash_inside_the_mpi_library_is_told_apart(tmp_path):
     assert not crashed_in_mpi(str(log)) and not crashed_in_mpi(str(tmp_path / "none.log"))
 
 
+def test_a_rank_that_left_a_stuck_spawn_is_told_apart(tmp_path):
+    from bench.elastic_chaos import left_a_spawn
+
+    log = tmp_path / "rank0.log"
+    log.write_text("elastic: MPI_Comm_spawn of 1 replacements did not return in 60 s (MPICOMM_ELASTIC_SPAWN_TIMEOUT_S); "
+                   "a rank that failed during it leaves the others inside it (the spawn is not fault tolerant): "
+                   "this rank leaves the job; the ranks out of the spawn recover without it\n")
+    assert left_a_spawn(str(log))
+    log.write_text("elastic: the spawn of 2 ranks failed (MPI_ERR_UNKNOWN: unknown error); going on with 2 ranks\n")
+    assert not left_a_spawn(str(log)) and not left_a_spawn(str(tmp_path / "none.log"))
+
+
 def test_the_classification_counts_buddies_and_the_disk():
     """The pure part: which deaths lose a state (independent of elastic)."""
     from bench.elastic_chaos import state_gone
@@ -80,6 +92,9 @@ def test_the_classification_counts_buddies_and_the_disk():
     assert state_gone(base | {"ckpt": True}, {1: first, 2: rec})    # a checkpoint_dir with nothing published yet
     assert not state_gone(base | {"mode": "ddp"}, {1: first, 2: rec})           # replicated everywhere
     assert not state_gone(base, {1: first})
+    left = {"phase": "spawn", "what": "left"}       # three dead: any two of them buddies
+    assert state_gone(base | {"second": {"rank": 3}}, {1: first, 3: rec, 0: left})
+    assert not state_gone(base | {"second": {"rank": 3}}, {1: first, 3: rec})
     setup = {"phase": "setup", "what": "first:start"}
     assert state_gone(base | {"mode": "fsdp2"}, {1: setup})     # an FSDP2 shard with no commit yet
     assert not state_gone(base | {"mode": "fsdp2"}, {1: first})

@@ -233,8 +233,9 @@ def test_ddp_example_survives_a_killed_rank():
 
 
 def test_a_rank_lost_inside_a_spawn_ends_the_job_with_a_clear_error(tmp_path):
-    """Open MPI's MPI_Comm_spawn is not fault tolerant: a rank that dies in it (here: just before
-    it) leaves the others inside it for good. The job ends there (MPI_Abort), saying why,
+    """Open MPI's MPI_Comm_spawn is not fault tolerant: a rank that dies in it (here: as it
+    enters it, after the agreement before it) leaves the others inside it for good. Each rank
+    left inside leaves the job after the timeout, saying why (here every one: the job ends)
     instead of hanging."""
     _ulfm()
     out = str(tmp_path / "run")
