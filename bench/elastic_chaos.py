@@ -163,24 +163,25 @@ def _buddies(a: int, b: int, ring: list[int]) -> bool:
     return (i - j) % len(ring) in (1, len(ring) - 1)
 
 
-def crashed_in_mpi(log: str) -> bool:
-    """Whether a rank's log shows it died of a signal inside the MPI library."""
+def _text(log: str) -> str:
+    """A rank's log ("" where it wrote none)."""
     try:
         with open(log, "rb") as f:
-            text = f.read().decode(errors="replace")
+            return f.read().decode(errors="replace")
     except OSError:
-        return False
+        return ""
+
+
+def crashed_in_mpi(log: str) -> bool:
+    """Whether a rank's log shows it died of a signal inside the MPI library."""
+    text = _text(log)
     return "*** Process received signal ***" in text and "libmpi" in text
 
 
 def left_a_spawn(log: str) -> bool:
     """Whether a rank's log shows it left the job from inside a spawn that did not return
     (``elastic.grow._spawn``: Open MPI's spawn is not fault tolerant)."""
-    try:
-        with open(log, "rb") as f:
-            text = f.read().decode(errors="replace")
-    except OSError:
-        return False
+    text = _text(log)
     return "elastic: MPI_Comm_spawn of " in text and "this rank leaves the job" in text
 
 
