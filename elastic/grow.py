@@ -227,11 +227,6 @@ def grow(state: Any, max_world_size: int | None, wait: bool = False) -> dict[str
         return None
     t0 = time.monotonic()
     old = state.comm
-    if not faults.none_failed(old.mpi_comm, "the job, before a spawn"):
-        # a rank dead since the last collective (in the commit just made) would leave the others
-        # inside the spawn for good (it is not fault tolerant): a failure to recover from instead
-        raise faults.RankFailedError(f"elastic: ranks {list(faults.failed_ranks(old.mpi_comm))} of the job failed "
-                                     f"before the spawn of {k} ranks", faults.failed_ranks(old.mpi_comm))
     command, args = _command(spare_nice() if spare else 0)
     info = MPI.Info.Create()
     info.Set("wdir", os.getcwd())

@@ -157,13 +157,6 @@ def iagree(mpi_comm: MPI.Comm, bits: int, name: str = "a communicator", idle_s: 
     return _agree(mpi_comm, bits, name, post)
 
 
-def none_failed(mpi_comm: MPI.Comm, name: str = "a communicator") -> bool:
-    """Whether no rank of ``mpi_comm`` has failed, the same answer on every survivor: an
-    agreement over what each survivor knows, which a rank that died unseen cannot complete (its
-    failure is then known to all, and they agree again)."""
-    return bool(_agree(mpi_comm, 1, name, lambda _: int(mpi_comm.Agree(0 if failed_ranks(mpi_comm) else 1))) & 1)
-
-
 def _agree(mpi_comm: MPI.Comm, bits: int, name: str, post: Callable[[int], int]) -> int:
     if not 0 <= int(bits) < 2**31:
         raise ValueError(f"mpicomm: agree() expected an int in [0, 2**31), got {bits!r}")

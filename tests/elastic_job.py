@@ -2,7 +2,7 @@
 
     mpirun --with-ft ulfm -n N python tests/elastic_job.py OPT WHERE RANK STEP STEPS OUT [EVERY] [grow=N] [join=wait]
         [newcomer=dies] [pending=R] [second=R] [again=R:S] [freeze=F] [spare=ready|early] [unseen=R:S]
-        [injoin=R] [inspawn=R] [prespawn=R]
+        [injoin=R] [inspawn=R]
 
 OPT: ddp | zero1 | zero2 (ZeroOptimizer stage) | zero1g | zero2g (the same, replicate="gradient") | onebit (ZeroOptimizer stage 2 of 1-bit Adam, in its
 warm-up: Adam exactly); WHERE: none | between (after the commit of step
@@ -28,9 +28,7 @@ at the commit of step S every rank waits until the replacement said it is ready 
 rank R dies as that commit starts to let it join (unseen by the others until the join); injoin=R:
 world rank R dies inside the join, as it starts to make torch's default group anew over the grown
 world (its second reinit_process_group: the first is the recovery's); inspawn=R: world rank R dies
-as the replacements are spawned (the others wait inside MPI_Comm_spawn); prespawn=R: world rank R
-dies at the commit where the replacements are due, as it starts the growth (the others, unaware,
-go on to the spawn); freeze=F: 1-bit Adam's freeze_step (compressed after it),
+as the replacements are spawned (the others wait inside MPI_Comm_spawn); freeze=F: 1-bit Adam's freeze_step (compressed after it),
 and rank 0 writes what each commit past it must hold, gathered apart from elastic
 (OUT.commit<N>.npz); death=sigkill: the victim is SIGKILLed instead of exiting with status 9
 (Open MPI's launcher ends a 2-rank job when one rank exits with an error status). Every rank writes its final weights
@@ -183,12 +181,6 @@ def main() -> None:
             sys.stdout.flush(), sys.stderr.flush()
             os.kill(os.getpid(), signal.SIGKILL)
         elastic.grow._spawn = spawn_or_die
-
-    if me == int(opts.get("prespawn", -2)):
-        def grow_or_die(*a, **k):           # the others go on towards the spawn
-            sys.stdout.flush(), sys.stderr.flush()
-            os.kill(os.getpid(), signal.SIGKILL)
-        elastic.grow.grow = grow_or_die
 
     def wait_for_the_spare() -> None:    # (a peek at elastic's internals: the spare's message, not received)
         p = state._growing
