@@ -29,8 +29,9 @@ SPAWN_TIMEOUT_ENV = "MPICOMM_ELASTIC_SPAWN_TIMEOUT_S"
 
 
 def spawn_timeout() -> float:
-    """Seconds a spawn may take before the job ends (``MPICOMM_ELASTIC_SPAWN_TIMEOUT_S``), and
-    a replacement that did not merge with the job by then leaves."""
+    """Seconds a spawn may take before each rank still inside it leaves the job
+    (``MPICOMM_ELASTIC_SPAWN_TIMEOUT_S``), and a replacement that did not merge with the job by
+    then leaves."""
     raw = os.environ.get(SPAWN_TIMEOUT_ENV, "60")
     try:
         s = float(raw)
