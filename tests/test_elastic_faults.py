@@ -228,9 +228,8 @@ def test_ddp_example_survives_a_killed_rank():
 
 def test_a_rank_lost_inside_a_spawn_ends_the_job_with_a_clear_error(tmp_path):
     """Open MPI's MPI_Comm_spawn is not fault tolerant: a rank that dies in it (here: as it
-    enters it) leaves the others inside it for good. Each rank
-    left inside leaves the job after the timeout, saying why (here every one: the job ends)
-    instead of hanging."""
+    enters it) leaves the others inside it for good. Each rank left inside leaves the job after
+    the timeout, saying why (here every one: the job ends) instead of hanging."""
     _ulfm()
     out = str(tmp_path / "run")
     proc = _launch(4, [os.path.join(HERE, "elastic_job.py"), "zero1", "between", "1", "1", str(STEPS), out, "1",
