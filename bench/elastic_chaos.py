@@ -30,6 +30,7 @@ as Open MPI's ULFM failure handling sometimes does) is counted as one more dead 
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -182,12 +183,14 @@ def left_a_spawn(log: str) -> bool:
     """Whether a rank's log shows it left the job from inside a spawn that did not return
     (``elastic.grow._spawn``: Open MPI's spawn is not fault tolerant)."""
     text = _text(log)
-    return "elastic: MPI_Comm_spawn of " in text and "this rank leaves the job" in text
+    from elastic.grow import LEFT_A_SPAWN
+
+    return "elastic: MPI_Comm_spawn of " in text and LEFT_A_SPAWN in text
 
 
 def state_gone(p: dict[str, Any], victims: dict[int, dict], published: bool = False) -> bool:
     """Whether the dead held a shard and its only replica: a sharded mode, no checkpoint_dir, two
-    victims that are buddies in the 4-rank ring (replicas one rank on, all ranks on one host),
+    victims (of two or more) that are buddies in the 4-rank ring (replicas one rank on, all ranks on one host),
     the second dead before its recovery returned (after it, the recovery's own commit on the
     survivors holds every shard again and one death loses nothing). Lenient: a second death late
     in the recovery, after that commit, is counted as losing the state too. ``published``: the
@@ -200,8 +203,8 @@ def state_gone(p: dict[str, Any], victims: dict[int, dict], published: bool = Fa
     if p["mode"] == "ddp" or (p["ckpt"] and published) or len(victims) < 2:
         return False
     late = [v for v in victims.values() if v["phase"] != "recovery" and v["what"].startswith("second")]
-    pairs = [(a, b) for a in victims for b in victims if a < b and _buddies(a, b, list(range(RANKS)))]
-    return bool(pairs) and not late
+    ring = list(range(RANKS))
+    return any(_buddies(a, b, ring) for a, b in itertools.combinations(victims, 2)) and not late
 
 
 def classify(p: dict[str, Any], out: str, rc: int | None) -> tuple[str, str]:

@@ -36,6 +36,8 @@ IDLE_S = 0.02
 SPARE_NICE_ENV = "MPICOMM_ELASTIC_SPARE_NICE"
 #: How long (seconds) the ranks leaving ``elastic.run`` wait for the replacements to hear that they leave too.
 LEAVE_S = 60.0
+#: What a rank left inside a spawn that did not return says as it leaves the job (bench elastic --chaos reads it).
+LEFT_A_SPAWN = "this rank leaves the job"
 _joined = False
 _last_check = [0.0, 0]     # when the discovery last ran, the slots it found
 
@@ -123,7 +125,7 @@ def _spawn(comm: Any, command: str, args: list[str], k: int, info: Any) -> Any:
     def stuck() -> None:
         print(f"elastic: MPI_Comm_spawn of {k} replacements did not return in {limit:g} s "
               f"({newcomer.SPAWN_TIMEOUT_ENV}); a rank that failed during it leaves the others inside it (the "
-              "spawn is not fault tolerant): this rank leaves the job; the ranks out of the spawn recover "
+              f"spawn is not fault tolerant): {LEFT_A_SPAWN}; the ranks out of the spawn recover "
               "without it, and where none is, the job ends (restart it from its checkpoint_dir)",
               file=sys.stderr, flush=True)
         sys.stdout.flush()

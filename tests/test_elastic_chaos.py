@@ -67,11 +67,12 @@ def test_a_crash_inside_the_mpi_library_is_told_apart(tmp_path):
 
 def test_a_rank_that_left_a_stuck_spawn_is_told_apart(tmp_path):
     from bench.elastic_chaos import left_a_spawn
+    from elastic.grow import LEFT_A_SPAWN
 
     log = tmp_path / "rank0.log"
     log.write_text("elastic: MPI_Comm_spawn of 1 replacements did not return in 60 s (MPICOMM_ELASTIC_SPAWN_TIMEOUT_S); "
                    "a rank that failed during it leaves the others inside it (the spawn is not fault tolerant): "
-                   "this rank leaves the job; the ranks out of the spawn recover without it\n")
+                   f"{LEFT_A_SPAWN}; the ranks out of the spawn recover without it\n")
     assert left_a_spawn(str(log))
     log.write_text("elastic: the spawn of 2 ranks failed (MPI_ERR_UNKNOWN: unknown error); going on with 2 ranks\n")
     assert not left_a_spawn(str(log)) and not left_a_spawn(str(tmp_path / "none.log"))
