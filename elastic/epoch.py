@@ -3,7 +3,10 @@
 ULFM promises a uniform outcome only for ``agree``: a collective can complete on some survivors
 and fail on others. A commit that must happen on every survivor or on none (one that replays
 the ward's update, or one that overwrites the only slot in shared memory) agrees over the
-optimizer's communicator first. Every rank then owes that communicator one agreement per commit;
+optimizer's communicator first; it says True only where every rank took part (a rank that
+failed unseen fails it: commits through shared memory exchange nothing that would meet the
+failure, and the survivors would go on committing past the copy they hold of its shard). Every
+rank then owes that communicator one agreement per commit;
 a recovery that starts before it joins it with False (``close``), so a survivor waiting inside
 a commit's agreement is let out, and every rank makes the same agreements in the same order:
 the epoch opens again only where every survivor knows the same (after an agreement that said
@@ -42,7 +45,7 @@ def agree(state: Any, comm: Any, ok: bool, gen: int) -> bool:
     if state._epoch is not comm:
         return ok
     state._epoch = None
-    if not comm.agree(ok):
+    if not comm.agree(ok, every_rank=True):
         raise CommitAborted(f"elastic: commit {gen} did not happen on every rank (a rank failed); "
                             f"rolling back to commit {state.generation}")
     state._epoch = comm
@@ -57,12 +60,12 @@ def poll(state: Any, ready: bool, keep: bool) -> tuple[bool, bool]:
     """One more agreement at a commit while replacements start (``elastic.grow.poll``): whether
     every survivor is ``ready`` (every replacement said so to it) and ``keep`` (it saw none fail),
     the same on every survivor.
-    Raises ``CommitAborted`` where a survivor did not get here (it is recovering)."""
+    Raises ``CommitAborted`` where a rank did not get here (it is recovering, or it failed)."""
     comm = state._epoch
     if comm is None:
         return False, True
     state._epoch = None
-    bits = comm.agree_bits(1 | (_READY if ready else 0) | (_KEEP if keep else 0))
+    bits = comm.agree_bits(1 | (_READY if ready else 0) | (_KEEP if keep else 0), every_rank=True)
     if not bits & 1:
         raise CommitAborted(f"elastic: a rank failed while replacements started; rolling back to commit "
                             f"{state.generation}")

@@ -234,15 +234,18 @@ class Communicator(Reductions, Moves, PointToPoint):
             raise RuntimeError(f"mpicomm: shrink() of {self!r} failed: {exc}") from exc
         return Communicator(new, check=self.check)
 
-    def agree(self, flag: bool) -> bool:
+    def agree(self, flag: bool, every_rank: bool = False) -> bool:
         """The AND of ``flag`` over the surviving ranks, the same on every survivor, even when
-        ranks fail during the call (ULFM's MPI_Comm_agree; collective over the survivors)."""
-        return bool(self.agree_bits(1 if flag else 0) & 1)
+        ranks fail during the call (ULFM's MPI_Comm_agree; collective over the survivors).
+        ``every_rank``: False too where a rank of this communicator failed, before or during
+        the call (it did not take part)."""
+        return bool(self.agree_bits(1 if flag else 0, every_rank) & 1)
 
-    def agree_bits(self, bits: int) -> int:
-        """The bitwise AND of the non-negative int ``bits`` over the surviving ranks, as ``agree``."""
+    def agree_bits(self, bits: int, every_rank: bool = False) -> int:
+        """The bitwise AND of the non-negative int ``bits`` over the surviving ranks, as ``agree``
+        (``every_rank``: 0 where a rank failed)."""
         faults.require("Communicator.agree()")
-        return faults.agree(self.mpi_comm, bits, repr(self))
+        return faults.agree(self.mpi_comm, bits, repr(self), every_rank)
 
     def free(self) -> None:
         """Release the MPI communicator (not for the world communicator)."""

@@ -129,10 +129,12 @@ EXIT_GRACE_S = 20
 _exit_guarded = False
 
 
-def agree(mpi_comm: MPI.Comm, bits: int, name: str = "a communicator") -> int:
+def agree(mpi_comm: MPI.Comm, bits: int, name: str = "a communicator", every_rank: bool = False) -> int:
     """ULFM's MPI_Comm_agree on ``mpi_comm``: the bitwise AND of the non-negative int ``bits``
-    over the surviving ranks, the same on every survivor even when ranks fail during the call."""
-    return _agree(mpi_comm, bits, name, lambda v: int(mpi_comm.Agree(v)))
+    over the surviving ranks, the same on every survivor even when ranks fail during the call.
+    ``every_rank``: 0 unless every rank of ``mpi_comm`` took part (none had failed, known to a
+    survivor, before or during the call)."""
+    return _agree(mpi_comm, bits, name, lambda v: int(mpi_comm.Agree(v)), every_rank)
 
 
 def iagree(mpi_comm: MPI.Comm, bits: int, name: str = "a communicator", idle_s: float = 0.0,
@@ -157,18 +159,22 @@ def iagree(mpi_comm: MPI.Comm, bits: int, name: str = "a communicator", idle_s: 
     return _agree(mpi_comm, bits, name, post)
 
 
-def _agree(mpi_comm: MPI.Comm, bits: int, name: str, post: Callable[[int], int]) -> int:
+def _agree(mpi_comm: MPI.Comm, bits: int, name: str, post: Callable[[int], int], every_rank: bool = False) -> int:
     if not 0 <= int(bits) < 2**31:
         raise ValueError(f"mpicomm: agree() expected an int in [0, 2**31), got {bits!r}")
+    bits = int(bits)
     for _ in range(mpi_comm.Get_size() + 1):
         mpi_comm.Ack_failed()       # failures known here do not fail the agreement
+        if every_rank and failed_ranks(mpi_comm):
+            bits = 0
         try:
-            return post(int(bits))
+            return post(bits)
         except MPI.Exception as exc:
             if exc.Get_error_class() != MPI.ERR_PROC_FAILED:
                 raise RuntimeError(f"mpicomm: agree() on {name} failed: {exc}") from exc
             # a rank failed before or during the agreement: every survivor sees it (the error is
             # uniform), acknowledges it and agrees again
+            bits = 0 if every_rank else bits
     raise RuntimeError(f"mpicomm: agree() on {name} did not settle after {mpi_comm.Get_size() + 1} tries")
 
 

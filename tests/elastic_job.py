@@ -2,7 +2,7 @@
 
     mpirun --with-ft ulfm -n N python tests/elastic_job.py OPT WHERE RANK STEP STEPS OUT [EVERY] [grow=N] [join=wait]
         [newcomer=dies] [pending=R] [second=R] [again=R:S] [freeze=F] [spare=ready|early] [unseen=R:S]
-        [injoin=R] [inspawn=R]
+        [injoin=R] [inspawn=R] [idle=N]
 
 OPT: ddp | zero1 | zero2 (ZeroOptimizer stage) | zero1g | zero2g (the same, replicate="gradient") | onebit (ZeroOptimizer stage 2 of 1-bit Adam, in its
 warm-up: Adam exactly); WHERE: none | between (after the commit of step
@@ -28,7 +28,9 @@ at the commit of step S every rank waits until the replacement said it is ready 
 rank R dies as that commit starts to let it join (unseen by the others until the join); injoin=R:
 world rank R dies inside the join, as it starts to make torch's default group anew over the grown
 world (its second reinit_process_group: the first is the recovery's); inspawn=R: world rank R dies
-as the replacements are spawned (the others wait inside MPI_Comm_spawn); freeze=F: 1-bit Adam's freeze_step (compressed after it),
+as the replacements are spawned (the others wait inside MPI_Comm_spawn); idle=N: after the
+victim's death the others commit N times more before their next step, exchanging nothing but
+the commits' agreements (as a job waiting for replacements at the end does); freeze=F: 1-bit Adam's freeze_step (compressed after it),
 and rank 0 writes what each commit past it must hold, gathered apart from elastic
 (OUT.commit<N>.npz); death=sigkill: the victim is SIGKILLed instead of exiting with status 9
 (Open MPI's launcher ends a 2-rank job when one rank exits with an error status). Every rank writes its final weights
@@ -71,6 +73,7 @@ def main() -> None:
     unseen, unseen_step = (int(x) for x in opts.get("unseen", "-2:-2").split(":"))   # dies as they join
     injoin = int(opts.get("injoin", -2))        # dies inside the join
     inside = [False]                     # inside state.commit()
+    idled = [False]                      # the idle=N commits were made
     kinds: list[str] = []
     torch.set_num_threads(1)
     world = mpicomm.init()
@@ -127,10 +130,10 @@ def main() -> None:
         if where in ("agree", "agreed"):
             comm = opt.comm
 
-            def agree_then_die(flag):
+            def agree_then_die(flag, **k):
                 now = inside[0] and state.step == kill_step + 1
                 die("agree" if now else "")
-                out = type(comm).agree(comm, flag)
+                out = type(comm).agree(comm, flag, **k)
                 die("agreed" if now else "")
                 return out
             comm.agree = agree_then_die
@@ -211,6 +214,10 @@ def main() -> None:
             if opts.get("spare") == "ready" and state.step == kill_step + 1 and me >= 0:
                 wait_for_the_spare()
             die("between" if state.step == kill_step + 1 else "")
+            if state.step == kill_step + 1 and not idled[0]:
+                idled[0] = True
+                for _ in range(int(opts.get("idle", 0))):
+                    state.commit()
             if me == again and state.step == again_step + 1 or me == pending and state.growing:
                 sys.stdout.flush(), sys.stderr.flush()
                 os.kill(os.getpid(), signal.SIGKILL)   # (a second os._exit(9) makes the launcher end the job)

@@ -7,8 +7,9 @@
 CASE names the call the survivors are in when VICTIM dies (``os._exit(9)``, between two calls
 or inside one); DIR receives the victim's time of death. Each survivor checks that the call
 raised ``mpicomm.RankFailedError`` naming VICTIM (a ``DistBackendError`` through the process
-group), then shrinks, makes a new default process group with ``reinit_process_group`` and checks
-a ``dist.all_reduce`` over the survivors against the sum computed here. It prints one line
+group), checks the agreements over the failed communicator, then shrinks, makes a new default
+process group with ``reinit_process_group`` and checks a ``dist.all_reduce`` over the
+survivors against the sum computed here. It prints one line
 ``OK CASE rank R detect S`` (S: seconds from the death to the error) and exits 0; anything else
 raises (``-m mpi4py`` then aborts the job). A watchdog ends a stuck rank, naming where it was.
 """
@@ -235,11 +236,14 @@ def main() -> None:
         assert failed == (victim,), (failed, str(exc))
     else:
         raise AssertionError(f"case {case}: rank {comm.rank} got no RankFailedError")
+    # over the survivors, and (every_rank) false where a rank of the communicator failed
+    assert comm.agree(True) and not comm.agree(True, every_rank=True)
     survivors = comm.shrink()
     expect_ranks = [r for r in range(comm.size) if r != victim]
     assert survivors.size == comm.size - 1, survivors
     assert survivors.rank == expect_ranks.index(comm.rank), (survivors.rank, comm.rank)
     assert survivors.agree(True) and not survivors.agree(comm.rank != expect_ranks[0])
+    assert survivors.agree(True, every_rank=True)
     reinit_process_group(survivors)
     assert (dist.get_rank(), dist.get_world_size()) == (survivors.rank, survivors.size)
     t = torch.full((5,), float(comm.rank + 1), dtype=torch.float64)
