@@ -301,6 +301,8 @@ def run_trials(seeds: list[int], modes: tuple[str, ...], steps: int, timeout: fl
         out = tempfile.mkdtemp(prefix=f"chaos-{seed}-", dir=keep)
         rc, output, wall = launch([JOB, json.dumps(p), out], RANKS, timeout, tag=out)
         outcome, why = classify(p, out, rc)
+        if not any(n.endswith(".log") for n in os.listdir(out)):    # no rank started: what the launcher said
+            why += " the launcher: " + " / ".join(output.strip().splitlines()[-3:])[-400:]
         rerun = "python -m bench elastic --chaos-seed " + str(seed) + (
             "" if modes == MODES else " --chaos-modes " + ",".join(modes)) + ("" if steps == 8 else f" --chaos-steps {steps}") + (
             "" if grows == ("none",) else " --chaos-grow " + ",".join(grows))

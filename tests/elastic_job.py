@@ -25,7 +25,7 @@ on meanwhile); newcomer=dies: the replacement SIGKILLs itself as it starts; pend
 R dies while the replacements start; spare=ready: elastic.run(spare=True), and the ranks wait
 until the spare said it is ready before the victim dies (spare=early: they do not); unseen=R:S:
 at the commit of step S every rank waits until the replacement said it is ready to it, and world
-rank R dies as that commit starts to let it join (unseen by the others until the join); injoin=R:
+rank R dies right after that commit's agreement to let it join (unseen by the others until the join); injoin=R:
 world rank R dies inside the join, as it starts to make torch's default group anew over the grown
 world (its second reinit_process_group: the first is the recovery's); inspawn=R: world rank R dies
 as the replacements are spawned (the others wait inside MPI_Comm_spawn); idle=N: after the
@@ -159,14 +159,15 @@ def main() -> None:
             lambda p: die("backward" if state.step == kill_step else ""))
 
     if me == unseen:
-        poll = elastic.grow.poll
+        agree_poll = elastic.epoch.poll
 
-        def poll_then_die(st, block=False):     # the others poll at this commit and go on to the join
-            if st.step == unseen_step:
+        def poll_then_die(st, ready, keep):     # the others agreed to the join with it and go on to it
+            out = agree_poll(st, ready, keep)
+            if st.step == unseen_step and out[0]:
                 sys.stdout.flush(), sys.stderr.flush()
                 os.kill(os.getpid(), signal.SIGKILL)
-            return poll(st, block)
-        elastic.grow.poll = poll_then_die
+            return out
+        elastic.epoch.poll = poll_then_die
 
     if me == injoin:
         reinit, calls = mdist.reinit_process_group, [0]

@@ -94,8 +94,8 @@ CASES = [
     (4, "zero1", "between", 1, 1, 1, ("grow=4", "pending=2")),
     # the replacement dies while it starts: the job trains on at 3 ranks
     (4, "zero1", "between", 1, 1, 1, ("grow=4", "newcomer=dies")),
-    # a survivor dies as the replacement is let in, unseen by the others (they saw no failure since
-    # their last agreement): the join fails (the ranks are counted), they recover, grow again
+    # a survivor dies right after the agreement that lets the replacement in, unseen by the others:
+    # the join fails (the ranks are counted), they recover, grow again
     (4, "zero2", "between", 1, 1, 1, ("grow=4", "unseen=2:4")),
     # the new rank 0 dies inside the join, making torch's group anew: the others' group is gone
     # (they recover, make it anew over the two left, and grow again; DDP needs it)
