@@ -189,12 +189,16 @@ def left_a_spawn(log: str) -> bool:
 
 
 def state_gone(p: dict[str, Any], victims: dict[int, dict], published: bool = False) -> bool:
-    """Whether the dead held a shard and its only replica: a sharded mode, no checkpoint_dir, two
-    victims (of two or more) that are buddies in the 4-rank ring (replicas one rank on, all ranks on one host),
-    the second dead before its recovery returned (after it, the recovery's own commit on the
-    survivors holds every shard again and one death loses nothing). Lenient: a second death late
-    in the recovery, after that commit, is counted as losing the state too. ``published``: the
-    checkpoint_dir holds a published checkpoint (its ``latest``), which keeps any state. FSDP2 alone: a rank
+    """Whether the dead held a shard and its only replica: a sharded mode, no checkpoint_dir, and
+    two ranks lost together that are buddies in the ring they were lost from (replicas one rank
+    on, all ranks on one host). The first victim, a second dead before its recovery returned, and
+    the ranks that left a stuck spawn or crashed in MPI are lost together from the 4-rank ring. A
+    second dead after that recovery (its commit on the survivors holds every shard again) is lost
+    from the survivors' ring, together with the ranks that left a spawn or crashed then (it stuck
+    the spawn that followed). Lenient: a second death late in the recovery, after that commit,
+    counts as before it, and replacements that joined between the two are left out of the second
+    ring (in a ring of three every two ranks are buddies). ``published``: the checkpoint_dir
+    holds a published checkpoint (its ``latest``), which keeps any state. FSDP2 alone: a rank
     dead in setup (before ``train``'s body first ran) may have died before elastic.run's first
     commit gave its shard of the initial model a replica, so that is counted as lost too (no
     checkpoint exists yet either); DDP and ZeroOptimizer ranks all hold the whole initial model."""
@@ -202,9 +206,14 @@ def state_gone(p: dict[str, Any], victims: dict[int, dict], published: bool = Fa
         return True
     if p["mode"] == "ddp" or (p["ckpt"] and published) or len(victims) < 2:
         return False
-    late = [v for v in victims.values() if v["phase"] != "recovery" and v["what"].startswith("second")]
+    late = [r for r, v in victims.items() if v["phase"] != "recovery" and v["what"].startswith("second")]
+    stray = [r for r, v in victims.items() if v["what"] in ("left", "crash")]
+    second = late + stray if late else []
+    first = [r for r in victims if r not in second]
     ring = list(range(RANKS))
-    return any(_buddies(a, b, ring) for a, b in itertools.combinations(victims, 2)) and not late
+    rest = [r for r in ring if r not in first]
+    return any(_buddies(a, b, ring) for a, b in itertools.combinations(first, 2)) or \
+        any(_buddies(a, b, rest) for a, b in itertools.combinations(second, 2))
 
 
 def classify(p: dict[str, Any], out: str, rc: int | None) -> tuple[str, str]:

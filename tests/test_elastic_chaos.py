@@ -96,6 +96,11 @@ def test_the_classification_counts_buddies_and_the_disk():
     left = {"phase": "spawn", "what": "left"}       # three dead: any two of them buddies
     assert state_gone(base | {"second": {"rank": 3}}, {1: first, 3: rec, 0: left})
     assert not state_gone(base | {"second": {"rank": 3}}, {1: first, 3: rec})
+    # the second after the recovery, and a rank that left the spawn it stuck: lost together from
+    # the three survivors, in whose ring every two ranks are buddies (chaos 18009)
+    assert state_gone(base, {1: first, 2: after, 0: left})
+    assert not state_gone(base, {1: first, 2: after})
+    assert state_gone(base | {"second": {"rank": 3}}, {1: first, 3: after, 0: {"phase": "mpi", "what": "crash"}})
     setup = {"phase": "setup", "what": "first:start"}
     assert state_gone(base | {"mode": "fsdp2"}, {1: setup})     # an FSDP2 shard with no commit yet
     assert not state_gone(base | {"mode": "fsdp2"}, {1: first})
