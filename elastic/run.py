@@ -166,8 +166,9 @@ def recover(state: TorchState, err: BaseException, min_world_size: int = 1) -> d
     """Revoke, shrink to the survivors, re-create the process group, roll ``state`` back to the
     newest commit every survivor holds whole (or, when a shard and its replica were both lost, to
     the newest checkpoint of ``checkpoint_dir``), run the reset callbacks; a rank failing
-    meanwhile starts it again over the fewer survivors. Re-raises ``err`` when no rank was lost;
-    raises ``ElasticError`` on every survivor when the job cannot go on."""
+    meanwhile starts it again over the fewer survivors. Re-raises ``err`` when no rank was lost,
+    unless a commit's agreement heard of a failure (``CommitAborted``, raised on every rank: all
+    roll back); raises ``ElasticError`` on every survivor when the job cannot go on."""
     t0, wall0 = time.monotonic(), time.time()
     state._uses_dist()                    # (before an attempt drops the group)
     old = state.comm
@@ -185,8 +186,10 @@ def recover(state: TorchState, err: BaseException, min_world_size: int = 1) -> d
         if new is None:
             new = comm.shrink()
             t_shrink = time.monotonic()
-            if new.size == comm.size:
+            if new.size == comm.size and not isinstance(err, epoch.CommitAborted):
                 raise err
+            # (none lost: Open MPI reported a failure to a commit's agreement that the shrink does
+            # not confirm. Every rank got that, and all of them go back to the commit before.)
         state._commits[:] = held
         done, again = _attempt(state, new, old_rank, old_world, min_world_size, err)
         if done is not None:
@@ -242,7 +245,9 @@ def _attempt(state: TorchState, new: Any, old_rank: int, old_world: int, min_wor
         new.all_gather_into_tensor(ranks, torch.tensor([old_rank], dtype=torch.int64))
         survivors = [int(r) for r in ranks]
         lost = sorted(set(range(old_world)) - set(survivors))
-        if new.rank == 0:
+        if new.rank == 0 and not lost:
+            log.warning("elastic: %s: %s; no rank failed: rolling back on all %d", type(err).__name__, err, new.size)
+        elif new.rank == 0:
             log.warning("elastic: ranks %s of %d failed (%s: %s); going on with %d", lost, old_world,
                         type(err).__name__, err, new.size)
         if new.size < min_world_size:

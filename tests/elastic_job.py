@@ -13,7 +13,8 @@ sending two shard pieces to the buddy: a full-state commit; the replicas go thro
 between hosts, MPICOMM_ELASTIC_SHM=0) | copy (inside commit(), half way through copying the shard
 into the shared memory its buddy maps: the copy is cut short) | exchange (between the sends of the
 gradient exchange at the first update after a commit) | agree / agreed (inside commit(), just
-before / after the commit's agreement) | gather (right after the step's last all-gather of the
+before / after the commit's agreement) | disagree (RANK says False to that agreement once and
+lives on) | gather (right after the step's last all-gather of the
 weights returned on the victim: on the survivors it may have completed or not); RANK: the world rank that os._exit(9)s at step STEP.
 EVERY: commit every EVERY steps (default 1; a commit after more than one update sends the full
 state). grow=N: elastic.run(max_world_size=N), replacements spawned after the loss join the
@@ -127,12 +128,14 @@ def main() -> None:
                     die(where if sends[0] == 2 else "")
                 return type(opt.comm).isend(opt.comm, *a, **k)
             opt.comm.isend = isend_then_die
-        if where in ("agree", "agreed"):
-            comm = opt.comm
+        if where in ("agree", "agreed", "disagree"):
+            comm, said = opt.comm, [False]
 
             def agree_then_die(flag, **k):
                 now = inside[0] and state.step == kill_step + 1
                 die("agree" if now else "")
+                if where == "disagree" and now and me == victim and not said[0]:
+                    said[0], flag = True, False     # as where Open MPI reported a failure that is none
                 out = type(comm).agree(comm, flag, **k)
                 die("agreed" if now else "")
                 return out

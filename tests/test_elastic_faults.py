@@ -81,6 +81,8 @@ CASES = [
     # agreement did not hear every rank aborts (the victim's copy in shared memory, which its
     # buddy holds, is of the commit before those)
     (3, "zero1", "between", 2, 2, 1, ("idle=2",)),
+    # a commit's agreement says a rank failed and the shrink finds none lost: every rank rolls back
+    (3, "zero2", "disagree", 1, 2, 1, ()),
     # the job grows back to 4 ranks: a replacement is spawned at the commit of the step done again
     # and joins at a later one (the job training on at 3 ranks); or, with join=wait, both at once,
     # at the recovery's commit
@@ -125,7 +127,7 @@ def test_survivors_end_with_the_reference_weights(tmp_path, n, opt, where, victi
     with open(out + ".json") as f:
         info = json.load(f)
     opts = dict(x.split("=") for x in extra)
-    lost = sorted([victim] + ([int(opts["second"])] if "second" in opts else []))
+    lost = [] if where == "disagree" else sorted([victim] + ([int(opts["second"])] if "second" in opts else []))
     again = [int(opts[k].split(":")[0]) for k in ("again", "pending", "unseen", "injoin") if k in opts]
     world = int(opts["grow"]) if "grow" in opts and "newcomer" not in opts else n - len(lost)
     assert info["world_size"] == world and info["dist_world_size"] == world, (info, log)
@@ -160,8 +162,9 @@ def test_survivors_end_with_the_reference_weights(tmp_path, n, opt, where, victi
             (info, log)
     if opt != "ddp":
         assert info["zero_world"] == world, info
-    if where in ("agree", "agreed"):    # the commit the victim died in went through on the survivors
-        # where it took part in its agreement, else none did (a commit needs every rank's say)
+    if where in ("agree", "agreed", "disagree"):
+        # the commit the victim died in went through on the survivors where it took part in its
+        # agreement, else none did (a commit needs every rank's say); none did where it said no
         assert info["recoveries"][0]["generation"] == step + (2 if where == "agreed" else 1), (info, log)
     kinds = info["commit_kinds"]
     if opt.endswith("g"):   # replicated by gradient when one step separates two commits
