@@ -116,7 +116,9 @@ def launch(program: list[str], n: int, timeout: float, env_extra: dict[str, str]
            tag: str = "") -> tuple[int | None, str, float]:
     """Run ``program`` under ``mpirun --with-ft ulfm -n n`` (its own session): (exit status, or
     None after ``timeout`` s, when every process whose command line holds ``tag`` is killed; its
-    output; seconds)."""
+    output; seconds). The launcher can end before the ranks do (Open MPI's lost track of the job
+    after a failed spawn: "LAUNCHER JOB OBJECT NOT FOUND"): those ranks are waited for too, within
+    ``timeout``."""
     from mpicomm import clean_env
 
     env = clean_env()
@@ -130,11 +132,31 @@ def launch(program: list[str], n: int, timeout: float, env_extra: dict[str, str]
                             start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
-        return proc.returncode, out, time.perf_counter() - t0
     except subprocess.TimeoutExpired:
         _kill_tagged(proc, tag)
         out, _ = proc.communicate()
         return None, out, time.perf_counter() - t0
+    while tag and _tagged(tag):
+        if time.perf_counter() - t0 > timeout:
+            _kill_tagged(proc, tag)
+            return None, out, time.perf_counter() - t0
+        time.sleep(0.2)
+    return proc.returncode, out, time.perf_counter() - t0
+
+
+def _tagged(tag: str) -> list[int]:
+    """The processes whose command line holds ``tag``."""
+    pids = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if tag.encode() in f.read():
+                    pids.append(int(pid))
+        except OSError:
+            pass
+    return pids
 
 
 def _kill_tagged(proc: subprocess.Popen, tag: str) -> None:
@@ -143,16 +165,10 @@ def _kill_tagged(proc: subprocess.Popen, tag: str) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    if not tag:
-        return
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
+    for pid in _tagged(tag) if tag else []:
         try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if tag.encode() in f.read():
-                    os.kill(int(pid), signal.SIGKILL)
-        except (OSError, ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
             pass
 
 
