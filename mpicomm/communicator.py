@@ -42,18 +42,28 @@ def faults_surfaced(method: Callable) -> Callable:
     return call
 
 
-def _node_rank(mpi_comm: MPI.Intracomm) -> tuple[int, int]:
-    """(local rank, ranks of ``mpi_comm`` on this node), local rank as the accelerator layer says.
+def _node_rank(mpi_comm: MPI.Intracomm, node_group: MPI.Group | None = None) -> tuple[int, int, MPI.Group]:
+    """(local rank, ranks of ``mpi_comm`` on this node, the node's processes), local rank as the
+    accelerator layer says.
 
     Launcher variable first, the shared-memory split as the fallback (collective over
-    ``mpi_comm``); on the world, a warning when the node's local ranks are not each of 0..n-1.
+    ``mpi_comm``; with ``node_group``, the processes known to share this node, no collective:
+    for a communicator made by a shrink, which a rank may fail right after); on the world, a
+    warning when the node's local ranks are not each of 0..n-1.
     """
     from accelerators import LocalRankWarning, detect_local_rank, get_accelerator
     from accelerators.local_rank import numbering_problem
 
+    acc = get_accelerator()
+    if node_group is not None:
+        everyone = mpi_comm.Get_group()
+        here = MPI.Group.Translate_ranks(node_group, list(range(node_group.Get_size())), everyone)
+        ranks = sorted(r for r in here if r != MPI.UNDEFINED)
+        split = (ranks.index(mpi_comm.Get_rank()), len(ranks))
+        local = detect_local_rank(explicit=acc._explicit_local_rank, shared_split=lambda: split)
+        return local.rank, split[1], everyone.Incl(ranks)
     node = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED)
     try:
-        acc = get_accelerator()
         if MPI.Comm.Compare(mpi_comm, MPI.COMM_WORLD) in (MPI.IDENT, MPI.CONGRUENT):
             local = acc.local_rank()
             problem = numbering_problem(node.allgather(local.rank), local.source)
@@ -63,7 +73,7 @@ def _node_rank(mpi_comm: MPI.Intracomm) -> tuple[int, int]:
                # a collective over the world (not every world rank is here)
             local = detect_local_rank(explicit=acc._explicit_local_rank,
                                       shared_split=lambda: (node.Get_rank(), node.Get_size()))
-        return local.rank, node.Get_size()
+        return local.rank, node.Get_size(), node.Get_group()
     finally:
         node.Free()
 
@@ -80,7 +90,8 @@ class Communicator(Reductions, Moves, PointToPoint):
     ``local_size`` counts this communicator's ranks on the node.
     """
 
-    def __init__(self, mpi_comm: MPI.Comm = MPI.COMM_WORLD, check: bool | None = None) -> None:
+    def __init__(self, mpi_comm: MPI.Comm = MPI.COMM_WORLD, check: bool | None = None,
+                 _node: MPI.Group | None = None) -> None:
         check_type("Communicator", "mpi_comm", mpi_comm, "an mpi4py intracommunicator",
                    ok=isinstance(mpi_comm, MPI.Intracomm) and mpi_comm != MPI.COMM_NULL)
         faults.fault_tolerant()    # raises where a death could hang this job (mpicomm.ft_env.too_late)
@@ -88,7 +99,8 @@ class Communicator(Reductions, Moves, PointToPoint):
         mpi_comm.Set_errhandler(MPI.ERRORS_RETURN)  # failures come back as errors, never abort
         self.rank: int = mpi_comm.Get_rank()
         self.size: int = mpi_comm.Get_size()
-        self.local_rank, self.local_size = _node_rank(mpi_comm)
+        # (the processes on this node: a shrink numbers its ranks on the node from them)
+        self.local_rank, self.local_size, self._node = _node_rank(mpi_comm, _node)
         self.check: bool = env_flag("MPICOMM_CHECK") if check is None else bool(check)
         self._policy: DevicePolicy | None = None
         self._tag_ub: int = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
@@ -232,7 +244,7 @@ class Communicator(Reductions, Moves, PointToPoint):
             new = self.mpi_comm.Shrink()
         except MPI.Exception as exc:
             raise RuntimeError(f"mpicomm: shrink() of {self!r} failed: {exc}") from exc
-        return Communicator(new, check=self.check)
+        return Communicator(new, check=self.check, _node=self._node)
 
     def agree(self, flag: bool, every_rank: bool = False) -> bool:
         """The AND of ``flag`` over the surviving ranks, the same on every survivor, even when

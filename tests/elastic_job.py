@@ -2,7 +2,7 @@
 
     mpirun --with-ft ulfm -n N python tests/elastic_job.py OPT WHERE RANK STEP STEPS OUT [EVERY] [grow=N] [join=wait]
         [newcomer=dies] [pending=R] [second=R] [again=R:S] [freeze=F] [spare=ready|early] [unseen=R:S]
-        [injoin=R] [inspawn=R] [idle=N]
+        [injoin=R] [inspawn=R] [inshrink=R] [idle=N]
 
 OPT: ddp | zero1 | zero2 (ZeroOptimizer stage) | zero1g | zero2g (the same, replicate="gradient") | onebit (ZeroOptimizer stage 2 of 1-bit Adam, in its
 warm-up: Adam exactly); WHERE: none | between (after the commit of step
@@ -29,7 +29,8 @@ at the commit of step S every rank waits until the replacement said it is ready 
 rank R dies right after that commit's agreement to let it join (unseen by the others until the join); injoin=R:
 world rank R dies inside the join, as it starts to make torch's default group anew over the grown
 world (its second reinit_process_group: the first is the recovery's); inspawn=R: world rank R dies
-as the replacements are spawned (the others wait inside MPI_Comm_spawn); idle=N: after the
+as the replacements are spawned (the others wait inside MPI_Comm_spawn); inshrink=R: world rank R
+dies in the first recovery, as it makes the survivors' Communicator after MPI's shrink returned; idle=N: after the
 victim's death the others commit N times more before their next step, exchanging nothing but
 the commits' agreements (as a job waiting for replacements at the end does); freeze=F: 1-bit Adam's freeze_step (compressed after it),
 and rank 0 writes what each commit past it must hold, gathered apart from elastic
@@ -182,6 +183,16 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             return reinit(*a, **k)
         mdist.reinit_process_group = reinit_or_die
+
+    if me == int(opts.get("inshrink", -2)):
+        node_rank = mpicomm.communicator._node_rank
+
+        def node_rank_or_die(mpi_comm, *a, **k):    # making the survivors' Communicator, after MPI's shrink
+            if mpi_comm.Get_size() < world.size:
+                sys.stdout.flush(), sys.stderr.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
+            return node_rank(mpi_comm, *a, **k)
+        mpicomm.communicator._node_rank = node_rank_or_die
 
     if me == int(opts.get("inspawn", -2)):
         def spawn_or_die(*a, **k):          # the others enter the spawn

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 import mpicomm
+from mpi4py import MPI  # (after mpicomm: it sets the ULFM defaults before MPI starts)
 from mpicomm.distributed import reinit_process_group
 
 WATCHDOG_S = 150.0
@@ -241,6 +242,9 @@ def main() -> None:
     survivors = comm.shrink()
     expect_ranks = [r for r in range(comm.size) if r != victim]
     assert survivors.size == comm.size - 1, survivors
+    node = survivors.mpi_comm.Split_type(MPI.COMM_TYPE_SHARED)    # (the shrink numbered it without one)
+    assert survivors.local_size == node.Get_size(), (survivors.local_size, node.Get_size())
+    node.Free()
     assert survivors.rank == expect_ranks.index(comm.rank), (survivors.rank, comm.rank)
     assert survivors.agree(True) and not survivors.agree(comm.rank != expect_ranks[0])
     assert survivors.agree(True, every_rank=True)
