@@ -464,9 +464,14 @@ def _join(state: Any, merged_mpi: Any, old: Any, k: int = 0) -> str | None:
         error = state._run_callbacks()
     except Exception as e:  # noqa: BLE001 - decided on every rank below
         error = f"{type(e).__name__}: {e}"
-        if merged is not None and merged.fault_tolerant:
-            try:            # the others may wait in a call this rank left (the header's broadcast)
-                merged.revoke()
+        if faults.fault_tolerant():
+            # the others may wait in a call this rank left: the header's broadcast, or the split
+            # that makes the Communicator (chaos 19078: a rank left inside it for good)
+            try:
+                if merged is not None:
+                    merged.revoke()
+                else:
+                    merged_mpi.Revoke()
             except Exception as r:  # noqa: BLE001 - revoked already, or freed: the agreement still decides
                 log.debug("elastic: revoke of the merged communicator failed: %s", r)
     ok = False
